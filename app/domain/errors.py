@@ -1,0 +1,168 @@
+"""Typed domain errors: every rule violation turnlog can report.
+
+Each error carries the stable problem-type slug and HTTP status of CONTRACT.md
+together with the field, expected and actual value, so the API maps them to
+RFC 9457 problem+json in one place (`app/api/problems.py`). Nothing here knows
+about HTTP frameworks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class DomainError(Exception):
+    slug: ClassVar[str] = "invalid-request"
+    status: ClassVar[int] = 422
+    title: ClassVar[str] = "Invalid request"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        field: str | None = None,
+        expected: Any = None,
+        actual: Any = None,
+        status: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.field = field
+        self.expected = expected
+        self.actual = actual
+        self.extra = extra or {}
+        if status is not None:
+            self.status_override: int | None = status
+        else:
+            self.status_override = None
+
+    @property
+    def http_status(self) -> int:
+        return self.status_override or self.status
+
+    def problem(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "type": f"urn:turnlog:{self.slug}",
+            "title": self.title,
+            "status": self.http_status,
+            "detail": self.detail,
+        }
+        if self.field is not None:
+            body["field"] = self.field
+        if self.expected is not None:
+            body["expected"] = self.expected
+        if self.actual is not None:
+            body["actual"] = self.actual
+        body.update(self.extra)
+        return body
+
+
+class InvalidRequest(DomainError):
+    slug = "invalid-request"
+    status = 422
+    title = "Invalid request"
+
+
+class InvalidR3(DomainError):
+    slug = "invalid-r3"
+    status = 422
+    title = "Invalid routed-experts payload"
+
+
+class UnknownSession(DomainError):
+    slug = "unknown-session"
+    status = 404
+    title = "Unknown session"
+
+
+class UnknownParent(DomainError):
+    slug = "unknown-parent"
+    status = 404
+    title = "Unknown parent node"
+
+
+class UnknownSample(DomainError):
+    slug = "unknown-sample"
+    status = 404
+    title = "Unknown sample"
+
+
+class SessionConflict(DomainError):
+    slug = "session-conflict"
+    status = 409
+    title = "Session exists with another definition"
+
+
+class IdempotencyConflict(DomainError):
+    slug = "idempotency-conflict"
+    status = 409
+    title = "Event id reused with other content"
+
+
+class SessionClosed(DomainError):
+    slug = "session-closed"
+    status = 409
+    title = "Session is closed"
+
+
+class SessionOpen(DomainError):
+    slug = "session-open"
+    status = 409
+    title = "Session is still open"
+
+
+class ParentTruncated(DomainError):
+    slug = "parent-truncated"
+    status = 409
+    title = "Parent turn ended with finish_reason 'length'"
+
+
+class UnstablePrefix(DomainError):
+    slug = "unstable-prefix"
+    status = 409
+    title = "Prompt does not keep the rows already routed"
+
+
+class NodeCap(DomainError):
+    slug = "node-cap"
+    status = 409
+    title = "Session node cap reached"
+
+
+class StrictTito(DomainError):
+    slug = "strict-tito"
+    status = 409
+    title = "Strict TITO mismatch rate is non-zero"
+
+
+class R3Gap(DomainError):
+    """409 when an append would leave a gap; 422 when a stored path cannot yield R3."""
+
+    slug = "r3-gap"
+    status = 409
+    title = "Routed-experts rows are not contiguous"
+
+
+class Alignment(DomainError):
+    slug = "alignment"
+    status = 422
+    title = "Path cannot be aligned"
+
+
+class TooLarge(DomainError):
+    slug = "too-large"
+    status = 413
+    title = "Request body too large"
+
+
+class Unauthorized(DomainError):
+    slug = "unauthorized"
+    status = 401
+    title = "Missing or unknown API token"
+
+
+class Forbidden(DomainError):
+    slug = "forbidden"
+    status = 403
+    title = "API token lacks the required scope"

@@ -1,0 +1,129 @@
+"""Event types and the lossless, non-redundant event codec.
+
+A `turn_recorded` event keeps the record exactly as appended, split three ways
+so that nothing grows with the sum of turn lengths:
+- `request.input_ids` becomes (`prompt_lcp`, `prompt_delta`): the length of the
+  prefix shared with the parent node's tokens and the int32 bytes beyond it;
+- a non-empty `meta_info.routed_experts` becomes a narrowed R3 `Patch`;
+- everything else stays JSON text.
+`restore_record` is the exact inverse. No I/O here: the store persists the
+parts, this module decides what they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from app.domain import jsonio
+from app.domain.r3 import Patch, narrow
+from app.domain.session import SessionSpec
+from app.domain.tree import Attachment
+from app.domain.turn import OMITTED, TurnBody, TurnFacts, parse_turn
+
+SESSION_OPENED = "session_opened"
+TURN_RECORDED = "turn_recorded"
+SESSION_CLOSED = "session_closed"
+EVENT_TYPES = (SESSION_OPENED, TURN_RECORDED, SESSION_CLOSED)
+TOKEN_DTYPE = np.dtype("<i4")
+
+
+@dataclass(frozen=True)
+class StoredTurn:
+    """The parts of a `turn_recorded` event as they go to the database."""
+
+    payload: str
+    prompt_lcp: int
+    prompt_delta: bytes
+    patch: Patch | None
+    fingerprint: str
+
+
+def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
+    """Copy of `record` without `input_ids` (and the R3 payload unless `keep_r3`)."""
+    out = dict(record)
+    request = dict(out["request"])
+    request.pop("input_ids", None)
+    out["request"] = request
+    if not keep_r3:
+        response = dict(out["response"])
+        choices = list(response["choices"])
+        choice = dict(choices[0])
+        meta = dict(choice["meta_info"])
+        meta.pop("routed_experts", None)
+        choice["meta_info"] = meta
+        choices[0] = choice
+        response["choices"] = choices
+        out["response"] = response
+    return out
+
+
+def encode_turn(body: TurnBody, attachment: Attachment, num_layers: int | None) -> StoredTurn:
+    facts = body.facts
+    patch: Patch | None = None
+    if facts.r3_values is not None and facts.r3_start is not None:
+        assert num_layers is not None and facts.topk is not None
+        dtype, data = narrow(facts.r3_values)
+        patch = Patch(start=facts.r3_start, end=facts.r3_end, num_layers=num_layers,
+                      topk=facts.topk, dtype=dtype, data=data)
+    payload: dict[str, Any] = {
+        "record": _strip(body.record, keep_r3=patch is None),
+        "parent": attachment.parent,
+    }
+    if body.parent is not OMITTED:
+        payload["parent_given"] = body.parent
+    if body.metadata is not None:
+        payload["metadata"] = body.metadata
+    delta = facts.prompt[attachment.prompt_lcp:].astype(TOKEN_DTYPE).tobytes()
+    return StoredTurn(
+        payload=jsonio.dumps(payload),
+        prompt_lcp=attachment.prompt_lcp,
+        prompt_delta=delta,
+        patch=patch,
+        fingerprint=jsonio.fingerprint(body.content()),
+    )
+
+
+def restore_prompt(parent_tokens: np.ndarray | None, prompt_lcp: int, delta: bytes) -> np.ndarray:
+    head = np.empty(0, np.int64) if parent_tokens is None else parent_tokens[:prompt_lcp]
+    return np.concatenate([head, np.frombuffer(delta, dtype=TOKEN_DTYPE).astype(np.int64)])
+
+
+def restore_record(
+    payload: dict[str, Any], prompt: np.ndarray, r3_base64: str | None
+) -> dict[str, Any]:
+    """The record exactly as appended; `r3_base64=None` leaves a moved payload out."""
+    record = dict(payload["record"])
+    request = dict(record["request"])
+    request["input_ids"] = prompt.tolist()
+    record["request"] = request
+    if r3_base64 is not None:
+        response = dict(record["response"])
+        choices = list(response["choices"])
+        choice = dict(choices[0])
+        meta = dict(choice["meta_info"])
+        meta["routed_experts"] = r3_base64
+        choice["meta_info"] = meta
+        choices[0] = choice
+        response["choices"] = choices
+        record["response"] = response
+    return record
+
+
+def stored_facts(
+    spec: SessionSpec,
+    payload: dict[str, Any],
+    prompt: np.ndarray,
+    patch_geometry: tuple[int, int] | None,
+) -> TurnFacts:
+    """Facts of a stored turn without decoding its R3 bytes.
+
+    `patch_geometry` is `(start, topk)` of the stored patch, if any.
+    """
+    record = restore_record(payload, prompt, None)
+    body: dict[str, Any] = {"event_id": "stored", "record": record}
+    if "metadata" in payload:
+        body["metadata"] = payload["metadata"]
+    return parse_turn(body, spec, stored_r3=patch_geometry).facts

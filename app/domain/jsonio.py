@@ -1,0 +1,97 @@
+"""Strict JSON in, canonical JSON out.
+
+Owns the one place where request bytes become Python values: non-finite
+numbers (NaN, ±Infinity, 1e999) and over-deep nesting are rejected as
+`InvalidRequest` instead of surfacing later as database errors. Also owns the
+canonical serialization used for idempotency fingerprints and for storing
+JSON losslessly as text. No I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from app.domain.errors import InvalidRequest
+
+MAX_DEPTH = 64
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(
+        f"non-finite number {name} is not valid JSON here",
+        field="body",
+        expected="finite JSON numbers",
+        actual=name,
+    )
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _reject_constant(text)
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth, iteratively (a recursive walk would itself overflow)."""
+    best = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            best = max(best, level)
+            if level < MAX_DEPTH + 1:
+                stack.extend((v, level + 1) for v in node.values())
+        elif isinstance(node, list):
+            best = max(best, level)
+            if level < MAX_DEPTH + 1:
+                stack.extend((v, level + 1) for v in node)
+    return best
+
+
+def loads(raw: bytes | str) -> Any:
+    """Parse a request body; every failure is an `InvalidRequest` naming `body`."""
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except InvalidRequest:
+        raise
+    except RecursionError:
+        raise InvalidRequest(
+            "JSON nesting is too deep",
+            field="body",
+            expected=f"at most {MAX_DEPTH} levels of nesting",
+            actual="deeper",
+        ) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(
+            f"body is not valid JSON: {exc}",
+            field="body",
+            expected="a JSON document",
+            actual="malformed JSON",
+        ) from None
+    if _depth(value) > MAX_DEPTH:
+        raise InvalidRequest(
+            "JSON nesting is too deep",
+            field="body",
+            expected=f"at most {MAX_DEPTH} levels of nesting",
+            actual="deeper",
+        )
+    return value
+
+
+def dumps(value: Any) -> str:
+    """Compact, ASCII-only JSON text: stores any string (lone surrogates, NUL) as text."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def canonical(value: Any) -> str:
+    """Key-sorted compact JSON: equal values give equal text."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False,
+                      sort_keys=True)
+
+
+def fingerprint(value: Any) -> str:
+    return hashlib.sha256(canonical(value).encode("ascii")).hexdigest()

@@ -1,0 +1,117 @@
+"""Routed-experts (R3) codec: base64 int32 on the wire, narrowed bytes at rest.
+
+Owns decoding and validating a turn's payload against its geometry
+`[rows, num_layers, topk]`, narrowing to the smallest dtype that holds every
+value (uint8 for <= 256 experts), and restoring the exact base64 text. Row
+planning and assembly across a path live in `app/domain/assembly.py`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.domain.errors import InvalidR3
+
+WIRE_DTYPE = np.dtype("<i4")
+DTYPES: dict[str, np.dtype] = {
+    "u1": np.dtype("u1"),
+    "u2": np.dtype("<u2"),
+    "i4": np.dtype("<i4"),
+}
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One turn's rows `[start, end)`, narrowed; `data` is C-ordered bytes."""
+
+    start: int
+    end: int
+    num_layers: int
+    topk: int
+    dtype: str
+    data: bytes
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    def array(self) -> np.ndarray:
+        """The patch as int32 `[rows, num_layers, topk]`."""
+        narrow = np.frombuffer(self.data, dtype=DTYPES[self.dtype])
+        return narrow.astype(WIRE_DTYPE).reshape(self.rows, self.num_layers, self.topk)
+
+    def base64(self) -> str:
+        return base64.b64encode(self.array().tobytes()).decode("ascii")
+
+
+def decode_payload(text: str, field: str) -> np.ndarray:
+    """Strict base64 of little-endian int32 → flat int32 array."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidR3(
+            f"routed_experts is not valid base64: {exc}",
+            field=field,
+            expected="standard base64 of little-endian int32",
+            actual=f"{len(text)} characters",
+        ) from None
+    if base64.b64encode(raw).decode("ascii") != text:
+        raise InvalidR3(
+            "routed_experts is not canonical base64 (padding or trailing bits)",
+            field=field,
+            expected="canonical padded standard base64",
+            actual=f"{len(text)} characters",
+        )
+    if len(raw) % 4:
+        raise InvalidR3(
+            "routed_experts is not a whole number of int32 values",
+            field=field,
+            expected="a byte length divisible by 4",
+            actual=len(raw),
+        )
+    return np.frombuffer(raw, dtype=WIRE_DTYPE)
+
+
+def narrow(values: np.ndarray) -> tuple[str, bytes]:
+    """Smallest dtype holding every value exactly; negative values keep int32."""
+    if values.size == 0:
+        return "u1", b""
+    lo = int(values.min())
+    hi = int(values.max())
+    if lo >= 0 and hi <= 0xFF:
+        code = "u1"
+    elif lo >= 0 and hi <= 0xFFFF:
+        code = "u2"
+    else:
+        code = "i4"
+    return code, values.astype(DTYPES[code]).tobytes()
+
+
+def infer_topk(count: int, rows: int, num_layers: int, field: str) -> int:
+    per_row = rows * num_layers
+    if per_row <= 0 or count % per_row or count == 0:
+        raise InvalidR3(
+            f"routed_experts holds {count} int32 values, not divisible into "
+            f"{rows} rows x {num_layers} layers x topk",
+            field=field,
+            expected=f"a positive multiple of {per_row} int32 values",
+            actual=count,
+        )
+    return count // per_row
+
+
+def npy_header(shape: tuple[int, ...]) -> bytes:
+    """The `.npy` (format 1.0) header for a C-ordered little-endian int32 array."""
+    import io
+
+    from numpy.lib import format as npy_format
+
+    buf = io.BytesIO()
+    npy_format.write_array_header_1_0(
+        buf, {"descr": "<i4", "fortran_order": False, "shape": shape}
+    )
+    return buf.getvalue()

@@ -1,0 +1,241 @@
+"""The session forest: folding events into state and attaching a new turn.
+
+An append-only forest of nodes; `seq` (commit order within the session) is
+the only ordering key and the node id. This module owns the fold
+(`SessionState.apply_*`), the attach rules of CONTRACT §1 (derived parent,
+truncated parents, contiguous R3 offsets, stable prefixes, the node cap) and
+the resume view (`/state`). Everything here is synchronous pure data: storage,
+transactions and HTTP live one layer up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.domain.errors import (
+    InvalidR3,
+    NodeCap,
+    ParentTruncated,
+    R3Gap,
+    SessionClosed,
+    UnknownParent,
+    UnstablePrefix,
+)
+from app.domain.session import CloseSpec, SessionSpec
+from app.domain.turn import OMITTED, TurnBody, TurnFacts
+
+
+def lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    m = min(a.size, b.size)
+    if m == 0:
+        return 0
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+@dataclass
+class Node:
+    seq: int
+    parent: int | None
+    depth: int
+    event_id: str
+    facts: TurnFacts
+    tokens: np.ndarray
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.facts.prompt.size)
+
+    @property
+    def r3_span(self) -> tuple[int, int] | None:
+        if not self.facts.returns_r3 or self.facts.r3_start is None:
+            return None
+        return self.facts.r3_start, self.facts.r3_end
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """Where a validated turn goes: its seq, resolved parent, depth and prompt delta."""
+
+    seq: int
+    parent: int | None
+    depth: int
+    prompt_lcp: int
+    topk: int | None
+
+
+@dataclass
+class SessionState:
+    spec: SessionSpec
+    nodes: list[Node] = field(default_factory=list)
+    topk: int | None = None
+    close: CloseSpec | None = None
+    event_ids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def closed(self) -> bool:
+        return self.close is not None
+
+    @property
+    def active_leaf(self) -> int | None:
+        return self.nodes[-1].seq if self.nodes else None
+
+    def node(self, seq: int) -> Node:
+        return self.nodes[seq]
+
+    def path(self, seq: int) -> list[Node]:
+        """Root → node, inclusive."""
+        out: list[Node] = []
+        cur: int | None = seq
+        while cur is not None:
+            node = self.nodes[cur]
+            out.append(node)
+            cur = node.parent
+        out.reverse()
+        return out
+
+    def leaves(self) -> list[Node]:
+        return [n for n in self.nodes if n.is_leaf]
+
+    # -- fold -----------------------------------------------------------------
+
+    def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
+        if seq != len(self.nodes):
+            raise ValueError(f"turn seq {seq} out of order; expected {len(self.nodes)}")
+        depth = 0 if parent is None else self.nodes[parent].depth + 1
+        node = Node(seq=seq, parent=parent, depth=depth, event_id=event_id, facts=facts,
+                    tokens=facts.tokens)
+        self.nodes.append(node)
+        if parent is not None:
+            self.nodes[parent].children.append(seq)
+        if self.topk is None and facts.topk is not None:
+            self.topk = facts.topk
+        self.event_ids[event_id] = seq
+        return node
+
+    def apply_close(self, close: CloseSpec) -> None:
+        self.close = close
+
+    # -- attach ---------------------------------------------------------------
+
+    def derive_parent(self, prompt: np.ndarray) -> int | None:
+        """Deepest node whose tokens prefix `prompt` (up to the trim); ties → highest seq."""
+        trim = self.spec.max_trim_tokens
+        best: Node | None = None
+        for node in self.nodes:
+            need = node.num_tokens - trim
+            if need > prompt.size:
+                continue
+            if best is not None and node.depth < best.depth:
+                continue
+            if lcp(node.tokens, prompt) >= need:
+                best = node if best is None or node.depth >= best.depth else best
+        return None if best is None else best.seq
+
+    def attach(self, body: TurnBody, max_nodes: int) -> Attachment:
+        """Validate a new turn against the tree; raises the 404/409/422 of CONTRACT §1."""
+        facts = body.facts
+        if self.closed:
+            raise SessionClosed("session is closed; it takes no more turns",
+                                field="session_id", expected="an open session",
+                                actual="closed")
+        if facts.topk is not None and self.topk is not None and facts.topk != self.topk:
+            raise InvalidR3(
+                f"routed_experts topk {facts.topk} differs from the session's topk {self.topk}",
+                field="record.response.choices[0].meta_info.routed_experts",
+                expected=f"topk {self.topk}", actual=f"topk {facts.topk}",
+            )
+        if body.parent is OMITTED:
+            parent = self.derive_parent(facts.prompt)
+        elif body.parent is None:
+            parent = None
+        else:
+            parent = int(body.parent)
+            if parent >= len(self.nodes):
+                raise UnknownParent(f"session has no node {parent}", field="parent",
+                                    expected=f"a seq below {len(self.nodes)}", actual=parent)
+        if len(self.nodes) >= max_nodes:
+            raise NodeCap(f"session reached the cap of {max_nodes} nodes", field="session_id",
+                          expected=f"fewer than {max_nodes} nodes", actual=len(self.nodes))
+        parent_node = None if parent is None else self.nodes[parent]
+        if parent_node is not None and parent_node.facts.finish_reason == "length":
+            raise ParentTruncated(
+                f"node {parent} ended with finish_reason 'length' and cannot be extended",
+                field="parent", expected="a node that did not hit the length limit",
+                actual=parent,
+            )
+        parent_tokens = np.empty(0, np.int64) if parent_node is None else parent_node.tokens
+        prefix = lcp(parent_tokens, facts.prompt)
+        if self.spec.use_addition_r3 and facts.returns_r3:
+            start = facts.r3_start or 0
+            expected = max(parent_tokens.size - 1, 0)
+            if start != expected:
+                raise R3Gap(
+                    f"patch starts at row {start}; the path to "
+                    f"{'a new root' if parent is None else f'node {parent}'} ends at row "
+                    f"{expected}",
+                    field="record.request.routed_experts_start_len",
+                    expected=expected, actual=start,
+                )
+            if prefix < start:
+                raise UnstablePrefix(
+                    f"prompt shares {prefix} tokens with node {parent}, fewer than the "
+                    f"{start} rows already routed",
+                    field="record.request.input_ids",
+                    expected=f"a common prefix of at least {start} tokens", actual=prefix,
+                )
+        depth = 0 if parent_node is None else parent_node.depth + 1
+        return Attachment(seq=len(self.nodes), parent=parent, depth=depth, prompt_lcp=prefix,
+                          topk=self.topk if self.topk is not None else facts.topk)
+
+    # -- resume ---------------------------------------------------------------
+
+    def covered_rows(self, seq: int) -> int:
+        """Rows from 0 that the path to `seq` covers contiguously."""
+        covered = 0
+        for node in self.path(seq):
+            span = node.r3_span
+            if span is None:
+                continue
+            start, end = span
+            if start > covered:
+                break
+            covered = max(covered, end)
+        return covered
+
+    def resume(self, leaf: int | None = None) -> dict[str, Any]:
+        """The `/state` view for `leaf` (default: the most recently committed node)."""
+        if leaf is not None and not 0 <= leaf < len(self.nodes):
+            raise UnknownParent(f"session has no node {leaf}", field="leaf",
+                                expected=f"a seq below {len(self.nodes)}", actual=leaf)
+        target = self.active_leaf if leaf is None else leaf
+        tokens: list[int] = [] if target is None else self.nodes[target].tokens.tolist()
+        addition = self.spec.use_addition_r3
+        next_start = None
+        if addition:
+            next_start = max(len(tokens) - 1, 0)
+        covered = None
+        if self.spec.has_r3:
+            covered = 0 if target is None else self.covered_rows(target)
+        return {
+            "status": "closed" if self.closed else "open",
+            "active_leaf": target,
+            "checkpoint_token_ids": tokens,
+            "num_nodes": len(self.nodes),
+            "use_addition_r3": addition,
+            "next_routed_experts_start_len": next_start,
+            "covered_r3_rows": covered,
+        }

@@ -1,0 +1,335 @@
+"""One recorded SGLang turn: shape validation and the facts derived from it.
+
+Owns the context-free rules of CONTRACT §1 for a turn body (types, prompt,
+output, completion_tokens, mismatch types, R3 payload encoding and geometry
+relative to the session definition) and the per-turn facts every projection
+uses (tokens, finish reason, weight version, SpecInfo counters). Rules that
+need the session's tree (parent, offsets, prefix) live in `app/domain/tree.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.domain.errors import InvalidR3, InvalidRequest
+from app.domain.r3 import decode_payload, infer_topk
+from app.domain.session import (
+    SessionSpec,
+    describe,
+    is_int,
+    reject_unknown,
+    require_object,
+)
+
+TURN_FIELDS = frozenset({"event_id", "parent", "record", "metadata"})
+MISMATCH_TYPES = ("special_token_count", "special_token_type", "non_assistant_text",
+                  "assistant_text")
+SPEC_FIELDS = ("spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_verify_ct",
+               "completion_tokens")
+LEGACY_SPEC_FIELDS = {
+    "spec_num_correct_drafts": "spec_accept_token_num",
+    "spec_num_proposed_drafts": "spec_draft_token_num",
+    "completion_tokens": "completion_token_num",
+}
+TOKEN_MAX = (1 << 31) - 1
+COUNTER_MAX = (1 << 62)
+EVENT_ID_MAX = 128
+OMITTED: Any = object()
+
+META = "record.response.choices[0].meta_info"
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """SpecInfo of one turn as read (legacy names resolved), before the guard."""
+
+    correct: int = 0
+    proposed: int = 0
+    verify: int = 0
+    completion: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "spec_num_correct_drafts": self.correct,
+            "spec_num_proposed_drafts": self.proposed,
+            "spec_verify_ct": self.verify,
+            "completion_tokens": self.completion,
+        }
+
+
+@dataclass(frozen=True)
+class TurnFacts:
+    """Everything derived from one record, independent of where it attaches."""
+
+    prompt: np.ndarray
+    output: np.ndarray
+    logprobs: list[float]
+    finish_reason: str | None
+    weight_version: Any
+    returns_r3: bool
+    r3_start: int | None
+    r3_values: np.ndarray | None
+    topk: int | None
+    spec: SpecCounters
+    cached_tokens: int | None
+    timestamp: float | None
+    mismatch: list[Any] | None = field(default=None)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt.size + self.output.size)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.concatenate([self.prompt, self.output])
+
+    @property
+    def r3_end(self) -> int:
+        return self.num_tokens - 1
+
+
+@dataclass(frozen=True)
+class TurnBody:
+    event_id: str
+    parent: Any  # OMITTED, None (new root) or an int seq
+    record: dict[str, Any]
+    metadata: dict[str, Any] | None
+    facts: TurnFacts
+
+    def content(self) -> dict[str, Any]:
+        """The idempotency content: the body as sent, omitted keys left out."""
+        out: dict[str, Any] = {"event_id": self.event_id, "record": self.record}
+        if self.parent is not OMITTED:
+            out["parent"] = self.parent
+        if self.metadata is not None:
+            out["metadata"] = self.metadata
+        return out
+
+
+def _invalid(detail: str, field_name: str, expected: Any, actual: Any) -> InvalidRequest:
+    return InvalidRequest(detail, field=field_name, expected=expected, actual=describe(actual))
+
+
+def parse_event_id(body: dict[str, Any]) -> str:
+    event_id = body.get("event_id")
+    if not isinstance(event_id, str) or not 1 <= len(event_id) <= EVENT_ID_MAX \
+            or not event_id.isprintable():
+        raise _invalid("event_id is required: a client-made id, unique within the session",
+                       "event_id", f"printable string of 1-{EVENT_ID_MAX} characters", event_id)
+    return event_id
+
+
+def token_array(value: Any, field_name: str) -> np.ndarray:
+    if not isinstance(value, list):
+        raise _invalid(f"{field_name} must be a list of token ids", field_name,
+                       "array of integers", value)
+    for i, tok in enumerate(value):
+        if not is_int(tok) or not 0 <= tok <= TOKEN_MAX:
+            raise _invalid(f"{field_name}[{i}] is not a token id", f"{field_name}[{i}]",
+                           f"integer in [0, {TOKEN_MAX}]", tok)
+    return np.asarray(value, dtype=np.int64)
+
+
+def _output(meta: dict[str, Any]) -> tuple[np.ndarray, list[float]]:
+    entries = meta.get("output_token_logprobs")
+    name = f"{META}.output_token_logprobs"
+    if not isinstance(entries, list):
+        raise _invalid("output_token_logprobs is required", name,
+                       "array of [logprob, token_id, ...]", entries)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for i, entry in enumerate(entries):
+        where = f"{name}[{i}]"
+        if not isinstance(entry, list) or len(entry) < 2:
+            raise _invalid("each output entry is [logprob, token_id, ...]", where,
+                           "array [logprob, token_id, ...]", entry)
+        logprob, tok = entry[0], entry[1]
+        if not isinstance(logprob, int | float) or isinstance(logprob, bool):
+            raise _invalid("logprob must be a number", f"{where}[0]", "number", logprob)
+        if not is_int(tok) or not 0 <= tok <= TOKEN_MAX:
+            raise _invalid("token id out of range", f"{where}[1]",
+                           f"integer in [0, {TOKEN_MAX}]", tok)
+        ids.append(tok)
+        logprobs.append(float(logprob))
+    return np.asarray(ids, dtype=np.int64), logprobs
+
+
+def _counter(meta: dict[str, Any], name: str) -> int | None:
+    value = meta.get(name)
+    if value is None:
+        return None
+    if not is_int(value) or not 0 <= value <= COUNTER_MAX:
+        raise _invalid(f"{name} must be a non-negative integer", f"{META}.{name}",
+                       f"integer in [0, {COUNTER_MAX}]", value)
+    return int(value)
+
+
+def read_spec(meta: dict[str, Any], output_len: int) -> SpecCounters:
+    """SpecInfo counters of one turn: canonical names first, then legacy ones."""
+    values: dict[str, int] = {}
+    for canonical_name in SPEC_FIELDS:
+        value = _counter(meta, canonical_name)
+        legacy = LEGACY_SPEC_FIELDS.get(canonical_name)
+        if value is None and legacy is not None:
+            value = _counter(meta, legacy)
+        if value is None:
+            value = output_len if canonical_name == "completion_tokens" else 0
+        values[canonical_name] = value
+    return SpecCounters(
+        correct=values["spec_num_correct_drafts"],
+        proposed=values["spec_num_proposed_drafts"],
+        verify=values["spec_verify_ct"],
+        completion=values["completion_tokens"],
+    )
+
+
+def _mismatch(metadata: dict[str, Any] | None) -> list[Any] | None:
+    if metadata is None or "tito_session_mismatch" not in metadata:
+        return None
+    entries = metadata["tito_session_mismatch"]
+    name = "metadata.tito_session_mismatch"
+    if not isinstance(entries, list):
+        raise _invalid("tito_session_mismatch must be a list", name, "array of objects", entries)
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise _invalid("each mismatch is an object", f"{name}[{i}]", "object", entry)
+        if entry.get("type") not in MISMATCH_TYPES:
+            raise _invalid("unknown mismatch type", f"{name}[{i}].type",
+                           " | ".join(MISMATCH_TYPES), entry.get("type"))
+    return entries
+
+
+def _r3(
+    spec: SessionSpec,
+    request: dict[str, Any],
+    meta: dict[str, Any],
+    num_tokens: int,
+    stored_r3: tuple[int, int] | None,
+) -> tuple[bool, int | None, np.ndarray | None, int | None]:
+    returns = request.get("return_routed_experts", False)
+    if not isinstance(returns, bool):
+        raise _invalid("return_routed_experts must be a boolean",
+                       "record.request.return_routed_experts", "boolean", returns)
+    start_raw = request.get("routed_experts_start_len")
+    payload = meta.get("routed_experts")
+    payload_field = f"{META}.routed_experts"
+    start_field = "record.request.routed_experts_start_len"
+    if not returns:
+        if payload not in (None, ""):
+            raise InvalidR3("routed_experts sent but return_routed_experts is not true",
+                            field=payload_field, expected="absent, null or \"\"",
+                            actual="a payload")
+        return False, None, None, None
+    if spec.num_layers is None:
+        raise InvalidR3("turn carries routed experts but the session was opened without r3",
+                        field="record.request.return_routed_experts",
+                        expected="false (open the session with r3.num_layers)", actual=True)
+    if spec.use_addition_r3:
+        if not is_int(start_raw) or start_raw < 0:
+            raise _invalid("routed_experts_start_len is required in addition (in_place) mode",
+                           start_field, "non-negative integer", start_raw)
+        start = int(start_raw)
+    else:
+        if start_raw is not None and not (is_int(start_raw) and start_raw == 0):
+            raise _invalid("routed_experts_start_len must be absent or 0 in full (retract) mode",
+                           start_field, "absent or 0", start_raw)
+        start = 0
+    end = num_tokens - 1
+    rows = end - start
+    if rows < 0:
+        raise InvalidR3(f"routed_experts_start_len {start} is past the turn's last row {end}",
+                        field=start_field, expected=f"at most {end}", actual=start)
+    if payload is not None and not isinstance(payload, str):
+        raise InvalidR3("routed_experts must be a base64 string", field=payload_field,
+                        expected="base64 string", actual=describe(payload))
+    if stored_r3 is not None:
+        return True, start, None, stored_r3[1]
+    if not payload:
+        if rows > 0:
+            raise InvalidR3(f"turn has {rows} R3 rows but no routed_experts payload",
+                            field=payload_field, expected=f"payload of {rows} rows",
+                            actual="absent")
+        return True, start, None, None
+    values = decode_payload(payload, payload_field)
+    if rows == 0:
+        raise InvalidR3("routed_experts payload sent for a turn with zero rows",
+                        field=payload_field, expected="absent, null or \"\"",
+                        actual=f"{values.size} int32 values")
+    topk = infer_topk(values.size, rows, spec.num_layers, payload_field)
+    return True, start, values, topk
+
+
+def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = None) -> TurnBody:
+    """Validate a turn body against the session definition.
+
+    `stored_r3` = `(start, topk)` when re-reading a stored turn whose payload was
+    moved to a patch row: the geometry is taken as already validated.
+    """
+    body = require_object(raw, "body")
+    reject_unknown(body, TURN_FIELDS, "")
+    event_id = parse_event_id(body)
+
+    parent: Any = OMITTED
+    if "parent" in body:
+        parent = body["parent"]
+        if parent is not None and (not is_int(parent) or parent < 0):
+            raise _invalid("parent must be a node seq or null", "parent",
+                           "non-negative integer | null", parent)
+
+    record = require_object(body.get("record"), "record")
+    request = require_object(record.get("request"), "record.request")
+    response = require_object(record.get("response"), "record.response")
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise _invalid("response.choices must be a non-empty list", "record.response.choices",
+                       "non-empty array", choices)
+    choice = require_object(choices[0], "record.response.choices[0]")
+    meta = require_object(choice.get("meta_info"), META)
+
+    metadata_raw = body.get("metadata")
+    metadata = None if metadata_raw is None else require_object(metadata_raw, "metadata")
+
+    prompt = token_array(request.get("input_ids"), "record.request.input_ids")
+    if prompt.size == 0:
+        raise _invalid("prompt (record.request.input_ids) must not be empty",
+                       "record.request.input_ids", "at least one token id", [])
+    output, logprobs = _output(meta)
+
+    completion = meta.get("completion_tokens")
+    if completion is not None and (not is_int(completion) or completion != output.size):
+        raise _invalid("completion_tokens must equal the number of output tokens",
+                       f"{META}.completion_tokens", output.size, completion)
+
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise _invalid("finish_reason must be a string", "record.response.choices[0]."
+                       "finish_reason", "string | null", finish)
+
+    timestamp = record.get("timestamp")
+    if timestamp is not None and (not isinstance(timestamp, int | float)
+                                  or isinstance(timestamp, bool)):
+        raise _invalid("timestamp must be a number (seconds since the epoch)",
+                       "record.timestamp", "number", timestamp)
+
+    returns_r3, r3_start, r3_values, topk = _r3(spec, request, meta,
+                                                int(prompt.size + output.size), stored_r3)
+    facts = TurnFacts(
+        prompt=prompt,
+        output=output,
+        logprobs=logprobs,
+        finish_reason=finish,
+        weight_version=meta.get("weight_version"),
+        returns_r3=returns_r3,
+        r3_start=r3_start,
+        r3_values=r3_values,
+        topk=topk,
+        spec=read_spec(meta, int(output.size)),
+        cached_tokens=_counter(meta, "cached_tokens"),
+        timestamp=None if timestamp is None else float(timestamp),
+        mismatch=_mismatch(metadata),
+    )
+    return TurnBody(event_id=event_id, parent=parent, record=record, metadata=metadata,
+                    facts=facts)
