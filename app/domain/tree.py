@@ -45,6 +45,7 @@ class Node:
     event_id: str
     facts: TurnFacts
     tokens: np.ndarray
+    prompt_lcp: int = 0
     children: list[int] = field(default_factory=list)
 
     @property
@@ -112,19 +113,29 @@ class SessionState:
 
     # -- fold -----------------------------------------------------------------
 
-    def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
+    def new_node(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
+        """The node a turn becomes, without adding it (the state stays unchanged)."""
         if seq != len(self.nodes):
             raise ValueError(f"turn seq {seq} out of order; expected {len(self.nodes)}")
-        depth = 0 if parent is None else self.nodes[parent].depth + 1
-        node = Node(seq=seq, parent=parent, depth=depth, event_id=event_id, facts=facts,
-                    tokens=facts.tokens)
+        parent_node = None if parent is None else self.nodes[parent]
+        depth = 0 if parent_node is None else parent_node.depth + 1
+        prefix = 0 if parent_node is None else lcp(parent_node.tokens, facts.prompt)
+        return Node(seq=seq, parent=parent, depth=depth, event_id=event_id, facts=facts,
+                    tokens=facts.tokens, prompt_lcp=prefix)
+
+    def add_node(self, node: Node) -> Node:
+        if node.seq != len(self.nodes):
+            raise ValueError(f"turn seq {node.seq} out of order; expected {len(self.nodes)}")
         self.nodes.append(node)
-        if parent is not None:
-            self.nodes[parent].children.append(seq)
-        if self.topk is None and facts.topk is not None:
-            self.topk = facts.topk
-        self.event_ids[event_id] = seq
+        if node.parent is not None:
+            self.nodes[node.parent].children.append(node.seq)
+        if self.topk is None and node.facts.topk is not None:
+            self.topk = node.facts.topk
+        self.event_ids[node.event_id] = node.seq
         return node
+
+    def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
+        return self.add_node(self.new_node(seq, parent, event_id, facts))
 
     def apply_close(self, close: CloseSpec) -> None:
         self.close = close

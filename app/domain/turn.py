@@ -37,6 +37,7 @@ LEGACY_SPEC_FIELDS = {
 TOKEN_MAX = (1 << 31) - 1
 COUNTER_MAX = (1 << 62)
 EVENT_ID_MAX = 128
+TIMESTAMP_MAX = 253402300800  # 10000-01-01T00:00:00Z
 OMITTED: Any = object()
 
 META = "record.response.choices[0].meta_info"
@@ -310,9 +311,10 @@ def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = 
 
     timestamp = record.get("timestamp")
     if timestamp is not None and (not isinstance(timestamp, int | float)
-                                  or isinstance(timestamp, bool)):
-        raise _invalid("timestamp must be a number (seconds since the epoch)",
-                       "record.timestamp", "number", timestamp)
+                                  or isinstance(timestamp, bool)
+                                  or not 0 <= timestamp < TIMESTAMP_MAX):
+        raise _invalid("timestamp must be seconds since the epoch",
+                       "record.timestamp", f"number in [0, {TIMESTAMP_MAX})", timestamp)
 
     returns_r3, r3_start, r3_values, topk = _r3(spec, request, meta,
                                                 int(prompt.size + output.size), stored_r3)

@@ -1,0 +1,1 @@
+"""HTTP layer: thin FastAPI routers that parse, call the store and map errors."""

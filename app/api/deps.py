@@ -1,0 +1,41 @@
+"""Dependencies shared by the routers: the store services and the raw JSON body."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from app.domain import jsonio
+from app.settings import Settings
+from app.store.db import Database
+from app.store.loader import StateCache
+from app.store.reads import Reader
+from app.store.writes import Writer
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Database
+    cache: StateCache
+    writer: Writer
+    reader: Reader
+
+
+def services(request: Request) -> Services:
+    svc: Services = request.app.state.services
+    return svc
+
+
+async def json_body(request: Request) -> Any:
+    """The request body parsed strictly (we validate it in the domain, not with models)."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    return jsonio.loads(raw)
+
+
+ServicesDep = Annotated[Services, Depends(services)]
+BodyDep = Annotated[Any, Depends(json_body)]

@@ -1,0 +1,77 @@
+"""`/v1/sessions`: open, append turns, read trees, events and resume state."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+
+from app.api.deps import BodyDep, ServicesDep
+from app.api.docs import CLOSE_BODY, OPEN_BODY, TURN_BODY
+from app.api.problems import JSONText
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+LIST_PARAMS = frozenset({"status", "after", "limit"})
+
+
+def label_filters(request: Request, known: frozenset[str]) -> dict[str, str]:
+    return {k: v for k, v in request.query_params.items() if k not in known}
+
+
+@router.post("", status_code=201, openapi_extra=OPEN_BODY)
+async def open_session(svc: ServicesDep, body: BodyDep) -> JSONText:
+    spec, created = await svc.writer.open_session(body)
+    summary = await svc.reader.summary(spec.session_id)
+    svc.reader.notify()
+    return JSONText(summary, status_code=201 if created else 200)
+
+
+@router.get("")
+async def list_sessions(
+    request: Request,
+    svc: ServicesDep,
+    status: str | None = None,
+    after: str | None = None,
+    limit: Annotated[int | None, Query()] = None,
+) -> JSONText:
+    page = await svc.reader.list_sessions(status, after, limit,
+                                          label_filters(request, LIST_PARAMS))
+    return JSONText(page)
+
+
+@router.get("/{session_id}")
+async def get_session(session_id: str, svc: ServicesDep) -> JSONText:
+    return JSONText(await svc.reader.session(session_id))
+
+
+@router.post("/{session_id}/turns", status_code=201, openapi_extra=TURN_BODY)
+async def append_turn(session_id: str, svc: ServicesDep, body: BodyDep) -> JSONText:
+    written = await svc.writer.append_turn(session_id, body)
+    if written.created:
+        svc.reader.notify()
+    return JSONText(written.body, status_code=201 if written.created else 200)
+
+
+@router.get("/{session_id}/events")
+async def session_events(
+    session_id: str,
+    svc: ServicesDep,
+    after: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int | None, Query()] = None,
+    include_r3: bool = True,
+) -> JSONText:
+    return JSONText(await svc.reader.session_events(session_id, after, limit, include_r3))
+
+
+@router.get("/{session_id}/state")
+async def session_state(
+    session_id: str, svc: ServicesDep, leaf: Annotated[int | None, Query(ge=0)] = None
+) -> JSONText:
+    return JSONText(await svc.reader.state(session_id, leaf))
+
+
+@router.post("/{session_id}/close", openapi_extra=CLOSE_BODY)
+async def close_session(session_id: str, svc: ServicesDep, body: BodyDep) -> JSONText:
+    result: dict[str, Any] = await svc.writer.close_session(session_id, body)
+    svc.reader.notify()
+    return JSONText(result)

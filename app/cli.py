@@ -1,0 +1,84 @@
+"""The `turnlog` command line: serve, migrate (and more as the store grows)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from app.settings import get_settings
+
+cli = typer.Typer(no_args_is_help=True, help="turnlog: event-sourced session store for RL rollouts")
+console = Console(stderr=True)
+
+
+def _url(database_url: str | None) -> str:
+    if database_url:
+        os.environ["TURNLOG_DATABASE_URL"] = database_url
+        get_settings.cache_clear()
+    return get_settings().database_url
+
+
+@cli.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000)")] = None,
+    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+    migrate: Annotated[bool, typer.Option(help="Apply migrations to head first")] = True,
+) -> None:
+    """Apply migrations to head, then serve the REST API with uvicorn."""
+    import uvicorn
+
+    from app.store import migrate as migrations
+
+    url = _url(database_url)
+    settings = get_settings()
+    bind = host or settings.host
+    try:
+        loopback = ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        loopback = bind == "localhost"
+    if not loopback and not settings.api_tokens:
+        console.print(f"[yellow]warning:[/] serving on non-loopback {bind} without API tokens")
+    if migrate and settings.migrate_on_start:
+        migrations.upgrade(url)
+        console.print(f"[green]schema at head[/] on {settings.database_url}")
+    uvicorn.run("app.main:create_app", factory=True, host=bind, port=port or settings.port,
+                log_level="info")
+
+
+class MigrateAction(StrEnum):
+    upgrade = "upgrade"
+    downgrade = "downgrade"
+    current = "current"
+
+
+@cli.command()
+def migrate(
+    action: Annotated[MigrateAction, typer.Argument()] = MigrateAction.upgrade,
+    revision: Annotated[str | None, typer.Argument(help="Target revision")] = None,
+    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+) -> None:
+    """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
+    from app.store import migrate as migrations
+
+    url = _url(database_url)
+    if action is MigrateAction.upgrade:
+        migrations.upgrade(url, revision or "head")
+        console.print(f"upgraded to {revision or 'head'}")
+    elif action is MigrateAction.downgrade:
+        migrations.downgrade(url, revision or "-1")
+        console.print(f"downgraded to {revision or '-1'}")
+    typer.echo(f"current: {migrations.current(url)} (head: {migrations.head_revision()})")
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

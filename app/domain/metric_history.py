@@ -1,0 +1,249 @@
+"""CI metric history: the submission body, value encoding, whitelist and attempt merge.
+
+Owns the rules of `POST /v1/metric-history`: the run coordinate (test path,
+backend, suite), run id, attempt, trusted flag and points `{metric, step,
+value}`, where a value is a number or one of the strings `"NaN"`,
+`"Infinity"`, `"-Infinity"` (anything else is a 422 naming `points[i].value`);
+the JSON-safe encoding of non-finite floats; the whitelist of metric keys
+kept; merging a run's attempts into one series per metric; turning a
+rollout's metrics into points for one step.
+
+Metric keys are compared as exact strings, never normalized: the versioned
+TITO keys (`…/v1/assistant_text`, `…/v2/assistant_text`) are distinct keys
+and so never merge. Judging values against a baseline is `gates.py`'s job;
+storing them is the store's. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.domain.errors import InvalidRequest
+from app.domain.session import describe, is_int, reject_unknown, require_object
+
+DEFAULT_METRIC_KEYS: frozenset[str] = frozenset({
+    "train/grad_norm",
+    "train/ppo_kl",
+    "train/train_rollout_logprob_abs_diff",
+    "train/train_rollout_kl",
+    "rollout/raw_reward",
+    "rollout/tito_session_mismatch_rate/v1/assistant_text",
+    "rollout/tito_session_mismatch_rate/v2/assistant_text",
+})
+NON_FINITE: Mapping[str, float] = {"NaN": math.nan, "Infinity": math.inf,
+                                   "-Infinity": -math.inf}
+SUBMISSION_FIELDS = frozenset({"coordinate", "run_id", "attempt", "trusted", "points"})
+COORDINATE_FIELDS = frozenset({"test_path", "backend", "suite"})
+POINT_FIELDS = frozenset({"metric", "step", "value"})
+MAX_TEXT = 1024
+MAX_METRIC = 256
+STEP_MAX = (1 << 63) - 1
+ATTEMPT_MAX = (1 << 31) - 1
+
+Step = int | None
+SeriesPoint = tuple[Step, float]
+Series = list[SeriesPoint]
+
+
+@dataclass(frozen=True, order=True)
+class RunCoordinate:
+    """What shares a baseline: runs differing in any field never compare."""
+
+    test_path: str
+    backend: str
+    suite: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"test_path": self.test_path, "backend": self.backend, "suite": self.suite}
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    metric: str
+    step: Step
+    value: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "step": self.step, "value": encode_value(self.value)}
+
+
+@dataclass(frozen=True)
+class HistorySubmission:
+    coordinate: RunCoordinate
+    run_id: str
+    attempt: int
+    trusted: bool
+    points: tuple[MetricPoint, ...]
+
+    def series(self) -> dict[str, Series]:
+        """This attempt's points grouped by metric, each in submission order."""
+        out: dict[str, Series] = {}
+        for point in self.points:
+            out.setdefault(point.metric, []).append((point.step, point.value))
+        return out
+
+    def body(self) -> dict[str, Any]:
+        """The normalized body, JSON-safe (the idempotency content)."""
+        return {
+            "coordinate": self.coordinate.as_dict(),
+            "run_id": self.run_id,
+            "attempt": self.attempt,
+            "trusted": self.trusted,
+            "points": [p.as_dict() for p in self.points],
+        }
+
+
+def encode_value(value: float) -> float | str:
+    """A float as strict JSON allows it: non-finite values become their marker strings."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
+def decode_value(raw: Any, field_name: str = "value") -> float:
+    """A number or a non-finite marker string as float; anything else is `InvalidRequest`.
+
+    Booleans are not numbers here, although Python makes them ints.
+    """
+    if isinstance(raw, str):
+        if raw in NON_FINITE:
+            return NON_FINITE[raw]
+    elif isinstance(raw, int | float) and not isinstance(raw, bool):
+        try:
+            return float(raw)
+        except OverflowError:
+            raise InvalidRequest(f"{field_name} is out of the float64 range", field=field_name,
+                                 expected="a float64 number", actual="integer too large") \
+                from None
+    raise InvalidRequest(
+        f"{field_name} must be a number or one of \"NaN\", \"Infinity\", \"-Infinity\"",
+        field=field_name,
+        expected='number | "NaN" | "Infinity" | "-Infinity"',
+        actual=describe(raw),
+    )
+
+
+def encode_series(series: Sequence[SeriesPoint]) -> list[list[Any]]:
+    """`[[step, value], …]` with non-finite values as marker strings."""
+    return [[step, encode_value(value)] for step, value in series]
+
+
+def _text(value: Any, field_name: str, limit: int = MAX_TEXT) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= limit:
+        raise InvalidRequest(f"{field_name} must be a non-empty string", field=field_name,
+                             expected=f"string of 1-{limit} characters", actual=describe(value))
+    return value
+
+
+def parse_step(value: Any, field_name: str) -> Step:
+    # -1 is the coordinate step of `steps="last"`; training steps never go below 0.
+    if value is None:
+        return None
+    if not is_int(value) or not 0 <= value <= STEP_MAX:
+        raise InvalidRequest(f"{field_name} must be a non-negative integer or null",
+                             field=field_name, expected=f"integer in [0, {STEP_MAX}] | null",
+                             actual=describe(value))
+    return int(value)
+
+
+def parse_coordinate(raw: Any, field_name: str = "coordinate") -> RunCoordinate:
+    body = require_object(raw, field_name)
+    reject_unknown(body, COORDINATE_FIELDS, field_name)
+    return RunCoordinate(
+        test_path=_text(body.get("test_path"), f"{field_name}.test_path"),
+        backend=_text(body.get("backend"), f"{field_name}.backend"),
+        suite=_text(body.get("suite"), f"{field_name}.suite"),
+    )
+
+
+def parse_point(raw: Any, field_name: str) -> MetricPoint:
+    body = require_object(raw, field_name)
+    reject_unknown(body, POINT_FIELDS, field_name)
+    if "step" not in body:
+        raise InvalidRequest(f"{field_name}.step is required (null for a step-less point)",
+                             field=f"{field_name}.step", expected="integer | null", actual=None)
+    if "value" not in body:
+        raise InvalidRequest(f"{field_name}.value is required", field=f"{field_name}.value",
+                             expected='number | "NaN" | "Infinity" | "-Infinity"', actual=None)
+    return MetricPoint(
+        metric=_text(body.get("metric"), f"{field_name}.metric", MAX_METRIC),
+        step=parse_step(body["step"], f"{field_name}.step"),
+        value=decode_value(body["value"], f"{field_name}.value"),
+    )
+
+
+def parse_submission(raw: Any) -> HistorySubmission:
+    """Validate a whole `POST /v1/metric-history` body; every point, whitelisted or not.
+
+    `trusted` defaults to false: a run becomes a baseline only when it says so.
+    """
+    body = require_object(raw, "body")
+    reject_unknown(body, SUBMISSION_FIELDS, "")
+    attempt = body.get("attempt")
+    if not is_int(attempt) or not 0 <= attempt <= ATTEMPT_MAX:
+        raise InvalidRequest("attempt must be a non-negative integer", field="attempt",
+                             expected=f"integer in [0, {ATTEMPT_MAX}]", actual=describe(attempt))
+    trusted = body.get("trusted", False)
+    if not isinstance(trusted, bool):
+        raise InvalidRequest("trusted must be a boolean", field="trusted", expected="boolean",
+                             actual=describe(trusted))
+    points_raw = body.get("points")
+    if not isinstance(points_raw, list):
+        raise InvalidRequest("points must be a list", field="points",
+                             expected="array of {metric, step, value}",
+                             actual=describe(points_raw))
+    return HistorySubmission(
+        coordinate=parse_coordinate(body.get("coordinate")),
+        run_id=_text(body.get("run_id"), "run_id", MAX_METRIC),
+        attempt=int(attempt),
+        trusted=trusted,
+        points=tuple(parse_point(p, f"points[{i}]") for i, p in enumerate(points_raw)),
+    )
+
+
+def keep_whitelisted(
+    points: Iterable[MetricPoint], keys: Iterable[str] = DEFAULT_METRIC_KEYS
+) -> tuple[MetricPoint, ...]:
+    """The points whose metric is exactly one of `keys`, in their order."""
+    allowed = frozenset(keys)
+    return tuple(p for p in points if p.metric in allowed)
+
+
+def _step_order(point: SeriesPoint) -> tuple[bool, int]:
+    step = point[0]
+    return (step is None, 0 if step is None else step)
+
+
+def merge_attempts(attempts: Iterable[Mapping[str, Sequence[SeriesPoint]]]) -> dict[str, Series]:
+    """One series per metric: the attempts' series concatenated, then stably sorted by step.
+
+    `attempts` are given in attempt order; points sharing a step keep that
+    order (no dedupe — the gate reports duplicate steps). Step-less points
+    go last. Keys are exact strings, returned sorted.
+    """
+    joined: dict[str, Series] = {}
+    for attempt in attempts:
+        for metric, series in attempt.items():
+            joined.setdefault(metric, []).extend((step, float(value)) for step, value in series)
+    return {metric: sorted(joined[metric], key=_step_order) for metric in sorted(joined)}
+
+
+def rollout_points(
+    metrics: Mapping[str, Any], step: int, keys: Iterable[str] = DEFAULT_METRIC_KEYS
+) -> tuple[MetricPoint, ...]:
+    """A rollout's metrics (e.g. `rollout_metrics(...)`) as points of one step.
+
+    Only whitelisted keys with a numeric value are taken, in key order.
+    """
+    parse_step(step, "step")
+    allowed = frozenset(keys)
+    return tuple(
+        MetricPoint(metric=key, step=step, value=float(value))
+        for key, value in sorted(metrics.items())
+        if key in allowed and isinstance(value, int | float) and not isinstance(value, bool)
+    )

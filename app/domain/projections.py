@@ -1,0 +1,113 @@
+"""Projection rows as pure functions of the folded session.
+
+Owns what the `sessions` head, `nodes` and `samples` rows contain, so that the
+inline writer (append/close) and `rebuild` produce them from one definition,
+bit for bit, and the checksum of a projection is well defined. Refuses any
+knowledge of tables or transactions: the store maps these dicts to rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from app.domain import jsonio
+from app.domain.specinfo import sum_turns
+from app.domain.tree import Node, SessionState
+
+
+def weight_version_text(value: Any) -> str | None:
+    """A weight version as analytics group it: strings as-is, other JSON as text."""
+    if value is None:
+        return None
+    return value if isinstance(value, str) else jsonio.canonical(value)
+
+
+def hour_key(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:00:00Z")
+
+
+def day_key(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d")
+
+
+def iso_us(us: int) -> str:
+    """Microseconds since the epoch → ISO-8601 UTC with a `Z`."""
+    return datetime.fromtimestamp(us / 1_000_000, UTC).isoformat().replace("+00:00", "Z")
+
+
+def node_row(session_id: str, node: Node, position: int, recorded_us: int) -> dict[str, Any]:
+    facts = node.facts
+    span = node.r3_span
+    spec = facts.spec
+    ts = facts.timestamp
+    return {
+        "session_id": session_id,
+        "seq": node.seq,
+        "parent": node.parent,
+        "depth": node.depth,
+        "num_tokens": node.num_tokens,
+        "prompt_len": node.prompt_len,
+        "prompt_lcp": node.prompt_lcp,
+        "output_len": int(facts.output.size),
+        "r3_start": None if span is None else span[0],
+        "r3_end": None if span is None else span[1],
+        "finish_reason": facts.finish_reason,
+        "weight_version": weight_version_text(facts.weight_version),
+        "spec_correct": spec.correct,
+        "spec_proposed": spec.proposed,
+        "spec_verify": spec.verify,
+        "spec_completion": spec.completion,
+        "cached_tokens": facts.cached_tokens,
+        "record_ts": ts,
+        "record_hour": None if ts is None else hour_key(ts),
+        "record_day": None if ts is None else day_key(ts),
+        "position": position,
+        "recorded_us": recorded_us,
+    }
+
+
+def session_head(state: SessionState, pending: Node | None = None) -> dict[str, Any]:
+    """The mutable part of a `sessions` row: status, counts and the carrier sums.
+
+    `pending` is a node about to be added: the head as it will be after it.
+    """
+    all_nodes = state.nodes if pending is None else [*state.nodes, pending]
+    carrier = sum_turns(node.facts.spec for node in all_nodes)
+    topk = state.topk
+    if topk is None and pending is not None:
+        topk = pending.facts.topk
+    return {
+        "status": "closed" if state.closed else "open",
+        "num_nodes": len(all_nodes),
+        "active_leaf": all_nodes[-1].seq if all_nodes else None,
+        "topk": topk,
+        "spec_correct": carrier.spec_num_correct_drafts,
+        "spec_proposed": carrier.spec_num_proposed_drafts,
+        "spec_verify": carrier.spec_verify_ct,
+        "spec_completion": carrier.completion_tokens,
+    }
+
+
+def tree_entry(node: Node) -> dict[str, Any]:
+    """One entry of `GET /v1/sessions/{sid}` → `tree`."""
+    span = node.r3_span
+    return {
+        "seq": node.seq,
+        "parent": node.parent,
+        "depth": node.depth,
+        "num_tokens": node.num_tokens,
+        "completion_span": [node.prompt_len, node.num_tokens],
+        "finish_reason": node.facts.finish_reason,
+        "weight_version": node.facts.weight_version,
+        "is_leaf": node.is_leaf,
+        "r3": None if span is None else {"start": span[0], "end": span[1]},
+    }
+
+
+def checksum(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Order-independent digest of projection rows (canonical JSON per row)."""
+    digests = sorted(jsonio.fingerprint(dict(row)) for row in rows)
+    return hashlib.sha256("\n".join(digests).encode("ascii")).hexdigest()

@@ -1,0 +1,55 @@
+"""The ASGI application: routers, problem handlers, body limit, store services."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app import __version__
+from app.api import feed, health, problems, sessions
+from app.api.deps import Services
+from app.api.limits import BodyLimit
+from app.api.problems import JSONText
+from app.settings import Settings, get_settings
+from app.store.db import Database
+from app.store.loader import StateCache
+from app.store.reads import Reader
+from app.store.writes import Writer
+
+
+def build_services(settings: Settings) -> Services:
+    db = Database(settings.database_url, settings)
+    cache = StateCache(settings.state_cache_sessions)
+    return Services(
+        settings=settings,
+        db=db,
+        cache=cache,
+        writer=Writer(db, cache, settings.max_nodes),
+        reader=Reader(db, cache),
+    )
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    svc = build_services(settings)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await svc.db.dispose()
+
+    app = FastAPI(
+        title="turnlog",
+        version=__version__,
+        description="Event-sourced session store for agentic RL rollouts.",
+        default_response_class=JSONText,
+        lifespan=lifespan,
+    )
+    app.state.services = svc
+    problems.install(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    for module in (health, sessions, feed):
+        app.include_router(module.router)
+    return app

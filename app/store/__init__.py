@@ -1,0 +1,1 @@
+"""The imperative shell over the database: tables, transactions, reads, projections."""

@@ -1,0 +1,150 @@
+"""Table definitions (SQLAlchemy Core) shared by queries and migration checks.
+
+The schema is created only by alembic (`alembic/versions/`); these objects
+describe it for query building and for the drift check in the migration
+tests. Every table is keyed by `session_id` first so that it can be
+distributed by session. Event and patch rows are immutable (database
+triggers); the other tables are projections, recomputable from events.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+sessions = sa.Table(
+    "sessions",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("session_id", sa.String(128), nullable=False, unique=True),
+    sa.Column("version", sa.String(2), nullable=False),
+    sa.Column("pause_generation_mode", sa.String(16), nullable=False),
+    sa.Column("num_layers", sa.Integer, nullable=True),
+    sa.Column("spec", sa.Boolean, nullable=False),
+    sa.Column("max_trim_tokens", sa.Integer, nullable=False),
+    sa.Column("labels", sa.Text, nullable=False),
+    sa.Column("open_fingerprint", sa.String(64), nullable=False),
+    sa.Column("created_us", sa.BigInteger, nullable=False),
+    # session head projection
+    sa.Column("status", sa.String(8), nullable=False),
+    sa.Column("num_nodes", sa.Integer, nullable=False),
+    sa.Column("active_leaf", sa.Integer, nullable=True),
+    sa.Column("topk", sa.Integer, nullable=True),
+    sa.Column("closed_us", sa.BigInteger, nullable=True),
+    sa.Column("close_fingerprint", sa.String(64), nullable=True),
+    # session metrics carrier: SpecInfo over every node (guarded sums)
+    sa.Column("spec_correct", sa.BigInteger, nullable=False),
+    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
+    sa.Column("spec_verify", sa.BigInteger, nullable=False),
+    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    # samples projection, session level
+    sa.Column("empty_reason", sa.String(32), nullable=True),
+    sa.Column("sample_errors", sa.Text, nullable=True),
+)
+
+session_labels = sa.Table(
+    "session_labels",
+    metadata,
+    sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.session_id"),
+              primary_key=True),
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value_text", sa.Text, nullable=False),
+    sa.Index("ix_session_labels_key_value", "key", "value_text"),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("position", BigId, primary_key=True, autoincrement=True),
+    sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.session_id"),
+              nullable=False),
+    sa.Column("seq", sa.Integer, nullable=True),
+    sa.Column("type", sa.String(32), nullable=False),
+    sa.Column("event_id", sa.String(128), nullable=True),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("prompt_lcp", sa.Integer, nullable=True),
+    sa.Column("prompt_delta", sa.LargeBinary, nullable=True),
+    sa.Column("fingerprint", sa.String(64), nullable=True),
+    sa.Column("xid", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    sa.Column("recorded_us", sa.BigInteger, nullable=False),
+    sa.UniqueConstraint("session_id", "seq"),
+    sa.UniqueConstraint("session_id", "event_id"),
+    sa.Index("ix_events_xid_position", "xid", "position"),
+    sa.Index("ix_events_session_id_position", "session_id", "position"),
+)
+
+r3_patches = sa.Table(
+    "r3_patches",
+    metadata,
+    sa.Column("session_id", sa.String(128), primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("start_row", sa.Integer, nullable=False),
+    sa.Column("end_row", sa.Integer, nullable=False),
+    sa.Column("num_layers", sa.Integer, nullable=False),
+    sa.Column("topk", sa.Integer, nullable=False),
+    sa.Column("dtype", sa.String(2), nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.ForeignKeyConstraint(["session_id", "seq"], ["events.session_id", "events.seq"]),
+)
+
+nodes = sa.Table(
+    "nodes",
+    metadata,
+    sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.session_id"),
+              primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("parent", sa.Integer, nullable=True),
+    sa.Column("depth", sa.Integer, nullable=False),
+    sa.Column("num_tokens", sa.Integer, nullable=False),
+    sa.Column("prompt_len", sa.Integer, nullable=False),
+    sa.Column("prompt_lcp", sa.Integer, nullable=False),
+    sa.Column("output_len", sa.Integer, nullable=False),
+    sa.Column("r3_start", sa.Integer, nullable=True),
+    sa.Column("r3_end", sa.Integer, nullable=True),
+    sa.Column("finish_reason", sa.Text, nullable=True),
+    sa.Column("weight_version", sa.Text, nullable=True),
+    sa.Column("spec_correct", sa.BigInteger, nullable=False),
+    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
+    sa.Column("spec_verify", sa.BigInteger, nullable=False),
+    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=True),
+    sa.Column("record_ts", sa.Float, nullable=True),
+    sa.Column("record_hour", sa.String(20), nullable=True),
+    sa.Column("record_day", sa.String(10), nullable=True),
+    sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Column("recorded_us", sa.BigInteger, nullable=False),
+)
+
+samples = sa.Table(
+    "samples",
+    metadata,
+    sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.session_id"),
+              primary_key=True),
+    sa.Column("sample_index", sa.Integer, primary_key=True),
+    sa.Column("leaf", sa.Integer, nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("num_tokens", sa.Integer, nullable=False),
+    sa.Column("response_length", sa.Integer, nullable=False),
+    sa.Column("weight_versions", sa.Text, nullable=False),
+    sa.Column("spec_correct", sa.BigInteger, nullable=False),
+    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
+    sa.Column("spec_verify", sa.BigInteger, nullable=False),
+    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    sa.Column("reward", sa.Text, nullable=True),
+    sa.Column("sample_metadata", sa.Text, nullable=False),
+    sa.Column("r3", sa.Text, nullable=True),
+)
+
+PROJECTIONS = ("sessions", "nodes", "samples")

@@ -1,0 +1,202 @@
+"""The append transactions: open a session, record a turn, close a session.
+
+Each write is one short transaction that appends the event (and its R3
+patch) and updates the inline projections, serialized per session only (a
+row lock on PostgreSQL; SQLite has a single writer). Validation is the
+domain's; this module orders the steps: parse → lock → idempotency → fold →
+attach → insert → commit, and only then updates the in-process state cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.domain import jsonio
+from app.domain.errors import IdempotencyConflict, SessionConflict
+from app.domain.events import SESSION_OPENED, TURN_RECORDED, encode_turn
+from app.domain.projections import node_row, session_head
+from app.domain.session import SessionSpec, label_text, parse_open
+from app.domain.tree import SessionState
+from app.domain.turn import parse_event_id, parse_turn
+from app.store.db import Database
+from app.store.loader import StateCache, load_state, session_row
+from app.store.schema import events, nodes, r3_patches, session_labels, sessions
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@dataclass(frozen=True)
+class Written:
+    body: dict[str, Any]
+    created: bool
+
+
+def turn_reply(session_id: str, node: Any) -> dict[str, Any]:
+    """The append reply, from a `nodes` row."""
+    r3 = None
+    if node["r3_start"] is not None:
+        r3 = {"start": node["r3_start"], "end": node["r3_end"]}
+    return {
+        "session_id": session_id,
+        "seq": node["seq"],
+        "parent": node["parent"],
+        "depth": node["depth"],
+        "num_tokens": node["num_tokens"],
+        "r3": r3,
+        "finish_reason": node["finish_reason"],
+        "position": node["position"],
+    }
+
+
+async def _insert_event(conn: AsyncConnection, values: dict[str, Any]) -> int:
+    result = await conn.execute(events.insert().values(**values).returning(events.c.position))
+    return int(result.scalar_one())
+
+
+class Writer:
+    def __init__(self, db: Database, cache: StateCache, max_nodes: int) -> None:
+        self.db = db
+        self.cache = cache
+        self.max_nodes = max_nodes
+
+    async def open_session(self, raw: Any) -> tuple[SessionSpec, bool]:
+        spec = parse_open(raw)
+        body = spec.body()
+        fingerprint = jsonio.fingerprint(body)
+        try:
+            async with self.db.write() as conn:
+                existing = (await conn.execute(
+                    sa.select(sessions.c.open_fingerprint)
+                    .where(sessions.c.session_id == spec.session_id)
+                )).first()
+                if existing is not None:
+                    return spec, self._same_open(existing.open_fingerprint, fingerprint, spec)
+                await self._insert_session(conn, spec, body, fingerprint)
+        except IntegrityError:
+            # A concurrent open of the same id won the race: answer as a repeat.
+            async with self.db.read() as conn:
+                row = await session_row(conn, spec.session_id)
+            return spec, self._same_open(row["open_fingerprint"], fingerprint, spec)
+        return spec, True
+
+    @staticmethod
+    def _same_open(stored: str, fingerprint: str, spec: SessionSpec) -> bool:
+        if stored != fingerprint:
+            raise SessionConflict(
+                f"session {spec.session_id!r} exists with another definition",
+                field="body", expected="the body the session was opened with",
+                actual="a different body",
+            )
+        return False
+
+    async def _insert_session(
+        self, conn: AsyncConnection, spec: SessionSpec, body: dict[str, Any], fingerprint: str
+    ) -> None:
+        recorded = now_us()
+        head = session_head(SessionState(spec=spec))
+        await conn.execute(sessions.insert().values(
+            session_id=spec.session_id,
+            version=spec.version,
+            pause_generation_mode=spec.pause_generation_mode,
+            num_layers=spec.num_layers,
+            spec=spec.spec,
+            max_trim_tokens=spec.max_trim_tokens,
+            labels=jsonio.dumps(spec.labels),
+            open_fingerprint=fingerprint,
+            created_us=recorded,
+            **head,
+        ))
+        if spec.labels:
+            await conn.execute(session_labels.insert(), [
+                {"session_id": spec.session_id, "key": key, "value_text": label_text(value)}
+                for key, value in spec.labels.items()
+            ])
+        await _insert_event(conn, {
+            "session_id": spec.session_id,
+            "type": SESSION_OPENED,
+            "payload": jsonio.dumps({"session": body}),
+            "recorded_us": recorded,
+        })
+
+    async def _spec(self, session_id: str) -> SessionSpec:
+        cached = self.cache.get(session_id)
+        if cached is not None:
+            return cached.spec
+        async with self.db.read() as conn:
+            row = await session_row(conn, session_id)
+            return (await load_state(conn, self.cache, row)).spec
+
+    async def append_turn(self, session_id: str, raw: Any) -> Written:
+        spec = await self._spec(session_id)
+        if isinstance(raw, dict):
+            parse_event_id(raw)
+        body = parse_turn(raw, spec)
+        async with self.db.write() as conn:
+            row = await session_row(conn, session_id, lock=True)
+            repeat = await self._repeat(conn, session_id, body.event_id,
+                                        jsonio.fingerprint(body.content()))
+            if repeat is not None:
+                return Written(repeat, created=False)
+            state = await load_state(conn, self.cache, row)
+            attachment = state.attach(body, self.max_nodes)
+            stored = encode_turn(body, attachment, spec.num_layers)
+            recorded = now_us()
+            position = await _insert_event(conn, {
+                "session_id": session_id,
+                "seq": attachment.seq,
+                "type": TURN_RECORDED,
+                "event_id": body.event_id,
+                "payload": stored.payload,
+                "prompt_lcp": stored.prompt_lcp,
+                "prompt_delta": stored.prompt_delta,
+                "fingerprint": stored.fingerprint,
+                "recorded_us": recorded,
+            })
+            if stored.patch is not None:
+                patch = stored.patch
+                await conn.execute(r3_patches.insert().values(
+                    session_id=session_id, seq=attachment.seq, start_row=patch.start,
+                    end_row=patch.end, num_layers=patch.num_layers, topk=patch.topk,
+                    dtype=patch.dtype, data=patch.data,
+                ))
+            # The cached state only takes the node once the transaction has committed.
+            node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
+            nrow = node_row(session_id, node, position, recorded)
+            await conn.execute(nodes.insert().values(**nrow))
+            await conn.execute(
+                sessions.update().where(sessions.c.session_id == session_id)
+                .values(**session_head(state, node))
+            )
+        if len(state.nodes) == node.seq:
+            state.add_node(node)
+        return Written(turn_reply(session_id, nrow), created=True)
+
+    async def _repeat(
+        self, conn: AsyncConnection, session_id: str, event_id: str, fingerprint: str
+    ) -> dict[str, Any] | None:
+        found = (await conn.execute(
+            sa.select(events.c.seq, events.c.fingerprint)
+            .where(events.c.session_id == session_id)
+            .where(events.c.event_id == event_id)
+        )).first()
+        if found is None:
+            return None
+        if found.fingerprint != fingerprint:
+            raise IdempotencyConflict(
+                f"event_id {event_id!r} was already recorded with other content",
+                field="event_id", expected="the content first sent with this event_id",
+                actual="different content",
+            )
+        node = (await conn.execute(
+            sa.select(nodes).where(nodes.c.session_id == session_id)
+            .where(nodes.c.seq == found.seq)
+        )).mappings().one()
+        return turn_reply(session_id, node)

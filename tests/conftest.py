@@ -1,0 +1,95 @@
+"""Shared fixtures: every store and API test runs on SQLite and a real PostgreSQL.
+
+`db_url` is parametrized over both backends; the PostgreSQL server comes from
+`tests/pgserver.py` (TEST_POSTGRES_URL, testcontainers, or a throwaway cluster
+from the installed binaries) and its absence fails the run, never skips it.
+Each backend gets one fresh database per test process, built by the real
+migrations; tests isolate themselves with unique session ids.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from app.store import migrate
+from tests.pgserver import PostgresServer, create_database, drop_database, start_postgres
+
+BACKENDS = ("sqlite", "postgres")
+
+
+def _worker() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> PostgresServer:
+    try:
+        return start_postgres()
+    except RuntimeError as exc:
+        pytest.fail(f"PostgreSQL is required for the store tests: {exc}", pytrace=False)
+
+
+def sqlite_url(directory: Path, name: str) -> str:
+    return f"sqlite+aiosqlite:///{directory / name}.db"
+
+
+@pytest.fixture(scope="session")
+def fresh_database(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[object]:
+    """A factory `fresh(backend) -> url` of empty databases (not migrated)."""
+    created: list[str] = []
+    server: list[PostgresServer] = []
+
+    def fresh(backend: str) -> str:
+        name = f"turnlog_{_worker()}_{uuid.uuid4().hex[:8]}"
+        if backend == "sqlite":
+            return sqlite_url(tmp_path_factory.mktemp("db"), name)
+        if not server:
+            server.append(request.getfixturevalue("postgres_server"))
+        created.append(name)
+        return create_database(server[0], name)
+
+    yield fresh
+    for name in created:
+        drop_database(server[0], name)
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def db_url(request: pytest.FixtureRequest, fresh_database: object) -> str:
+    """A migrated database per backend, shared by the tests of this process."""
+    url: str = fresh_database(request.param)  # type: ignore[operator]
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def backend(db_url: str) -> str:
+    return "sqlite" if db_url.startswith("sqlite") else "postgres"
+
+
+@pytest.fixture
+def settings(db_url: str) -> Settings:
+    return Settings(database_url=db_url, migrate_on_start=False)
+
+
+@pytest.fixture
+async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://turnlog") as http:
+        yield http
+    await app.state.services.db.dispose()
+
+
+@pytest.fixture
+def sid() -> str:
+    return f"s-{uuid.uuid4().hex}"
