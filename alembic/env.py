@@ -8,11 +8,11 @@ SQLite runs in batch mode so ALTERs work there.
 
 import asyncio
 
-from alembic import context
 from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from alembic import context
 from app.settings import get_settings
 from app.store.schema import metadata
 

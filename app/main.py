@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__
-from app.api import feed, health, problems, sessions
+from app.api import feed, health, problems, samples, sessions
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.api.problems import JSONText
@@ -16,6 +16,7 @@ from app.settings import Settings, get_settings
 from app.store.db import Database
 from app.store.loader import StateCache
 from app.store.reads import Reader
+from app.store.samples import SampleReader
 from app.store.writes import Writer
 
 
@@ -28,6 +29,7 @@ def build_services(settings: Settings) -> Services:
         cache=cache,
         writer=Writer(db, cache, settings.max_nodes),
         reader=Reader(db, cache),
+        samples=SampleReader(db, cache),
     )
 
 
@@ -50,6 +52,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.services = svc
     problems.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    for module in (health, sessions, feed):
+    for module in (health, sessions, samples, feed):
         app.include_router(module.router)
     return app

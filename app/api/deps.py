@@ -12,6 +12,7 @@ from app.settings import Settings
 from app.store.db import Database
 from app.store.loader import StateCache
 from app.store.reads import Reader
+from app.store.samples import SampleReader
 from app.store.writes import Writer
 
 
@@ -22,6 +23,7 @@ class Services:
     cache: StateCache
     writer: Writer
     reader: Reader
+    samples: SampleReader
 
 
 def services(request: Request) -> Services:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
 from app.api.deps import BodyDep, ServicesDep
-from app.api.docs import CLOSE_BODY, OPEN_BODY, TURN_BODY
+from app.api.docs import OPEN_BODY, TURN_BODY
 from app.api.problems import JSONText
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -68,10 +68,3 @@ async def session_state(
     session_id: str, svc: ServicesDep, leaf: Annotated[int | None, Query(ge=0)] = None
 ) -> JSONText:
     return JSONText(await svc.reader.state(session_id, leaf))
-
-
-@router.post("/{session_id}/close", openapi_extra=CLOSE_BODY)
-async def close_session(session_id: str, svc: ServicesDep, body: BodyDep) -> JSONText:
-    result: dict[str, Any] = await svc.writer.close_session(session_id, body)
-    svc.reader.notify()
-    return JSONText(result)

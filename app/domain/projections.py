@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.domain import jsonio
+from app.domain.samples import Sample, SamplesResult
 from app.domain.specinfo import sum_turns
 from app.domain.tree import Node, SessionState
 
@@ -111,3 +112,37 @@ def checksum(rows: Iterable[Mapping[str, Any]]) -> str:
     """Order-independent digest of projection rows (canonical JSON per row)."""
     digests = sorted(jsonio.fingerprint(dict(row)) for row in rows)
     return hashlib.sha256("\n".join(digests).encode("ascii")).hexdigest()
+
+
+def sample_row(session_id: str, sample: Sample) -> dict[str, Any]:
+    spec = sample.spec_info
+    return {
+        "session_id": session_id,
+        "sample_index": sample.index,
+        "leaf": sample.leaf,
+        "path": jsonio.dumps(sample.path),
+        "status": sample.status,
+        "num_tokens": len(sample.tokens),
+        "response_length": sample.response_length,
+        "weight_versions": jsonio.dumps(sample.weight_versions),
+        "spec_correct": spec["spec_num_correct_drafts"],
+        "spec_proposed": spec["spec_num_proposed_drafts"],
+        "spec_verify": spec["spec_verify_ct"],
+        "spec_completion": spec["completion_tokens"],
+        "reward": None if sample.reward is None else jsonio.dumps(sample.reward),
+        "sample_metadata": jsonio.dumps(sample.metadata),
+        "r3": None if sample.r3 is None else jsonio.dumps(sample.r3),
+    }
+
+
+def closed_head(state: SessionState, result: SamplesResult, closed_us: int) -> dict[str, Any]:
+    """The `sessions` row after close: head, close fingerprint and samples summary."""
+    assert state.close is not None
+    head = session_head(state)
+    head.update({
+        "closed_us": closed_us,
+        "close_fingerprint": jsonio.fingerprint(state.close.body()),
+        "empty_reason": result.empty_reason,
+        "sample_errors": jsonio.dumps(result.errors),
+    })
+    return head

@@ -3,14 +3,15 @@
 Owns the numbers of CONTRACT §4 and §5 for a set of sessions: the TITO
 mismatch rates per session-server version (`rollout/tito_session_mismatch_rate/{v}`
 and `/{v}/{type}`; only samples that sent the key count; v1 and v2 never
-share a key), the strict check of `strict=true`, the speculative-decoding
-rates from session carriers (one per session, summed, then divided), and
-the response-length and truncation statistics of the samples.
+share a key), the strict check of `strict=true`, summing the sessions'
+SpecInfo carriers (one per session) and the response-length and truncation
+statistics of the samples.
 
 Every rate is a ratio of integer sums computed once at the end, as float64
-division, so SQL views (`CAST(SUM(x) AS DOUBLE) / COUNT(*)`) can match it
-exactly. Refuses to own: choosing the sessions (label filters, closed
-status) and reading rows — the store feeds plain `SessionRow`s. Pure: no I/O.
+division, so SQL views (`CAST(SUM(x) AS DOUBLE PRECISION) / COUNT(*)`) can
+match it exactly. Refuses to own: the accept-rate rule itself
+(`specinfo.py`), choosing the sessions (label filters, closed status) and
+reading rows — the store feeds plain `SessionRow`s. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.domain.errors import StrictTito
+from app.domain.specinfo import SpecInfo
 from app.domain.turn import MISMATCH_TYPES
 
 TITO_PREFIX = "rollout/tito_session_mismatch_rate"
@@ -33,26 +35,6 @@ Mismatch = Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
-class SpecCarrier:
-    """A session's SpecInfo carrier: the four counters summed over all its nodes."""
-
-    correct: int = 0
-    proposed: int = 0
-    verify: int = 0
-    completion: int = 0
-
-    @classmethod
-    def from_counters(cls, counters: Mapping[str, int]) -> SpecCarrier:
-        """From the wire/JSON form `{spec_num_correct_drafts, …, completion_tokens}`."""
-        return cls(
-            correct=int(counters.get("spec_num_correct_drafts", 0)),
-            proposed=int(counters.get("spec_num_proposed_drafts", 0)),
-            verify=int(counters.get("spec_verify_ct", 0)),
-            completion=int(counters.get("completion_tokens", 0)),
-        )
-
-
-@dataclass(frozen=True)
 class SampleRow:
     """What the metrics need of one sample; `mismatch` None = the leaf turn sent no key."""
 
@@ -63,16 +45,17 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class SessionRow:
-    """One closed session; `carrier` is None when the session was opened without `spec`."""
+    """One closed session; `carrier` (its `session_metrics` spec_info, e.g.
+    `SpecInfo.from_dict`) is None when the session was opened without `spec`."""
 
     session_id: str
     version: str
     samples: Sequence[SampleRow] = field(default_factory=tuple)
-    carrier: SpecCarrier | None = None
+    carrier: SpecInfo | None = None
 
 
 def ratio(numerator: int, denominator: int) -> float:
-    """float64 division of integer sums; 0.0 when the denominator is 0."""
+    """A fraction of samples as float64 division of the counts; 0.0 when there are none."""
     return float(numerator) / float(denominator) if denominator else 0.0
 
 
@@ -138,16 +121,10 @@ def check_strict(rates: Mapping[str, Any]) -> None:
     )
 
 
-def spec_rates(carriers: Iterable[SpecCarrier]) -> dict[str, float]:
+def spec_rates(carriers: Iterable[SpecInfo]) -> dict[str, float]:
     """Accept rate and length from carriers (one per session): summed first, then divided."""
-    correct = proposed = verify = completion = 0
-    for carrier in carriers:
-        correct += carrier.correct
-        proposed += carrier.proposed
-        verify += carrier.verify
-        completion += carrier.completion
-    return {SPEC_ACCEPT_RATE: ratio(correct, proposed),
-            SPEC_ACCEPT_LENGTH: ratio(completion, verify)}
+    total = sum(carriers, SpecInfo())
+    return {SPEC_ACCEPT_RATE: total.accept_rate, SPEC_ACCEPT_LENGTH: total.accept_length}
 
 
 def rollout_metrics(sessions: Iterable[SessionRow]) -> dict[str, float | int]:

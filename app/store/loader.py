@@ -59,7 +59,9 @@ async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = Fa
     validate_session_id(session_id, "session_id")
     query = sa.select(sessions).where(sessions.c.session_id == session_id)
     if lock and conn.dialect.name == "postgresql":
-        query = query.with_for_update()
+        # NO KEY UPDATE: serializes appends without blocking inserts that only
+        # reference the session row (foreign keys take KEY SHARE locks).
+        query = query.with_for_update(key_share=True)
     row = (await conn.execute(query)).mappings().first()
     if row is None:
         raise UnknownSession(f"no session {session_id!r}", field="session_id",

@@ -18,15 +18,16 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.errors import IdempotencyConflict, SessionConflict
-from app.domain.events import SESSION_OPENED, TURN_RECORDED, encode_turn
-from app.domain.projections import node_row, session_head
-from app.domain.session import SessionSpec, label_text, parse_open
+from app.domain.errors import IdempotencyConflict, SessionClosed, SessionConflict
+from app.domain.events import SESSION_CLOSED, SESSION_OPENED, TURN_RECORDED, encode_turn
+from app.domain.projections import closed_head, node_row, sample_row, session_head
+from app.domain.samples import build_samples
+from app.domain.session import SessionSpec, label_text, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import parse_event_id, parse_turn
 from app.store.db import Database
 from app.store.loader import StateCache, load_state, session_row
-from app.store.schema import events, nodes, r3_patches, session_labels, sessions
+from app.store.schema import events, nodes, r3_patches, samples, session_labels, sessions
 
 
 def now_us() -> int:
@@ -200,3 +201,39 @@ class Writer:
             .where(nodes.c.seq == found.seq)
         )).mappings().one()
         return turn_reply(session_id, node)
+
+    async def close_session(self, session_id: str, raw: Any) -> bool:
+        """Record the close and write the samples projection; False for a repeat."""
+        close = parse_close(raw)
+        fingerprint = jsonio.fingerprint(close.body())
+        async with self.db.write() as conn:
+            row = await session_row(conn, session_id, lock=True)
+            if row["status"] == "closed":
+                if row["close_fingerprint"] != fingerprint:
+                    raise SessionClosed(
+                        f"session {session_id!r} was already closed with another body",
+                        field="body", expected="the body the session was closed with",
+                        actual="a different body",
+                    )
+                return False
+            state = await load_state(conn, self.cache, row)
+            closed = SessionState(spec=state.spec, nodes=state.nodes, topk=state.topk,
+                                  close=close, event_ids=state.event_ids)
+            result = build_samples(closed, close)
+            recorded = now_us()
+            await _insert_event(conn, {
+                "session_id": session_id,
+                "type": SESSION_CLOSED,
+                "payload": jsonio.dumps({"close": close.body()}),
+                "recorded_us": recorded,
+            })
+            rows = [sample_row(session_id, sample) for sample in result.samples]
+            if rows:
+                await conn.execute(samples.insert(), rows)
+            await conn.execute(
+                sessions.update().where(sessions.c.session_id == session_id)
+                .values(**closed_head(closed, result, recorded))
+            )
+        if len(state.nodes) == row["num_nodes"] and not state.closed:
+            state.apply_close(close)
+        return True

@@ -1,7 +1,7 @@
 import json
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "shared" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "data"
 
 
 async def test_example_session_round_trips(client, sid):

@@ -127,8 +127,9 @@ async def test_extending_a_length_node_is_409(client, sid):
 
 
 async def test_node_cap_is_409(client, sid, settings):
-    from app.main import create_app
     import httpx
+
+    from app.main import create_app
 
     settings.max_nodes = 2
     app = create_app(settings)

@@ -1,0 +1,48 @@
+# turnlog developer entry points. Works from a fresh clone: `make test`.
+#
+#   make run  [HOST=0.0.0.0] [PORT=9000]   migrate ./turnlog.db to head and serve the API
+#   make test [PYTEST_ARGS='-k foo -x']    pytest, then ruff and mypy (any failure fails)
+#   make lint                              ruff + mypy only
+#   make clean                             remove the venv, install stamp and turnlog.db*
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Lives inside the venv, so deleting .venv by hand also forces a reinstall.
+STAMP  := $(VENV)/.turnlog-installed
+
+PYTEST_ARGS ?=
+RUN_ARGS := $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.DEFAULT_GOAL := test
+.PHONY: venv install run test lint clean
+
+venv: $(BIN)/pip
+
+install: $(STAMP)
+
+# bin/pip is the last thing `venv` creates, so a half-created venv is rebuilt.
+$(BIN)/pip:
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when pyproject.toml changes (or the venv was recreated).
+$(STAMP): pyproject.toml | $(BIN)/pip
+	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/turnlog serve $(RUN_ARGS)
+
+test: $(STAMP)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) $(STAMP) turnlog.db turnlog.db-*

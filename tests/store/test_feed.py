@@ -1,0 +1,108 @@
+"""The global feed and the session list: commit order, cursors, long-poll, no skips."""
+
+import asyncio
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from tests.factory import open_body, turn
+
+
+async def tail_cursor(client):
+    nxt = None
+    while True:
+        page = (await client.get("/v1/events", params={"limit": 1000, **(
+            {"after": nxt} if nxt else {})})).json()
+        nxt = page["next"]
+        if not page["events"]:
+            return nxt
+
+
+async def test_feed_pages_in_commit_order(client, sid):
+    start = await tail_cursor(client)
+    await client.post("/v1/sessions", json=open_body(sid))
+    for i in range(3):
+        await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2 + i], [3]))
+    seen = []
+    cur = start
+    for _ in range(10):
+        page = (await client.get("/v1/events", params={"after": cur, "limit": 2})).json()
+        seen += page["events"]
+        cur = page["next"]
+        if not page["events"]:
+            break
+    assert [e["type"] for e in seen] == ["session_opened"] + ["turn_recorded"] * 3
+    assert [e["seq"] for e in seen] == [None, 0, 1, 2]
+    assert all(e["session_id"] == sid for e in seen)
+
+
+async def test_empty_page_keeps_cursor(client):
+    cur = await tail_cursor(client)
+    page = (await client.get("/v1/events", params={"after": cur})).json()
+    assert page == {"events": [], "next": cur}
+
+
+async def test_bad_cursor_and_limits_are_422(client):
+    assert (await client.get("/v1/events", params={"after": "garbage!"})).status_code == 422
+    assert (await client.get("/v1/events", params={"limit": 0})).status_code == 422
+    assert (await client.get("/v1/events", params={"limit": 1001})).status_code == 422
+    assert (await client.get("/v1/events", params={"wait": 31})).status_code == 422
+    assert (await client.get("/v1/events", params={"limit": "x"})).status_code == 422
+
+
+async def test_wait_long_polls_until_an_event_arrives(client, sid):
+    cur = await tail_cursor(client)
+
+    async def later():
+        await asyncio.sleep(0.3)
+        await client.post("/v1/sessions", json=open_body(sid))
+
+    task = asyncio.create_task(later())
+    page = (await client.get("/v1/events", params={"after": cur, "wait": 10})).json()
+    await task
+    assert [e["session_id"] for e in page["events"]] == [sid]
+
+
+async def test_feed_never_skips_a_slow_transaction(client, db_url, backend, sid):
+    """A transaction that inserted earlier but commits later must still be read."""
+    if backend == "sqlite":
+        return  # one writer: rowid order is commit order (checked by the ordering test)
+    await client.post("/v1/sessions", json=open_body(sid))
+    cur = await tail_cursor(client)
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.connect() as slow:
+            await slow.begin()
+            await slow.execute(sa.text(
+                "INSERT INTO events (session_id, type, payload, recorded_us) "
+                "VALUES (:s, 'session_opened', '{\"session\": {}}', 0)"), {"s": sid})
+            # a later, faster writer commits while the slow one is still open
+            fast = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+            assert fast.status_code == 201
+            page = (await client.get("/v1/events", params={"after": cur})).json()
+            assert page["events"] == []  # the fence holds both back
+            assert page["next"] == cur
+            await slow.commit()
+    finally:
+        await engine.dispose()
+    page = (await client.get("/v1/events", params={"after": cur})).json()
+    assert [e["type"] for e in page["events"]] == ["session_opened", "turn_recorded"]
+
+
+async def test_list_sessions_filters_by_labels_and_status(client, sid):
+    run = sid
+    await client.post("/v1/sessions", json=open_body(f"{sid}-a", labels={
+        "run_id": run, "rollout_id": 12}))
+    await client.post("/v1/sessions", json=open_body(f"{sid}-b", labels={
+        "run_id": run, "rollout_id": 13}))
+    page = (await client.get("/v1/sessions", params={"run_id": run})).json()
+    assert [s["session_id"] for s in page["sessions"]] == [f"{sid}-a", f"{sid}-b"]
+    page = (await client.get("/v1/sessions", params={"run_id": run, "rollout_id": "12"})).json()
+    assert [s["session_id"] for s in page["sessions"]] == [f"{sid}-a"]
+    page = (await client.get("/v1/sessions", params={"run_id": run, "status": "closed"})).json()
+    assert page["sessions"] == []
+    first = (await client.get("/v1/sessions", params={"run_id": run, "limit": 1})).json()
+    second = (await client.get("/v1/sessions", params={"run_id": run, "limit": 1,
+                                                       "after": first["next"]})).json()
+    assert [s["session_id"] for s in second["sessions"]] == [f"{sid}-b"]
+    assert (await client.get("/v1/sessions", params={"status": "weird"})).status_code == 422
