@@ -88,13 +88,19 @@ async def _fold_events(
             .where(r3_patches.c.seq >= from_seq)
         )
     }
-    for row in await conn.execute(query):
+    # Fetch everything first, then fold without awaiting: another task may advance
+    # the same cached state while we wait on the database, and folding must not
+    # interleave with it (turns it already holds are skipped).
+    rows = (await conn.execute(query)).all()
+    for row in rows:
         payload = jsonio.loads(row.payload)
         if row.type == SESSION_OPENED:
             if state is None:
                 state = SessionState(spec=SessionSpec.from_body(payload["session"]))
         elif row.type == TURN_RECORDED:
             assert state is not None
+            if row.seq < len(state.nodes):
+                continue
             parent = payload["parent"]
             parent_tokens = None if parent is None else state.nodes[parent].tokens
             prompt = restore_prompt(parent_tokens, row.prompt_lcp, row.prompt_delta)
@@ -121,7 +127,6 @@ async def load_state(
         state = await _fold_events(conn, None, session_id, 0)
     else:
         # Stale but a prefix of the truth: fold only what is missing.
-        state.close = None
         state = await _fold_events(conn, state, session_id, len(state.nodes))
     cache.put(session_id, state)
     return state
