@@ -29,6 +29,8 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default 8000)")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
     migrate: Annotated[bool, typer.Option(help="Apply migrations to head first")] = True,
+    insecure: Annotated[bool, typer.Option(
+        help="Allow a non-loopback address without API tokens")] = False,
 ) -> None:
     """Apply migrations to head, then serve the REST API with uvicorn."""
     import uvicorn
@@ -43,7 +45,11 @@ def serve(
     except ValueError:
         loopback = bind == "localhost"
     if not loopback and not settings.api_tokens:
-        console.print(f"[yellow]warning:[/] serving on non-loopback {bind} without API tokens")
+        if not insecure:
+            console.print(f"[red]refusing to serve on non-loopback {bind} without API tokens[/];"
+                          " set TURNLOG_API_TOKENS or pass --insecure")
+            raise typer.Exit(2)
+        console.print(f"[yellow]warning:[/] serving on {bind} without API tokens (--insecure)")
     if migrate and settings.migrate_on_start:
         migrations.upgrade(url)
         console.print(f"[green]schema at head[/] on {settings.database_url}")
