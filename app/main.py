@@ -8,12 +8,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__
-from app.api import feed, health, problems, samples, sessions
+from app.api import analytics, feed, gates, health, history, problems, samples, sessions
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.api.problems import JSONText
 from app.settings import Settings, get_settings
+from app.store.analytics import Analytics
 from app.store.db import Database
+from app.store.gates import Gates
+from app.store.history import History, metric_keys
 from app.store.loader import StateCache
 from app.store.reads import Reader
 from app.store.samples import SampleReader
@@ -30,6 +33,9 @@ def build_services(settings: Settings) -> Services:
         writer=Writer(db, cache, settings.max_nodes),
         reader=Reader(db, cache),
         samples=SampleReader(db, cache),
+        analytics=Analytics(db),
+        history=History(db, metric_keys(settings.metric_keys)),
+        gates=Gates(db),
     )
 
 
@@ -52,6 +58,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.services = svc
     problems.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    for module in (health, sessions, samples, feed):
+    for module in (health, sessions, samples, feed, analytics, history, gates):
         app.include_router(module.router)
     return app

@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     state_cache_sessions: int = Field(default=512, ge=0)
     api_tokens: str = ""
     migrate_on_start: bool = True
+    # Metric-history whitelist, comma-separated; empty = DEFAULT_METRIC_KEYS.
+    metric_keys: str = ""
 
 
 @lru_cache(maxsize=1)

@@ -76,7 +76,6 @@ def upgrade() -> None:
         sa.Column("payload", sa.Text, nullable=False),
         sa.Column("prompt_lcp", sa.Integer, nullable=True),
         sa.Column("prompt_delta", sa.LargeBinary, nullable=True),
-        sa.Column("fingerprint", sa.String(64), nullable=True),
         sa.Column("xid", sa.BigInteger, nullable=False, server_default=sa.text("0")),
         sa.Column("recorded_us", sa.BigInteger, nullable=False),
         sa.PrimaryKeyConstraint("position", name="pk_events"),

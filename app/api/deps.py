@@ -9,7 +9,10 @@ from fastapi import Depends, Request
 
 from app.domain import jsonio
 from app.settings import Settings
+from app.store.analytics import Analytics
 from app.store.db import Database
+from app.store.gates import Gates
+from app.store.history import History
 from app.store.loader import StateCache
 from app.store.reads import Reader
 from app.store.samples import SampleReader
@@ -24,6 +27,9 @@ class Services:
     writer: Writer
     reader: Reader
     samples: SampleReader
+    analytics: Analytics
+    history: History
+    gates: Gates
 
 
 def services(request: Request) -> Services:

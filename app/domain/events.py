@@ -38,7 +38,6 @@ class StoredTurn:
     prompt_lcp: int
     prompt_delta: bytes
     patch: Patch | None
-    fingerprint: str
 
 
 def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
@@ -82,7 +81,6 @@ def encode_turn(body: TurnBody, attachment: Attachment, num_layers: int | None) 
         prompt_lcp=attachment.prompt_lcp,
         prompt_delta=delta,
         patch=patch,
-        fingerprint=jsonio.fingerprint(body.content()),
     )
 
 
@@ -127,3 +125,16 @@ def stored_facts(
     if "metadata" in payload:
         body["metadata"] = payload["metadata"]
     return parse_turn(body, spec, stored_r3=patch_geometry).facts
+
+
+def stored_content(
+    payload: dict[str, Any], event_id: str, prompt: np.ndarray, r3_base64: str | None
+) -> dict[str, Any]:
+    """The turn body as first sent (the idempotency content, cf. `TurnBody.content`)."""
+    out: dict[str, Any] = {"event_id": event_id,
+                           "record": restore_record(payload, prompt, r3_base64)}
+    if "parent_given" in payload:
+        out["parent"] = payload["parent_given"]
+    if "metadata" in payload:
+        out["metadata"] = payload["metadata"]
+    return out

@@ -36,20 +36,34 @@ def _finite_float(text: str) -> float:
 
 
 def _depth(value: Any) -> int:
-    """Nesting depth, iteratively (a recursive walk would itself overflow)."""
+    """Nesting depth, iteratively (a recursive walk would itself overflow).
+
+    Lists of scalars (a 20k-token prompt) are dismissed by one C-level type scan.
+    """
+    if type(value) is not dict and type(value) is not list:
+        return 0
     best = 0
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, level = stack.pop()
-        if isinstance(node, dict):
-            best = max(best, level)
-            if level < MAX_DEPTH + 1:
-                stack.extend((v, level + 1) for v in node.values())
-        elif isinstance(node, list):
-            best = max(best, level)
-            if level < MAX_DEPTH + 1:
-                stack.extend((v, level + 1) for v in node)
+        best = max(best, level)
+        if best > MAX_DEPTH:
+            break
+        children = node.values() if type(node) is dict else node
+        kinds = set(map(type, children))
+        if dict in kinds or list in kinds:
+            stack.extend((v, level + 1) for v in children
+                         if type(v) is dict or type(v) is list)
     return best
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(
+        "JSON nesting is too deep",
+        field="body",
+        expected=f"at most {MAX_DEPTH} levels of nesting",
+        actual="deeper",
+    )
 
 
 def loads(raw: bytes | str) -> Any:
@@ -59,12 +73,7 @@ def loads(raw: bytes | str) -> Any:
     except InvalidRequest:
         raise
     except RecursionError:
-        raise InvalidRequest(
-            "JSON nesting is too deep",
-            field="body",
-            expected=f"at most {MAX_DEPTH} levels of nesting",
-            actual="deeper",
-        ) from None
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(
             f"body is not valid JSON: {exc}",
@@ -73,12 +82,7 @@ def loads(raw: bytes | str) -> Any:
             actual="malformed JSON",
         ) from None
     if _depth(value) > MAX_DEPTH:
-        raise InvalidRequest(
-            "JSON nesting is too deep",
-            field="body",
-            expected=f"at most {MAX_DEPTH} levels of nesting",
-            actual="deeper",
-        )
+        raise _too_deep()
     return value
 
 
@@ -95,3 +99,23 @@ def canonical(value: Any) -> str:
 
 def fingerprint(value: Any) -> str:
     return hashlib.sha256(canonical(value).encode("ascii")).hexdigest()
+
+
+def strict_equal(a: Any, b: Any) -> bool:
+    """JSON equality that also tells `1`, `1.0` and `true` apart (Python's `==` does not)."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, dict):
+            if x.keys() != y.keys():
+                return False
+            stack.extend((x[k], y[k]) for k in x)
+        elif isinstance(x, list):
+            if len(x) != len(y):
+                return False
+            stack.extend(zip(x, y, strict=True))
+        elif x != y:
+            return False
+    return True

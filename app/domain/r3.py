@@ -49,23 +49,25 @@ class Patch:
 
 
 def decode_payload(text: str, field: str) -> np.ndarray:
-    """Strict base64 of little-endian int32 → flat int32 array."""
+    """Strict, canonical base64 of little-endian int32 → flat int32 array.
+
+    Canonical means re-encoding gives the same text back (so the record reads
+    back byte-identical): standard alphabet, full padding, zero trailing bits.
+    """
+    def invalid(why: str) -> InvalidR3:
+        return InvalidR3(f"routed_experts is not valid base64: {why}", field=field,
+                         expected="canonical padded standard base64 of little-endian int32",
+                         actual=f"{len(text)} characters")
+
+    if len(text) % 4:
+        raise invalid("length is not a multiple of 4 (truncated?)")
     try:
-        raw = base64.b64decode(text, validate=True)
+        raw = binascii.a2b_base64(text, strict_mode=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidR3(
-            f"routed_experts is not valid base64: {exc}",
-            field=field,
-            expected="standard base64 of little-endian int32",
-            actual=f"{len(text)} characters",
-        ) from None
-    if base64.b64encode(raw).decode("ascii") != text:
-        raise InvalidR3(
-            "routed_experts is not canonical base64 (padding or trailing bits)",
-            field=field,
-            expected="canonical padded standard base64",
-            actual=f"{len(text)} characters",
-        )
+        raise invalid(str(exc)) from None
+    tail = 3 - text.count("=", len(text) - 2)
+    if base64.b64encode(raw[len(raw) - tail:]).decode("ascii") != text[-4:]:
+        raise invalid("non-zero trailing bits")
     if len(raw) % 4:
         raise InvalidR3(
             "routed_experts is not a whole number of int32 values",

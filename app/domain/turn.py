@@ -123,15 +123,44 @@ def parse_event_id(body: dict[str, Any]) -> str:
     return event_id
 
 
+def _token_error(values: list[Any], field_name: str) -> InvalidRequest:
+    for i, tok in enumerate(values):
+        if not is_int(tok) or not 0 <= tok <= TOKEN_MAX:
+            return _invalid(f"{field_name}[{i}] is not a token id", f"{field_name}[{i}]",
+                            f"integer in [0, {TOKEN_MAX}]", tok)
+    raise AssertionError("no invalid token id")  # pragma: no cover
+
+
 def token_array(value: Any, field_name: str) -> np.ndarray:
     if not isinstance(value, list):
         raise _invalid(f"{field_name} must be a list of token ids", field_name,
                        "array of integers", value)
-    for i, tok in enumerate(value):
+    if not value:
+        return np.empty(0, np.int64)
+    # One C-level type scan (booleans are not `int` here), then a numpy range check.
+    if set(map(type, value)) == {int}:
+        try:
+            arr = np.asarray(value, dtype=np.int64)
+        except OverflowError:
+            raise _token_error(value, field_name) from None
+        if int(arr.min()) >= 0 and int(arr.max()) <= TOKEN_MAX:
+            return arr
+    raise _token_error(value, field_name)
+
+
+def _output_error(entries: list[Any], name: str) -> InvalidRequest:
+    for i, entry in enumerate(entries):
+        where = f"{name}[{i}]"
+        if not isinstance(entry, list) or len(entry) < 2:
+            return _invalid("each output entry is [logprob, token_id, ...]", where,
+                            "array [logprob, token_id, ...]", entry)
+        logprob, tok = entry[0], entry[1]
+        if not isinstance(logprob, int | float) or isinstance(logprob, bool):
+            return _invalid("logprob must be a number", f"{where}[0]", "number", logprob)
         if not is_int(tok) or not 0 <= tok <= TOKEN_MAX:
-            raise _invalid(f"{field_name}[{i}] is not a token id", f"{field_name}[{i}]",
-                           f"integer in [0, {TOKEN_MAX}]", tok)
-    return np.asarray(value, dtype=np.int64)
+            return _invalid("token id out of range", f"{where}[1]",
+                            f"integer in [0, {TOKEN_MAX}]", tok)
+    raise AssertionError("no invalid output entry")  # pragma: no cover
 
 
 def _output(meta: dict[str, Any]) -> tuple[np.ndarray, list[float]]:
@@ -140,22 +169,17 @@ def _output(meta: dict[str, Any]) -> tuple[np.ndarray, list[float]]:
     if not isinstance(entries, list):
         raise _invalid("output_token_logprobs is required", name,
                        "array of [logprob, token_id, ...]", entries)
-    ids: list[int] = []
-    logprobs: list[float] = []
-    for i, entry in enumerate(entries):
-        where = f"{name}[{i}]"
-        if not isinstance(entry, list) or len(entry) < 2:
-            raise _invalid("each output entry is [logprob, token_id, ...]", where,
-                           "array [logprob, token_id, ...]", entry)
-        logprob, tok = entry[0], entry[1]
-        if not isinstance(logprob, int | float) or isinstance(logprob, bool):
-            raise _invalid("logprob must be a number", f"{where}[0]", "number", logprob)
-        if not is_int(tok) or not 0 <= tok <= TOKEN_MAX:
-            raise _invalid("token id out of range", f"{where}[1]",
-                           f"integer in [0, {TOKEN_MAX}]", tok)
-        ids.append(tok)
-        logprobs.append(float(logprob))
-    return np.asarray(ids, dtype=np.int64), logprobs
+    if not entries:
+        return np.empty(0, np.int64), []
+    # Whole-list checks at C speed; the slow walk only runs to name a bad entry.
+    if set(map(type, entries)) == {list} and min(map(len, entries)) >= 2:
+        logprobs = [entry[0] for entry in entries]
+        ids = [entry[1] for entry in entries]
+        if set(map(type, logprobs)) <= {float, int} and set(map(type, ids)) == {int}:
+            arr = np.asarray(ids, dtype=np.int64) if max(ids) <= TOKEN_MAX else None
+            if arr is not None and int(arr.min()) >= 0:
+                return arr, [float(x) for x in logprobs]
+    raise _output_error(entries, name)
 
 
 def _counter(meta: dict[str, Any], name: str) -> int | None:

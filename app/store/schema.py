@@ -75,7 +75,6 @@ events = sa.Table(
     sa.Column("payload", sa.Text, nullable=False),
     sa.Column("prompt_lcp", sa.Integer, nullable=True),
     sa.Column("prompt_delta", sa.LargeBinary, nullable=True),
-    sa.Column("fingerprint", sa.String(64), nullable=True),
     sa.Column("xid", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     sa.Column("recorded_us", sa.BigInteger, nullable=False),
     sa.UniqueConstraint("session_id", "seq"),
@@ -148,3 +147,58 @@ samples = sa.Table(
 )
 
 PROJECTIONS = ("sessions", "nodes", "samples")
+
+# CI metric history: one row per submission (idempotent on its fingerprint
+# within a run attempt) and its whitelisted points in submission order. A
+# non-finite value keeps `value` NULL and its marker in `non_finite` (SQLite
+# cannot store NaN). `run_key` hashes (coordinate, run_id) for a short index.
+metric_submissions = sa.Table(
+    "metric_submissions",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("run_key", sa.String(64), nullable=False),
+    sa.Column("test_path", sa.Text, nullable=False),
+    sa.Column("backend", sa.Text, nullable=False),
+    sa.Column("suite", sa.Text, nullable=False),
+    sa.Column("run_id", sa.String(256), nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("trusted", sa.Boolean, nullable=False),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("recorded_us", sa.BigInteger, nullable=False),
+    sa.UniqueConstraint("run_key", "attempt", "fingerprint"),
+)
+
+metric_points = sa.Table(
+    "metric_points",
+    metadata,
+    sa.Column("submission_id", sa.BigInteger, sa.ForeignKey("metric_submissions.id"),
+              primary_key=True),
+    sa.Column("ord", sa.Integer, primary_key=True),
+    sa.Column("metric", sa.String(256), nullable=False),
+    sa.Column("step", sa.BigInteger, nullable=True),
+    sa.Column("value", sa.Double, nullable=True),
+    sa.Column("non_finite", sa.String(9), nullable=True),
+)
+
+# Gate baselines: the value a run contributed at one gate coordinate
+# (`coordinate_key` hashes the whole coordinate), trusted only if the run was
+# submitted trusted and passed its gates; "most recent" is `recorded_us`.
+gate_baselines = sa.Table(
+    "gate_baselines",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("coordinate_key", sa.String(64), nullable=False),
+    sa.Column("test_path", sa.Text, nullable=False),
+    sa.Column("backend", sa.Text, nullable=False),
+    sa.Column("suite", sa.Text, nullable=False),
+    sa.Column("metric", sa.String(256), nullable=False),
+    sa.Column("steps_key", sa.Text, nullable=False),
+    sa.Column("constraint_key", sa.Text, nullable=False),
+    sa.Column("step", sa.BigInteger, nullable=False),
+    sa.Column("run_id", sa.String(256), nullable=False),
+    sa.Column("value", sa.Double, nullable=False),
+    sa.Column("trusted", sa.Boolean, nullable=False),
+    sa.Column("recorded_us", sa.BigInteger, nullable=False),
+    sa.UniqueConstraint("coordinate_key", "run_id"),
+    sa.Index("ix_gate_baselines_coordinate_key_recorded_us", "coordinate_key", "recorded_us"),
+)

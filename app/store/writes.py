@@ -19,12 +19,19 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
 from app.domain.errors import IdempotencyConflict, SessionClosed, SessionConflict
-from app.domain.events import SESSION_CLOSED, SESSION_OPENED, TURN_RECORDED, encode_turn
+from app.domain.events import (
+    SESSION_CLOSED,
+    SESSION_OPENED,
+    TURN_RECORDED,
+    encode_turn,
+    stored_content,
+)
 from app.domain.projections import closed_head, node_row, sample_row, session_head
+from app.domain.r3 import Patch
 from app.domain.samples import build_samples
 from app.domain.session import SessionSpec, label_text, parse_close, parse_open
 from app.domain.tree import SessionState
-from app.domain.turn import parse_event_id, parse_turn
+from app.domain.turn import TurnBody, parse_turn
 from app.store.db import Database
 from app.store.loader import StateCache, load_state, session_row
 from app.store.schema import events, nodes, r3_patches, samples, session_labels, sessions
@@ -137,16 +144,13 @@ class Writer:
 
     async def append_turn(self, session_id: str, raw: Any) -> Written:
         spec = await self._spec(session_id)
-        if isinstance(raw, dict):
-            parse_event_id(raw)
         body = parse_turn(raw, spec)
         async with self.db.write() as conn:
             row = await session_row(conn, session_id, lock=True)
-            repeat = await self._repeat(conn, session_id, body.event_id,
-                                        jsonio.fingerprint(body.content()))
-            if repeat is not None:
-                return Written(repeat, created=False)
             state = await load_state(conn, self.cache, row)
+            seen = state.event_ids.get(body.event_id)
+            if seen is not None:
+                return Written(await self._repeat(conn, state, seen, body), created=False)
             attachment = state.attach(body, self.max_nodes)
             stored = encode_turn(body, attachment, spec.num_layers)
             recorded = now_us()
@@ -158,7 +162,6 @@ class Writer:
                 "payload": stored.payload,
                 "prompt_lcp": stored.prompt_lcp,
                 "prompt_delta": stored.prompt_delta,
-                "fingerprint": stored.fingerprint,
                 "recorded_us": recorded,
             })
             if stored.patch is not None:
@@ -181,24 +184,34 @@ class Writer:
         return Written(turn_reply(session_id, nrow), created=True)
 
     async def _repeat(
-        self, conn: AsyncConnection, session_id: str, event_id: str, fingerprint: str
-    ) -> dict[str, Any] | None:
-        found = (await conn.execute(
-            sa.select(events.c.seq, events.c.fingerprint)
-            .where(events.c.session_id == session_id)
-            .where(events.c.event_id == event_id)
+        self, conn: AsyncConnection, state: SessionState, seq: int, body: TurnBody
+    ) -> dict[str, Any]:
+        """The original reply if `body` is the turn first sent with its event_id, else 409.
+
+        Compared against the log itself, so the append path pays nothing for it.
+        """
+        session_id = state.spec.session_id
+        event = (await conn.execute(
+            sa.select(events.c.payload).where(events.c.session_id == session_id)
+            .where(events.c.seq == seq)
+        )).one()
+        patch = (await conn.execute(
+            sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
+            .where(r3_patches.c.seq == seq)
         )).first()
-        if found is None:
-            return None
-        if found.fingerprint != fingerprint:
+        b64 = None if patch is None else Patch(
+            start=patch.start_row, end=patch.end_row, num_layers=patch.num_layers,
+            topk=patch.topk, dtype=patch.dtype, data=patch.data).base64()
+        first = stored_content(jsonio.loads(event.payload), body.event_id,
+                               state.nodes[seq].facts.prompt, b64)
+        if not jsonio.strict_equal(first, body.content()):
             raise IdempotencyConflict(
-                f"event_id {event_id!r} was already recorded with other content",
+                f"event_id {body.event_id!r} was already recorded with other content",
                 field="event_id", expected="the content first sent with this event_id",
                 actual="different content",
             )
         node = (await conn.execute(
-            sa.select(nodes).where(nodes.c.session_id == session_id)
-            .where(nodes.c.seq == found.seq)
+            sa.select(nodes).where(nodes.c.session_id == session_id).where(nodes.c.seq == seq)
         )).mappings().one()
         return turn_reply(session_id, node)
 

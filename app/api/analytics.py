@@ -1,0 +1,29 @@
+"""`/v1/analytics/spec` and `/v1/metrics/rollout`: SpecInfo rates per group, rollout metrics.
+
+Every query parameter other than the endpoint's own is a label filter
+(`run_id=run7&rollout_id=12`), matched against the label's text form.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from app.api.deps import ServicesDep
+from app.api.problems import JSONText
+from app.api.sessions import label_filters
+
+router = APIRouter(prefix="/v1", tags=["analytics"])
+SPEC_PARAMS = frozenset({"group_by"})
+ROLLOUT_PARAMS = frozenset({"strict"})
+
+
+@router.get("/analytics/spec")
+async def spec_rates(request: Request, svc: ServicesDep, group_by: str | None = None) -> JSONText:
+    """Spec-decoding sums and rates per weight_version, model, run_id, rollout_id, hour or day."""
+    return JSONText(await svc.analytics.spec(group_by, label_filters(request, SPEC_PARAMS)))
+
+
+@router.get("/metrics/rollout")
+async def rollout_metrics(request: Request, svc: ServicesDep, strict: bool = False) -> JSONText:
+    """Miles-style rollout metrics over the closed sessions that match the label filters."""
+    return JSONText(await svc.analytics.rollout(label_filters(request, ROLLOUT_PARAMS), strict))

@@ -1,0 +1,157 @@
+"""Analytics reads: SpecInfo rates per group and the metrics of a rollout.
+
+Owns the queries behind `GET /v1/analytics/spec` and `GET /v1/metrics/rollout`.
+The spec rates are read from the `spec_turns` view of migration 0002 (the
+§3 guard is applied there, once, for SQL users and for the API alike) and
+grouped with the same SUM/COUNT as the `spec_rates_by_<key>` views; the
+rates are then the domain's (`SpecInfo.accept_rate`/`accept_length`, float64
+division of the integer sums, which the views reproduce bit for bit).
+Rollout metrics read closed sessions' carriers and sample rows and hand
+them to `app/domain/rollout_metrics.py`. Refuses to own any rule: no guard,
+ratio or mismatch rate is computed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.elements import ColumnElement
+
+from app.domain import jsonio
+from app.domain.errors import InvalidRequest
+from app.domain.rollout_metrics import SampleRow, SessionRow, check_strict, rollout_metrics
+from app.domain.session import describe
+from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo
+from app.store.db import Database
+from app.store.reads import label_filter
+from app.store.schema import samples, sessions
+
+# `group_by` value → column of the `spec_turns` view.
+GROUP_BY: Mapping[str, str] = {
+    "weight_version": "weight_version",
+    "model": "model",
+    "run_id": "run_id",
+    "rollout_id": "rollout_id",
+    "hour": "record_hour",
+    "day": "record_day",
+}
+
+spec_turns = sa.table(
+    "spec_turns",
+    sa.column("session_id", sa.String),
+    *(sa.column(column, sa.Text) for column in GROUP_BY.values()),
+    *(sa.column(key, sa.BigInteger) for key in SPEC_INFO_KEYS),
+)
+
+
+def parse_group_by(value: str | None) -> str:
+    if value not in GROUP_BY:
+        raise InvalidRequest(f"group_by must be one of {', '.join(GROUP_BY)}",
+                             field="group_by", expected=" | ".join(GROUP_BY),
+                             actual=describe(value))
+    assert value is not None
+    return value
+
+
+def key_order(conn: AsyncConnection, key: ColumnElement[Any]) -> list[ColumnElement[Any]]:
+    """Ascending key order, NULL first, text compared by code point on both dialects.
+
+    SQLite's default BINARY collation compares UTF-8 bytes; PostgreSQL's
+    database collation may be linguistic, so it is pinned to "C" (bytes).
+    Both equal Python's `sorted(keys, key=group_sort_key)`.
+    """
+    text = key.collate("C") if conn.dialect.name == "postgresql" else key
+    return [sa.case((key.is_(None), 0), else_=1), text]
+
+
+def group_sort_key(key: str | None) -> tuple[bool, str]:
+    return (key is not None, key or "")
+
+
+def spec_group_query(group_by: str, filters: Mapping[str, str]) -> sa.Select[Any]:
+    """The grouped SUM/COUNT over `spec_turns`; `filters` match session labels as text."""
+    key = spec_turns.c[GROUP_BY[group_by]]
+    query = sa.select(
+        key.label("key"),
+        sa.func.count(sa.distinct(spec_turns.c.session_id)).label("sessions"),
+        sa.func.count().label("turns"),
+        *(sa.func.sum(spec_turns.c[name]).label(name) for name in SPEC_INFO_KEYS),
+    ).group_by(key)
+    clauses = label_filter(filters)
+    if clauses:
+        query = query.select_from(
+            spec_turns.join(sessions, sessions.c.session_id == spec_turns.c.session_id)
+        ).where(*clauses)
+    return query
+
+
+def spec_group(row: Any) -> dict[str, Any]:
+    info = SpecInfo(**{name: int(row[name]) for name in SPEC_INFO_KEYS})
+    return {
+        "key": row["key"],
+        "sessions": int(row["sessions"]),
+        "turns": int(row["turns"]),
+        **info.as_dict(),
+        "accept_rate": info.accept_rate,
+        "accept_length": info.accept_length,
+    }
+
+
+class Analytics:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def spec(self, group_by: str | None, filters: Mapping[str, str]) -> dict[str, Any]:
+        """`GET /v1/analytics/spec`: one group per key over every recorded turn."""
+        column = parse_group_by(group_by)
+        query = spec_group_query(column, filters)
+        async with self.db.read() as conn:
+            key = spec_turns.c[GROUP_BY[column]]
+            rows = (await conn.execute(query.order_by(*key_order(conn, key)))).mappings().all()
+        return {"groups": [spec_group(row) for row in rows]}
+
+    async def rollout_sessions(self, filters: Mapping[str, str]) -> list[SessionRow]:
+        """The closed sessions matching `filters`, with their carriers and sample rows."""
+        clauses = [sessions.c.status == "closed", *label_filter(filters)]
+        async with self.db.read() as conn:
+            heads = (await conn.execute(
+                sa.select(sessions.c.session_id, sessions.c.version, sessions.c.spec,
+                          sessions.c.spec_correct, sessions.c.spec_proposed,
+                          sessions.c.spec_verify, sessions.c.spec_completion)
+                .where(*clauses).order_by(sessions.c.id)
+            )).all()
+            sample_rows = (await conn.execute(
+                sa.select(samples.c.session_id, samples.c.response_length, samples.c.status,
+                          samples.c.sample_metadata)
+                .select_from(samples.join(sessions,
+                                          sessions.c.session_id == samples.c.session_id))
+                .where(*clauses).order_by(samples.c.session_id, samples.c.sample_index)
+            )).all()
+        by_session: dict[str, list[SampleRow]] = {}
+        for row in sample_rows:
+            mismatch = jsonio.loads(row.sample_metadata).get("tito_session_mismatch")
+            by_session.setdefault(row.session_id, []).append(
+                SampleRow(response_length=row.response_length, status=row.status,
+                          mismatch=mismatch))
+        return [
+            SessionRow(
+                session_id=head.session_id,
+                version=head.version,
+                samples=tuple(by_session.get(head.session_id, ())),
+                carrier=SpecInfo(int(head.spec_correct), int(head.spec_proposed),
+                                 int(head.spec_verify), int(head.spec_completion))
+                if head.spec else None,
+            )
+            for head in heads
+        ]
+
+    async def rollout(self, filters: Mapping[str, str], strict: bool = False
+                      ) -> dict[str, float | int]:
+        """`GET /v1/metrics/rollout`; with `strict`, a non-zero strict TITO rate is 409."""
+        metrics = rollout_metrics(await self.rollout_sessions(filters))
+        if strict:
+            check_strict(metrics)
+        return metrics

@@ -1,0 +1,184 @@
+"""Regression gates against the metric history: `POST /v1/gates/evaluate`, `turnlog gate check`.
+
+Owns the I/O around `app/domain/gates.py`: reading a run's merged series,
+fetching per coordinate the most recent trusted baseline values of *other*
+runs (newest first, at most the window), and storing the rows the run
+contributes (`baseline_rows`, trusted per `row_trust`) in the same
+transaction, so two evaluations never see half of each other. A re-evaluated
+run replaces its own rows (value and trust) but keeps its original place in
+time. Refuses to own any rule: selection, corridor, status and verdict are
+the domain's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.domain import jsonio
+from app.domain.errors import InvalidRequest
+from app.domain.gates import (
+    BASELINE_WINDOW,
+    BaselineRow,
+    GateCoordinate,
+    GateSpec,
+    Verdict,
+    baseline_rows,
+    coordinates,
+    default_specs,
+    evaluate,
+    parse_gate_specs,
+    row_trust,
+)
+from app.domain.metric_history import MAX_METRIC, RunCoordinate, parse_coordinate
+from app.domain.session import describe, reject_unknown, require_object
+from app.store.db import Database
+from app.store.history import RunHistory, load_run
+from app.store.schema import gate_baselines
+
+EVALUATE_FIELDS = frozenset({"coordinate", "run_id", "specs", "record"})
+CHUNK = 500
+
+
+def coordinate_key(coordinate: GateCoordinate) -> str:
+    return jsonio.fingerprint(dataclasses.asdict(coordinate))
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    """What `evaluate` was asked: the run, its specs and whether to record its rows."""
+
+    coordinate: RunCoordinate
+    run_id: str
+    specs: tuple[GateSpec, ...]
+    record: bool = True
+
+
+@dataclass(frozen=True)
+class GateReport:
+    run: RunHistory
+    verdict: Verdict
+    rows: tuple[BaselineRow, ...]
+    baseline: bool
+    recorded: bool
+
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.verdict.as_dict(),
+            "run_id": self.run.run_id,
+            "run_trusted": self.run.trusted,
+            "exit_code": self.exit_code,
+            "recorded": {"rows": len(self.rows), "baseline": self.baseline}
+            if self.recorded else None,
+        }
+
+
+def parse_check(raw: Any) -> GateCheck:
+    """The `POST /v1/gates/evaluate` body; `specs` omitted = every default gate."""
+    body = require_object(raw, "body")
+    reject_unknown(body, EVALUATE_FIELDS, "")
+    run_id = body.get("run_id")
+    if not isinstance(run_id, str) or not 1 <= len(run_id) <= MAX_METRIC:
+        raise InvalidRequest("run_id must be a non-empty string", field="run_id",
+                             expected=f"string of 1-{MAX_METRIC} characters",
+                             actual=describe(run_id))
+    record = body.get("record", True)
+    if not isinstance(record, bool):
+        raise InvalidRequest("record must be a boolean", field="record", expected="boolean",
+                             actual=describe(record))
+    specs = body.get("specs")
+    return GateCheck(
+        coordinate=parse_coordinate(body.get("coordinate")),
+        run_id=run_id,
+        specs=default_specs() if specs is None else parse_gate_specs(specs),
+        record=record,
+    )
+
+
+async def baseline_values(
+    conn: AsyncConnection, wanted: Sequence[GateCoordinate], run_id: str,
+    window: int = BASELINE_WINDOW,
+) -> dict[GateCoordinate, list[float]]:
+    """Per coordinate, the trusted values of other runs, newest first, at most `window`."""
+    by_key = {coordinate_key(c): c for c in wanted}
+    keys = list(by_key)
+    found: dict[GateCoordinate, list[float]] = {}
+    for start in range(0, len(keys), CHUNK):
+        rank = sa.func.row_number().over(
+            partition_by=gate_baselines.c.coordinate_key,
+            order_by=(gate_baselines.c.recorded_us.desc(), gate_baselines.c.id.desc()),
+        ).label("rank")
+        recent = (
+            sa.select(gate_baselines.c.coordinate_key, gate_baselines.c.value, rank)
+            .where(gate_baselines.c.coordinate_key.in_(keys[start:start + CHUNK]))
+            .where(gate_baselines.c.trusted.is_(True))
+            .where(gate_baselines.c.run_id != run_id)
+            .subquery()
+        )
+        rows = await conn.execute(
+            sa.select(recent.c.coordinate_key, recent.c.value)
+            .where(recent.c.rank <= window)
+            .order_by(recent.c.coordinate_key, recent.c.rank)
+        )
+        for row in rows:
+            found.setdefault(by_key[row.coordinate_key], []).append(float(row.value))
+    return found
+
+
+async def store_rows(conn: AsyncConnection, rows: Sequence[BaselineRow]) -> None:
+    recorded_us = time.time_ns() // 1000
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    values = [{
+        "coordinate_key": coordinate_key(row.coordinate),
+        **dataclasses.asdict(row.coordinate),
+        "run_id": row.run_id,
+        "value": row.value,
+        "trusted": row.trusted,
+        "recorded_us": recorded_us,
+    } for row in rows]
+    for start in range(0, len(values), CHUNK):
+        stmt = insert(gate_baselines).values(values[start:start + CHUNK])
+        await conn.execute(stmt.on_conflict_do_update(
+            index_elements=["coordinate_key", "run_id"],
+            set_={"value": stmt.excluded.value, "trusted": stmt.excluded.trusted},
+        ))
+
+
+class Gates:
+    def __init__(self, db: Database, window: int = BASELINE_WINDOW) -> None:
+        self.db = db
+        self.window = window
+
+    async def evaluate(self, raw: Any) -> dict[str, Any]:
+        """`POST /v1/gates/evaluate`: the verdict with every coordinate judged."""
+        return (await self.check(parse_check(raw))).as_dict()
+
+    async def check(self, check: GateCheck) -> GateReport:
+        if check.record:
+            async with self.db.write() as conn:
+                return await self._judge(conn, check)
+        async with self.db.read() as conn:
+            return await self._judge(conn, check)
+
+    async def _judge(self, conn: AsyncConnection, check: GateCheck) -> GateReport:
+        run = await load_run(conn, check.coordinate, check.run_id)
+        wanted = coordinates(check.coordinate, check.specs, run.series)
+        history = await baseline_values(conn, wanted, check.run_id, self.window)
+        verdict = evaluate(check.coordinate, check.specs, run.series, history, self.window)
+        trusted = row_trust(run.trusted, verdict)
+        rows = baseline_rows(check.coordinate, check.run_id, check.specs, run.series, trusted)
+        if check.record and rows:
+            await store_rows(conn, rows)
+        return GateReport(run=run, verdict=verdict, rows=tuple(rows), baseline=trusted,
+                          recorded=check.record)

@@ -1,0 +1,282 @@
+"""Ingest benchmark: turnlog over HTTP vs a naive JSONB store vs the raw-bytes floor.
+
+Run by hand (not in CI):
+
+    .venv/bin/python -m bench.ingest [--postgres-url postgresql://...] [--sessions 16]
+
+Addition-mode (in_place) sessions with Qwen3-30B-A3B geometry (48 layers,
+top-8, 128 experts), 10 turns per session, ~2k new tokens per turn, appended
+by 4 concurrent clients. In the same run, with the same turns and
+concurrency, two references:
+- naive: one row per record as received (base64 R3 inside) in a JSONB column,
+  inserted with asyncpg;
+- floor: raw asyncpg INSERTs of only the bytes turnlog must keep (the narrowed
+  R3 and the token delta as bytea), no HTTP, no JSON.
+Without --postgres-url a throwaway cluster is started from the installed
+PostgreSQL binaries (tests/pgserver.py). Every phase gets its own database so
+the stored sizes are clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import httpx
+import numpy as np
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.pgserver import PostgresServer, create_database, start_postgres  # noqa: E402
+
+LAYERS, TOPK, EXPERTS = 48, 8, 128
+TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")
+
+
+@dataclass
+class Turn:
+    body: bytes  # the JSON the session server sends
+    r3_rows: int
+    r3_narrow: bytes  # what the floor keeps
+    token_delta: bytes
+
+
+@dataclass
+class SessionPlan:
+    session_id: str
+    open_body: bytes
+    turns: list[Turn]
+
+
+def make_session(rng: np.random.Generator, turns: int, new_tokens: int) -> SessionPlan:
+    sid = f"bench-{uuid.uuid4().hex[:12]}"
+    open_body = json.dumps({
+        "session_id": sid, "version": "v2", "pause_generation_mode": "in_place",
+        "r3": {"num_layers": LAYERS}, "spec": True,
+        "labels": {"run_id": "bench", "model": "qwen3-30b-a3b"},
+    }).encode()
+    tokens: list[int] = rng.integers(0, 150_000, 400).tolist()  # system prompt
+    plan: list[Turn] = []
+    for t in range(turns):
+        user = int(new_tokens * 0.3)
+        output = new_tokens - user
+        prompt = tokens + rng.integers(0, 150_000, user).tolist()
+        out = rng.integers(0, 150_000, output).tolist()
+        start = 0 if t == 0 else len(tokens) - 1
+        end = len(prompt) + len(out) - 1
+        rows = end - start
+        r3 = rng.integers(0, EXPERTS, (rows, LAYERS, TOPK), dtype=np.int32)
+        body = {
+            "event_id": uuid.uuid4().hex,
+            "record": {
+                "timestamp": 1755800000.0 + t, "request_timestamp": 1755800000.0 + t,
+                "method": "POST", "path": "/v1/chat/completions", "status_code": 200,
+                "request": {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                            "logprobs": True, "return_meta_info": True,
+                            "input_ids": prompt, "return_routed_experts": True,
+                            "routed_experts_start_len": start},
+                "response": {"id": f"chatcmpl-{t}", "object": "chat.completion", "choices": [{
+                    "index": 0, "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "y"},
+                    "meta_info": {
+                        "output_token_logprobs": [[round(-float(i % 97) / 50, 6), tok]
+                                                  for i, tok in enumerate(out)],
+                        "completion_tokens": len(out), "prompt_tokens": len(prompt),
+                        "cached_tokens": len(tokens), "weight_version": str(t // 3),
+                        "spec_verify_ct": 400, "spec_num_correct_drafts": 900,
+                        "spec_num_proposed_drafts": 1200,
+                        "routed_experts": base64.b64encode(r3.tobytes()).decode(),
+                    }}]},
+            },
+        }
+        delta = np.asarray(prompt[len(tokens):], dtype="<i4").tobytes()
+        plan.append(Turn(json.dumps(body).encode(), rows, r3.astype(np.uint8).tobytes(), delta))
+        tokens = prompt + out
+    return SessionPlan(sid, open_body, plan)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pg_dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  # noqa: ANN001
+    queue: asyncio.Queue[SessionPlan] = asyncio.Queue()
+    for p in plans:
+        queue.put_nowait(p)
+
+    async def worker(i: int) -> None:
+        while not queue.empty():
+            await work(i, queue.get_nowait())
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(clients)))
+    return time.perf_counter() - t0
+
+
+async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int) -> float:
+    port = free_port()
+    env = dict(os.environ, TURNLOG_DATABASE_URL=url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            for _ in range(300):
+                try:
+                    if (await http.get("/readyz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError("turnlog did not become ready")
+            headers = {"content-type": "application/json"}
+
+            async def work(_i: int, plan: SessionPlan) -> None:
+                r = await http.post("/v1/sessions", content=plan.open_body, headers=headers)
+                r.raise_for_status()
+                for turn in plan.turns:
+                    r = await http.post(f"/v1/sessions/{plan.session_id}/turns",
+                                        content=turn.body, headers=headers)
+                    if r.status_code != 201:
+                        raise RuntimeError(r.text)
+
+            return await run_workers(plans, clients, work)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def bench_naive(url: str, plans: list[SessionPlan], clients: int) -> float:
+    pool = await asyncpg.create_pool(pg_dsn(url), min_size=clients, max_size=clients)
+    await pool.execute("CREATE TABLE records (id bigserial PRIMARY KEY, session_id text, "
+                       "seq int, record jsonb)")
+
+    async def work(_i: int, plan: SessionPlan) -> None:
+        for seq, turn in enumerate(plan.turns):
+            await pool.execute("INSERT INTO records (session_id, seq, record) "
+                               "VALUES ($1, $2, $3::jsonb)", plan.session_id, seq,
+                               turn.body.decode())
+
+    try:
+        return await run_workers(plans, clients, work)
+    finally:
+        await pool.close()
+
+
+async def bench_floor(url: str, plans: list[SessionPlan], clients: int) -> float:
+    pool = await asyncpg.create_pool(pg_dsn(url), min_size=clients, max_size=clients)
+    await pool.execute("CREATE TABLE turns (session_id text, seq int, tokens bytea, r3 bytea, "
+                       "PRIMARY KEY (session_id, seq))")
+    await pool.execute("ALTER TABLE turns ALTER COLUMN r3 SET STORAGE EXTERNAL")
+
+    async def work(_i: int, plan: SessionPlan) -> None:
+        for seq, turn in enumerate(plan.turns):
+            await pool.execute("INSERT INTO turns VALUES ($1, $2, $3, $4)", plan.session_id,
+                               seq, turn.token_delta, turn.r3_narrow)
+
+    try:
+        return await run_workers(plans, clients, work)
+    finally:
+        await pool.close()
+
+
+async def stored_bytes(url: str, tables: tuple[str, ...]) -> int:
+    conn = await asyncpg.connect(pg_dsn(url))
+    try:
+        await conn.execute("CHECKPOINT")
+        total = 0
+        for table in tables:
+            total += int(await conn.fetchval("SELECT pg_total_relation_size($1)", table))
+        return total
+    finally:
+        await conn.close()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--postgres-url", help="admin URL of a PostgreSQL server "
+                        "(default: a throwaway cluster from the installed binaries)")
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--fast-unsafe", action="store_true",
+                        help="keep the test cluster's fsync=off (default: durable settings)")
+    args = parser.parse_args()
+
+    if args.postgres_url:
+        server = PostgresServer(url=str(make_url(args.postgres_url).set(
+            drivername="postgresql+asyncpg")), source="env")
+    else:
+        server = start_postgres()
+        if not args.fast_unsafe:
+            # The test cluster runs with fsync off; measure with production durability.
+            conn = await asyncpg.connect(pg_dsn(server.url))
+            for setting in ("fsync", "synchronous_commit", "full_page_writes"):
+                await conn.execute(f"ALTER SYSTEM SET {setting} = on")
+            await conn.execute("SELECT pg_reload_conf()")
+            await conn.close()
+    rng = np.random.default_rng(7)
+    print(f"generating {args.sessions} sessions x {args.turns} turns ...", flush=True)
+    plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]
+    turns = sum(len(p.turns) for p in plans)
+    rows = sum(t.r3_rows for p in plans for t in p.turns)
+    raw_r3 = rows * LAYERS * TOPK * 4
+    body_mb = sum(len(t.body) for p in plans for t in p.turns) / 1e6
+    print(f"{turns} turns, {rows} R3 rows, raw int32 R3 {raw_r3 / 1e6:.1f} MB, "
+          f"request bodies {body_mb:.1f} MB", flush=True)
+
+    results: dict[str, tuple[float, int]] = {}
+    for name, fn, tables in (
+        ("turnlog", bench_turnlog, TURNLOG_TABLES),
+        ("naive", bench_naive, ("records",)),
+        ("floor", bench_floor, ("turns",)),
+    ):
+        url = create_database(server, f"bench_{name}_{uuid.uuid4().hex[:6]}")
+        if name == "turnlog":
+            from app.store import migrate
+
+            await migrate.upgrade_async(url)
+        elapsed = await fn(url, plans, args.clients)
+        results[name] = (elapsed, await stored_bytes(url, tables))
+        print(f"  {name:8s} {elapsed:7.2f} s", flush=True)
+
+    print()
+    print(f"{'store':8s} {'turns/s':>9s} {'R3 MB/s':>9s} {'stored/raw':>11s}")
+    for name, (elapsed, size) in results.items():
+        print(f"{name:8s} {turns / elapsed:9.2f} {raw_r3 / 1e6 / elapsed:9.1f} "
+              f"{size / raw_r3:11.3f}")
+    t_turnlog, t_naive, t_floor = (results[k][0] for k in ("turnlog", "naive", "floor"))
+    print()
+    print(f"turnlog / naive throughput: {t_naive / t_turnlog:.2f}x   (target >= 2x)")
+    print(f"turnlog / floor throughput: {t_floor / t_turnlog:.2f}    (target >= 0.5)")
+    per_session = results["turnlog"][1] / len(plans)
+    print(f"turnlog bytes per session: {per_session / 1e6:.2f} MB = "
+          f"{results['turnlog'][1] / raw_r3:.3f} x raw int32 R3   (target <= 0.3)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
