@@ -11,12 +11,15 @@ import typer
 from rich.console import Console
 
 from app.cli_analytics import analytics_cli, gate_cli, history_cli
+from app.cli_store import rebuild, replay
 from app.settings import get_settings
 
 cli = typer.Typer(no_args_is_help=True, help="turnlog: event-sourced session store for RL rollouts")
 cli.add_typer(gate_cli, name="gate")
 cli.add_typer(history_cli, name="history")
 cli.add_typer(analytics_cli, name="analytics")
+cli.command()(rebuild)
+cli.command()(replay)
 console = Console(stderr=True)
 
 

@@ -46,12 +46,27 @@ def _settings(database_url: str | None) -> Settings:
     return settings
 
 
+def _check_sqlite_path(url: str) -> None:
+    # SQLite would fail to open the file deep inside aiosqlite's worker thread, which
+    # then reports on a closed loop; say plainly what is wrong instead.
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        folder = Path(parsed.database or "").resolve().parent
+        if not folder.is_dir():
+            raise RuntimeError(f"no directory {folder} for the SQLite database")
+
+
 def _with_store(database_url: str | None, use: Callable[[Any], Awaitable[T]]) -> T:
     """Run `use(services)` against the database, then release its connections."""
     from app.main import build_services
 
+    settings = _settings(database_url)
+    _check_sqlite_path(settings.database_url)
+
     async def run() -> T:
-        services = build_services(_settings(database_url))
+        services = build_services(settings)
         try:
             return await use(services)
         finally:
@@ -100,7 +115,8 @@ def print_verdict(report: dict[str, Any]) -> None:
                                f"[{coordinate['backend']}, {coordinate['suite']}]"))
     for name in ("metric", "steps", "step", "status", "value", "baseline", "n", "lo", "hi",
                  "detail"):
-        table.add_column(name, overflow="fold")
+        # Long texts fold; a status or a number must stay on one line to be read.
+        table.add_column(name, overflow="fold", no_wrap=name not in ("metric", "detail"))
     for r in report["results"]:
         style = STATUS_STYLE.get(r["status"], "")
         step = "-" if r["step"] is None else str(r["step"])

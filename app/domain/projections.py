@@ -15,6 +15,7 @@ from typing import Any
 
 from app.domain import jsonio
 from app.domain.samples import Sample, SamplesResult
+from app.domain.session import SessionSpec, label_text
 from app.domain.specinfo import sum_turns
 from app.domain.tree import Node, SessionState
 
@@ -146,3 +147,54 @@ def closed_head(state: SessionState, result: SamplesResult, closed_us: int) -> d
         "sample_errors": jsonio.dumps(result.errors),
     })
     return head
+
+
+def session_definition(spec: SessionSpec, created_us: int) -> dict[str, Any]:
+    """The immutable part of a `sessions` row: the open body, normalized."""
+    return {
+        "session_id": spec.session_id,
+        "version": spec.version,
+        "pause_generation_mode": spec.pause_generation_mode,
+        "num_layers": spec.num_layers,
+        "spec": spec.spec,
+        "max_trim_tokens": spec.max_trim_tokens,
+        "labels": jsonio.dumps(spec.labels),
+        "open_fingerprint": jsonio.fingerprint(spec.body()),
+        "created_us": created_us,
+    }
+
+
+def label_rows(spec: SessionSpec) -> list[dict[str, Any]]:
+    return [{"session_id": spec.session_id, "key": key, "value_text": label_text(value)}
+            for key, value in spec.labels.items()]
+
+
+def project_session(
+    state: SessionState,
+    opened_us: int,
+    closed_us: int | None,
+    turns: Mapping[int, tuple[int, int]],
+) -> dict[str, list[dict[str, Any]]]:
+    """Every projection row of one session, from its fold (what `rebuild` writes).
+
+    `turns` maps each seq to its event's (position, recorded_us).
+    """
+    from app.domain.samples import build_samples
+
+    sid = state.spec.session_id
+    row = session_definition(state.spec, opened_us)
+    sample_rows: list[dict[str, Any]] = []
+    if state.close is not None and closed_us is not None:
+        result = build_samples(state, state.close)
+        row.update(closed_head(state, result, closed_us))
+        sample_rows = [sample_row(sid, sample) for sample in result.samples]
+    else:
+        row.update(session_head(state))
+        row.update({"closed_us": None, "close_fingerprint": None, "empty_reason": None,
+                    "sample_errors": None})
+    return {
+        "sessions": [row],
+        "session_labels": label_rows(state.spec),
+        "nodes": [node_row(sid, node, *turns[node.seq]) for node in state.nodes],
+        "samples": sample_rows,
+    }

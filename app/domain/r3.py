@@ -13,6 +13,7 @@ import binascii
 from dataclasses import dataclass
 
 import numpy as np
+import pybase64
 
 from app.domain.errors import InvalidR3
 
@@ -45,7 +46,7 @@ class Patch:
         return narrow.astype(WIRE_DTYPE).reshape(self.rows, self.num_layers, self.topk)
 
     def base64(self) -> str:
-        return base64.b64encode(self.array().tobytes()).decode("ascii")
+        return pybase64.b64encode(self.array().tobytes()).decode("ascii")
 
 
 def decode_payload(text: str, field: str) -> np.ndarray:
@@ -62,7 +63,7 @@ def decode_payload(text: str, field: str) -> np.ndarray:
     if len(text) % 4:
         raise invalid("length is not a multiple of 4 (truncated?)")
     try:
-        raw = binascii.a2b_base64(text, strict_mode=True)
+        raw = pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise invalid(str(exc)) from None
     tail = 3 - text.count("=", len(text) - 2)

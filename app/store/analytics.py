@@ -80,12 +80,7 @@ def spec_group_query(group_by: str, filters: Mapping[str, str]) -> sa.Select[Any
         sa.func.count().label("turns"),
         *(sa.func.sum(spec_turns.c[name]).label(name) for name in SPEC_INFO_KEYS),
     ).group_by(key)
-    clauses = label_filter(filters)
-    if clauses:
-        query = query.select_from(
-            spec_turns.join(sessions, sessions.c.session_id == spec_turns.c.session_id)
-        ).where(*clauses)
-    return query
+    return query.where(*label_filter(filters, spec_turns.c.session_id))
 
 
 def spec_group(row: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ is per process and purely an optimization; a miss folds from the log.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -69,13 +70,27 @@ async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = Fa
     return row
 
 
-async def _fold_events(
-    conn: AsyncConnection, state: SessionState | None, session_id: str, from_seq: int
+@dataclass
+class FoldLog:
+    """Where each folded event sits in the log (what projection rows need besides state)."""
+
+    opened_us: int = 0
+    closed_us: int | None = None
+    turns: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq → (position, us)
+
+
+async def fold_events(
+    conn: AsyncConnection,
+    state: SessionState | None,
+    session_id: str,
+    from_seq: int = 0,
+    log: FoldLog | None = None,
 ) -> SessionState:
     """Fold turn events with seq >= from_seq (and the open/close events) into `state`."""
     query = (
         sa.select(events.c.type, events.c.seq, events.c.event_id, events.c.payload,
-                  events.c.prompt_lcp, events.c.prompt_delta)
+                  events.c.prompt_lcp, events.c.prompt_delta, events.c.position,
+                  events.c.recorded_us)
         .where(events.c.session_id == session_id)
         .where(sa.or_(events.c.seq.is_(None), events.c.seq >= from_seq))
         .order_by(events.c.position)
@@ -95,10 +110,14 @@ async def _fold_events(
     for row in rows:
         payload = jsonio.loads(row.payload)
         if row.type == SESSION_OPENED:
+            if log is not None:
+                log.opened_us = row.recorded_us
             if state is None:
                 state = SessionState(spec=SessionSpec.from_body(payload["session"]))
         elif row.type == TURN_RECORDED:
             assert state is not None
+            if log is not None:
+                log.turns[row.seq] = (row.position, row.recorded_us)
             if row.seq < len(state.nodes):
                 continue
             parent = payload["parent"]
@@ -107,6 +126,8 @@ async def _fold_events(
             facts = stored_facts(state.spec, payload, prompt, geometry.get(row.seq))
             state.apply_turn(row.seq, parent, row.event_id, facts)
         elif row.type == SESSION_CLOSED and state is not None:
+            if log is not None:
+                log.closed_us = row.recorded_us
             state.apply_close(parse_close(payload["close"]))
     if state is None:
         raise UnknownSession(f"no session {session_id!r}", field="session_id",
@@ -124,9 +145,9 @@ async def load_state(
     if state is not None and len(state.nodes) == row["num_nodes"] and state.closed == closed:
         return state
     if state is None or len(state.nodes) > row["num_nodes"] or state.closed and not closed:
-        state = await _fold_events(conn, None, session_id, 0)
+        state = await fold_events(conn, None, session_id, 0)
     else:
         # Stale but a prefix of the truth: fold only what is missing.
-        state = await _fold_events(conn, state, session_id, len(state.nodes))
+        state = await fold_events(conn, state, session_id, len(state.nodes))
     cache.put(session_id, state)
     return state

@@ -60,7 +60,11 @@ def check_limit(limit: int | None, default: int, maximum: int) -> int:
     return limit
 
 
-def label_filter(filters: Mapping[str, str]) -> list[sa.ColumnElement[bool]]:
+def label_filter(
+    filters: Mapping[str, str],
+    session_id: sa.ColumnElement[Any] = sessions.c.session_id,
+) -> list[sa.ColumnElement[bool]]:
+    """EXISTS clauses, one per filter, correlated to `session_id` (any table's column)."""
     clauses: list[sa.ColumnElement[bool]] = []
     for key, value in filters.items():
         if not LABEL_KEY_RE.match(key):
@@ -68,7 +72,7 @@ def label_filter(filters: Mapping[str, str]) -> list[sa.ColumnElement[bool]]:
                                  field=key, expected="[A-Za-z0-9._:-]{1,64}",
                                  actual=describe(key))
         clauses.append(sa.exists().where(
-            session_labels.c.session_id == sessions.c.session_id,
+            session_labels.c.session_id == session_id,
             session_labels.c.key == key,
             session_labels.c.value_text == value,
         ))

@@ -26,10 +26,17 @@ from app.domain.events import (
     encode_turn,
     stored_content,
 )
-from app.domain.projections import closed_head, node_row, sample_row, session_head
+from app.domain.projections import (
+    closed_head,
+    label_rows,
+    node_row,
+    sample_row,
+    session_definition,
+    session_head,
+)
 from app.domain.r3 import Patch
 from app.domain.samples import build_samples
-from app.domain.session import SessionSpec, label_text, parse_close, parse_open
+from app.domain.session import SessionSpec, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import TurnBody, parse_turn
 from app.store.db import Database
@@ -77,8 +84,7 @@ class Writer:
 
     async def open_session(self, raw: Any) -> tuple[SessionSpec, bool]:
         spec = parse_open(raw)
-        body = spec.body()
-        fingerprint = jsonio.fingerprint(body)
+        fingerprint = jsonio.fingerprint(spec.body())
         try:
             async with self.db.write() as conn:
                 existing = (await conn.execute(
@@ -87,7 +93,7 @@ class Writer:
                 )).first()
                 if existing is not None:
                     return spec, self._same_open(existing.open_fingerprint, fingerprint, spec)
-                await self._insert_session(conn, spec, body, fingerprint)
+                await self._insert_session(conn, spec)
         except IntegrityError:
             # A concurrent open of the same id won the race: answer as a repeat.
             async with self.db.read() as conn:
@@ -105,32 +111,16 @@ class Writer:
             )
         return False
 
-    async def _insert_session(
-        self, conn: AsyncConnection, spec: SessionSpec, body: dict[str, Any], fingerprint: str
-    ) -> None:
+    async def _insert_session(self, conn: AsyncConnection, spec: SessionSpec) -> None:
         recorded = now_us()
-        head = session_head(SessionState(spec=spec))
         await conn.execute(sessions.insert().values(
-            session_id=spec.session_id,
-            version=spec.version,
-            pause_generation_mode=spec.pause_generation_mode,
-            num_layers=spec.num_layers,
-            spec=spec.spec,
-            max_trim_tokens=spec.max_trim_tokens,
-            labels=jsonio.dumps(spec.labels),
-            open_fingerprint=fingerprint,
-            created_us=recorded,
-            **head,
-        ))
+            **session_definition(spec, recorded), **session_head(SessionState(spec=spec))))
         if spec.labels:
-            await conn.execute(session_labels.insert(), [
-                {"session_id": spec.session_id, "key": key, "value_text": label_text(value)}
-                for key, value in spec.labels.items()
-            ])
+            await conn.execute(session_labels.insert(), label_rows(spec))
         await _insert_event(conn, {
             "session_id": spec.session_id,
             "type": SESSION_OPENED,
-            "payload": jsonio.dumps({"session": body}),
+            "payload": jsonio.dumps({"session": spec.body()}),
             "recorded_us": recorded,
         })
 

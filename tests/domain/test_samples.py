@@ -150,6 +150,27 @@ def test_the_final_turn_may_not_be_trimmed() -> None:
     assert excinfo.value.field == "path[0]"
 
 
+def test_where_two_outputs_overlap_the_later_turns_log_prob_wins() -> None:
+    # Turn 1 re-generated the token turn 0 ended with; greedy alignment keeps
+    # both, and the final context is turn 1's.
+    sim = session()
+    bodies = [sim.turn(None, prompt=P0, output=[1001, 1002], logprobs=[-0.1, -0.2]),
+              sim.turn(0, prompt=[*P0, 1001], output=[1002, 1003], logprobs=[-0.7, -0.8])]
+    (sample,) = samples(sim, bodies).samples
+    assert sample.tokens == [1, 2, 3, 1001, 1002, 1003]
+    assert sample.loss_mask == [1, 1, 1]
+    assert sample.rollout_log_probs == [-0.1, -0.7, -0.8]
+
+
+def test_a_path_whose_prompts_shrink_cannot_be_assembled() -> None:
+    sim = session()
+    bodies = [sim.turn(None, prompt=[1, 2, 3, 4, 5], output=[]),
+              sim.turn(0, prompt=[9], output=[1001])]
+    result = samples(sim, bodies)
+    assert result.samples == []
+    assert [(e["leaf"], e["type"]) for e in result.errors] == [(1, "alignment")]
+
+
 def test_an_unalignable_path_does_not_block_the_other_samples() -> None:
     sim = session()
     bodies = [sim.turn(None, prompt=P0, output=[1001, 1002]),

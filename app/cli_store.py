@@ -1,0 +1,110 @@
+"""`turnlog rebuild` and `turnlog replay`: recompute projections, inspect one session."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+from rich.table import Table
+
+from app.settings import Settings, get_settings
+from app.store.db import Database
+
+console = Console()
+
+
+def _database(database_url: str | None) -> Database:
+    settings = get_settings()
+    url = database_url or settings.database_url
+    return Database(url, Settings(database_url=url))
+
+
+def rebuild(
+    session: Annotated[str | None, typer.Option(help="Only this session")] = None,
+    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+) -> None:
+    """Drop and recompute every projection from the events; checksums must match."""
+    from app.store.rebuild import rebuild as run_rebuild
+
+    async def go() -> Any:
+        db = _database(database_url)
+        try:
+            with Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), TimeRemainingColumn(), console=console,
+                          transient=True) as bar:
+                task = bar.add_task("rebuilding sessions", total=None)
+
+                def advance(done: int, total: int) -> None:
+                    bar.update(task, completed=done, total=total)
+
+                return await run_rebuild(db, session, advance)
+        finally:
+            await db.dispose()
+
+    report = asyncio.run(go())
+    table = Table(title=f"projections of {report.sessions} session(s)")
+    for column in ("projection", "before", "after", ""):
+        table.add_column(column)
+    for name, before in report.before.items():
+        after = report.after[name]
+        table.add_row(name, before[:16], after[:16],
+                      "[green]equal[/]" if before == after else "[red]DIFFERENT[/]")
+    console.print(table)
+    if not report.equal:
+        console.print("[red]rebuilt projections differ from the incremental ones[/]")
+        raise typer.Exit(1)
+
+
+def replay(
+    session: Annotated[str, typer.Argument(help="Session id")],
+    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+) -> None:
+    """Fold one session from its events and print its tree, state and samples."""
+    from app.domain.samples import build_samples
+    from app.store.loader import fold_events, session_row
+
+    async def go() -> Any:
+        db = _database(database_url)
+        try:
+            async with db.read() as conn:
+                await session_row(conn, session)
+                return await fold_events(conn, None, session)
+        finally:
+            await db.dispose()
+
+    state = asyncio.run(go())
+    spec = state.spec
+    console.print(f"[bold]{spec.session_id}[/] {spec.version} {spec.pause_generation_mode} "
+                  f"r3={spec.num_layers} spec={spec.spec} labels={spec.labels}")
+    tree = Table(title="tree")
+    for column in ("seq", "parent", "depth", "tokens", "completion", "finish", "weight",
+                   "r3 rows"):
+        tree.add_column(column)
+    for node in state.nodes:
+        span = node.r3_span
+        tree.add_row(str(node.seq), str(node.parent), str(node.depth), str(node.num_tokens),
+                     f"[{node.prompt_len}, {node.num_tokens})", str(node.facts.finish_reason),
+                     str(node.facts.weight_version),
+                     "-" if span is None else f"[{span[0]}, {span[1]})")
+    console.print(tree)
+    resume = state.resume()
+    resume["checkpoint_token_ids"] = f"<{len(resume['checkpoint_token_ids'])} tokens>"
+    console.print("state:", resume)
+    if state.close is None:
+        console.print("open: no samples yet")
+        return
+    result = build_samples(state, state.close)
+    samples = Table(title=f"samples (empty_reason={result.empty_reason})")
+    for column in ("index", "leaf", "path", "tokens", "response", "loss tokens", "status",
+                   "r3"):
+        samples.add_column(column)
+    for s in result.samples:
+        samples.add_row(str(s.index), str(s.leaf), str(s.path), str(len(s.tokens)),
+                        str(s.response_length), str(sum(s.loss_mask)), s.status,
+                        "-" if s.r3 is None else str(s.r3["shape"]))
+    console.print(samples)
+    for error in result.errors:
+        console.print(f"[yellow]left out[/] leaf {error['leaf']}: {error['detail']}")
