@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from app.cli_analytics import analytics_cli, gate_cli, history_cli
+from app.cli_demo import demo
 from app.cli_store import rebuild, replay
 from app.settings import get_settings
 
@@ -20,6 +21,7 @@ cli.add_typer(history_cli, name="history")
 cli.add_typer(analytics_cli, name="analytics")
 cli.command()(rebuild)
 cli.command()(replay)
+cli.command()(demo)
 console = Console(stderr=True)
 
 

@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from collections.abc import Coroutine
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
+from app.domain.errors import DomainError
 from app.settings import Settings, get_settings
 from app.store.db import Database
 
 console = Console()
+T = TypeVar("T")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a store coroutine; a domain error (unknown session…) is a clean exit 2."""
+    try:
+        return asyncio.run(coro)
+    except DomainError as exc:
+        console.print(f"[red]{exc.detail}[/]")
+        raise typer.Exit(2) from None
 
 
 def _database(database_url: str | None) -> Database:
@@ -44,7 +56,7 @@ def rebuild(
         finally:
             await db.dispose()
 
-    report = asyncio.run(go())
+    report = _run(go())
     table = Table(title=f"projections of {report.sessions} session(s)")
     for column in ("projection", "before", "after", ""):
         table.add_column(column)
@@ -75,7 +87,7 @@ def replay(
         finally:
             await db.dispose()
 
-    state = asyncio.run(go())
+    state = _run(go())
     spec = state.spec
     console.print(f"[bold]{spec.session_id}[/] {spec.version} {spec.pause_generation_mode} "
                   f"r3={spec.num_layers} spec={spec.spec} labels={spec.labels}")
