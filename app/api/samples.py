@@ -32,8 +32,9 @@ async def get_sample_r3(
     session_id: str, svc: ServicesDep, index: Annotated[int, Path(ge=0)]
 ) -> StreamingResponse:
     plan = await svc.samples.r3_plan(session_id, index)
-    first = await svc.samples.first_patch(session_id, plan)
-    return StreamingResponse(svc.samples.stream(session_id, plan, first),
-                             media_type="application/x-npy",
-                             headers={"X-R3-Shape": ",".join(map(str, (plan.rows,
-                                      plan.num_layers, plan.topk)))})
+    patches = await svc.samples.read_patches(session_id, plan)
+    return StreamingResponse(
+        svc.samples.stream(plan, patches),
+        media_type="application/x-npy",
+        headers={"Content-Length": str(svc.samples.content_length(plan))},
+    )

@@ -144,8 +144,8 @@ def plan_r3(
     return R3Plan(num_layers=num_layers, topk=topk, slices=slices)
 
 
-def take(piece: PlanSlice, patch: Patch, plan: R3Plan) -> np.ndarray:
-    """One slice of a plan as int32 `[row_to - row_from, num_layers, topk]`."""
+def check_slice(piece: PlanSlice, patch: Patch, plan: R3Plan) -> None:
+    """The stored patch can yield this slice of the plan (else `R3Gap`, 422)."""
     if (patch.num_layers, patch.topk) != (plan.num_layers, plan.topk):
         raise R3Gap(f"turn {piece.seq}'s patch is [{patch.num_layers}, {patch.topk}] per row; "
                     f"the sample needs [{plan.num_layers}, {plan.topk}]",
@@ -157,7 +157,15 @@ def take(piece: PlanSlice, patch: Patch, plan: R3Plan) -> np.ndarray:
                     f"[{piece.row_from}, {piece.row_to})", field="routed_experts",
                     expected=piece.row_to, actual=patch.rows, status=READ_GAP_STATUS,
                     extra={"seq": piece.seq})
-    return patch.array()[piece.row_from:piece.row_to]
+
+
+def take(piece: PlanSlice, patch: Patch, plan: R3Plan) -> np.ndarray:
+    """One slice of a plan as int32 `[row_to - row_from, num_layers, topk]`.
+
+    Cut while still narrow, then widen only the rows the sample needs.
+    """
+    check_slice(piece, patch, plan)
+    return patch.rows_array(piece.row_from, piece.row_to)
 
 
 def assemble(plan: R3Plan, patches: Mapping[int, Patch]) -> np.ndarray:

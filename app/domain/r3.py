@@ -45,6 +45,13 @@ class Patch:
         narrow = np.frombuffer(self.data, dtype=DTYPES[self.dtype])
         return narrow.astype(WIRE_DTYPE).reshape(self.rows, self.num_layers, self.topk)
 
+    def rows_array(self, row_from: int, row_to: int) -> np.ndarray:
+        """Rows `[row_from, row_to)` of the patch as int32, widening only those rows."""
+        per_row = self.num_layers * self.topk
+        narrow = np.frombuffer(self.data, dtype=DTYPES[self.dtype])
+        block = narrow[row_from * per_row:row_to * per_row]
+        return block.astype(WIRE_DTYPE).reshape(row_to - row_from, self.num_layers, self.topk)
+
     def base64(self) -> str:
         return pybase64.b64encode(self.array().tobytes()).decode("ascii")
 

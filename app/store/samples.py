@@ -9,12 +9,13 @@ stored row by every leaf that needs them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 import sqlalchemy as sa
 
-from app.domain.assembly import R3Plan, plan_shape, take
+from app.domain.assembly import R3Plan, check_slice, plan_shape, take
 from app.domain.errors import R3Gap, SessionOpen
 from app.domain.r3 import Patch, npy_header
 from app.domain.samples import SamplesResult, build_samples
@@ -24,18 +25,30 @@ from app.store.schema import r3_patches
 
 
 class SampleReader:
-    def __init__(self, db: Database, cache: StateCache) -> None:
+    def __init__(self, db: Database, cache: StateCache, capacity: int = 64) -> None:
         self.db = db
         self.cache = cache
+        self.capacity = capacity
+        # A closed session never changes, so its samples can be kept as built.
+        self._closed: OrderedDict[str, SamplesResult] = OrderedDict()
 
     async def result(self, session_id: str) -> SamplesResult:
+        kept = self._closed.get(session_id)
+        if kept is not None:
+            self._closed.move_to_end(session_id)
+            return kept
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
             state = await load_state(conn, self.cache, row)
         if state.close is None:
             raise SessionOpen(f"session {session_id!r} is still open; close it first",
                               field="session_id", expected="a closed session", actual="open")
-        return build_samples(state, state.close)
+        result = build_samples(state, state.close)
+        if self.capacity > 0:
+            self._closed[session_id] = result
+            while len(self._closed) > self.capacity:
+                self._closed.popitem(last=False)
+        return result
 
     async def samples(self, session_id: str, arrays: bool) -> dict[str, Any]:
         return (await self.result(session_id)).to_json(arrays)
@@ -43,34 +56,37 @@ class SampleReader:
     async def r3_plan(self, session_id: str, index: int) -> R3Plan:
         return (await self.result(session_id)).sample(index).read_plan()
 
-    async def _patch(self, session_id: str, seq: int) -> Patch:
+    async def _patches(self, session_id: str, seqs: list[int]) -> dict[int, Patch]:
         async with self.db.read() as conn:
-            row = (await conn.execute(
+            rows = await conn.execute(
                 sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
-                .where(r3_patches.c.seq == seq)
-            )).first()
-        if row is None:
-            raise R3Gap(f"turn {seq}'s patch is missing from the log", field="routed_experts",
-                        expected="a stored patch", actual="none", status=422,
-                        extra={"seq": seq})
-        return Patch(start=row.start_row, end=row.end_row, num_layers=row.num_layers,
-                     topk=row.topk, dtype=row.dtype, data=row.data)
+                .where(r3_patches.c.seq.in_(seqs))
+            )
+            return {row.seq: Patch(start=row.start_row, end=row.end_row,
+                                   num_layers=row.num_layers, topk=row.topk, dtype=row.dtype,
+                                   data=row.data) for row in rows}
 
-    async def first_patch(self, session_id: str, plan: R3Plan) -> Patch | None:
-        """Read (and check) the first patch before the response starts, so a broken
-        log answers 422 instead of a truncated 200."""
-        if not plan.slices:
-            return None
-        patch = await self._patch(session_id, plan.slices[0].seq)
-        take(plan.slices[0], patch, plan)
-        return patch
+    async def read_patches(self, session_id: str, plan: R3Plan) -> dict[int, Patch]:
+        """The plan's patches, narrowed as stored (a quarter of the tensor for uint8),
+        checked before the response starts so a broken log answers 422, not a
+        truncated 200."""
+        patches = await self._patches(session_id, sorted({p.seq for p in plan.slices}))
+        for piece in plan.slices:
+            patch = patches.get(piece.seq)
+            if patch is None:
+                raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
+                            field="routed_experts", expected="a stored patch", actual="none",
+                            status=422, extra={"seq": piece.seq})
+            check_slice(piece, patch, plan)
+        return patches
 
-    async def stream(
-        self, session_id: str, plan: R3Plan, first: Patch | None
-    ) -> AsyncIterator[bytes]:
+    @staticmethod
+    def content_length(plan: R3Plan) -> int:
+        rows, layers, topk = plan_shape(plan)
+        return len(npy_header(plan_shape(plan))) + rows * layers * topk * 4
+
+    async def stream(self, plan: R3Plan, patches: dict[int, Patch]) -> AsyncIterator[bytes]:
+        """Header, then one int32 block per slice: only one block is widened at a time."""
         yield npy_header(plan_shape(plan))
-        for i, piece in enumerate(plan.slices):
-            patch = first if i == 0 and first is not None else await self._patch(
-                session_id, piece.seq)
-            yield take(piece, patch, plan).tobytes()
-            del patch
+        for piece in plan.slices:
+            yield take(piece, patches[piece.seq], plan).tobytes()

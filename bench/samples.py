@@ -1,0 +1,150 @@
+"""R3 serving benchmark: one sample's tensor over HTTP vs np.concatenate in memory.
+
+Run by hand (not in CI):
+
+    .venv/bin/python -m bench.samples [--postgres-url URL | --sqlite] [--repeat 10]
+
+A 10-turn addition-mode session of ~32k final tokens with Qwen3-30B-A3B
+geometry (48 layers, top-8) is appended to a `turnlog serve` subprocess and
+closed. Then, in the same run:
+- HTTP: `GET /v1/sessions/{sid}/samples/0/r3`, read fully and `np.load`ed;
+- memory: `np.concatenate` of the same patches (already decoded int32 arrays).
+It prints the median times, their ratio (target: within 3x) and the server's
+peak resident memory while serving, relative to the tensor size (target:
+under 2.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.ingest import LAYERS, TOPK, free_port, make_session  # noqa: E402
+from tests.pgserver import create_database, start_postgres  # noqa: E402
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def reset_peak(pid: int) -> None:
+    # Writing 5 resets the peak resident set size (VmHWM) on Linux.
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--postgres-url", help="admin URL of a PostgreSQL server")
+    parser.add_argument("--sqlite", action="store_true", help="serve from a SQLite file")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=3200, help="per turn")
+    args = parser.parse_args()
+
+    if args.sqlite:
+        url = f"sqlite+aiosqlite:////tmp/turnlog-bench-{uuid.uuid4().hex[:6]}.db"
+    else:
+        if args.postgres_url:
+            from tests.pgserver import PostgresServer
+
+            server = PostgresServer(url=str(make_url(args.postgres_url).set(
+                drivername="postgresql+asyncpg")), source="env")
+        else:
+            server = start_postgres()
+        url = create_database(server, f"bench_samples_{uuid.uuid4().hex[:6]}")
+
+    plan = make_session(np.random.default_rng(3), 10, args.new_tokens)
+    patches = [np.frombuffer(base64.b64decode(json.loads(t.body)["record"]["response"]
+                                              ["choices"][0]["meta_info"]["routed_experts"]),
+                             "<i4").reshape(-1, LAYERS, TOPK) for t in plan.turns]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port)],
+                            cwd=ROOT, env=dict(os.environ, TURNLOG_DATABASE_URL=url),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            for _ in range(300):
+                try:
+                    if (await http.get("/readyz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+            headers = {"content-type": "application/json"}
+            (await http.post("/v1/sessions", content=plan.open_body,
+                             headers=headers)).raise_for_status()
+            for turn in plan.turns:
+                (await http.post(f"/v1/sessions/{plan.session_id}/turns", content=turn.body,
+                                 headers=headers)).raise_for_status()
+            (await http.post(f"/v1/sessions/{plan.session_id}/close",
+                             json={})).raise_for_status()
+            path = f"/v1/sessions/{plan.session_id}/samples/0/r3"
+
+            http_times, mem_times, curl_times, peaks = [], [], [], []
+            sync_http = httpx.Client(base_url=base, timeout=120)
+            reference = None
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                reference = np.concatenate(patches)
+                mem_times.append(time.perf_counter() - t0)
+
+                before = rss_kib(proc.pid, "VmRSS")
+                reset_peak(proc.pid)
+                t0 = time.perf_counter()
+                # A trainer's read: the synchronous httpx client, then np.load.
+                reply = sync_http.get(path)
+                reply.raise_for_status()
+                tensor = np.load(io.BytesIO(reply.content), allow_pickle=False)
+                http_times.append(time.perf_counter() - t0)
+                peaks.append(rss_kib(proc.pid, "VmHWM") - before)
+                t0 = time.perf_counter()
+                subprocess.run(["curl", "-sf", "-o", "/dev/null", f"{base}{path}"], check=True)
+                curl_times.append(time.perf_counter() - t0)
+            assert reference is not None
+            rows = reference.shape[0]
+            tensor_bytes = reference.nbytes
+            assert tensor.shape == (rows, LAYERS, TOPK)
+            assert tensor.tobytes() == reference.tobytes()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+    http_ms = statistics.median(http_times) * 1000
+    curl_ms = statistics.median(curl_times) * 1000
+    mem_ms = statistics.median(mem_times) * 1000
+    peak = max(peaks) * 1024
+    backend = "sqlite" if args.sqlite else "postgresql"
+    print(f"backend {backend}; tensor [{rows}, {LAYERS}, {TOPK}] int32 = "
+          f"{tensor_bytes / 1e6:.1f} MB; {args.repeat} repetitions")
+    print(f"HTTP  GET …/samples/0/r3 + np.load : {http_ms:8.1f} ms (median)")
+    print(f"curl (server side alone, to /dev/null): {curl_ms:5.1f} ms (median)")
+    print(f"np.concatenate of the patches      : {mem_ms:8.1f} ms (median)")
+    print(f"ratio HTTP / memory                : {http_ms / mem_ms:8.2f}x   (target <= 3x)")
+    print(f"ratio curl / memory                : {curl_ms / mem_ms:8.2f}x")
+    print(f"server peak RSS growth while serving: {peak / 1e6:.1f} MB = "
+          f"{peak / tensor_bytes:.2f}x the tensor   (target < 2.5x)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
