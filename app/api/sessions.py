@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from app.api.deps import BodyDep, ServicesDep
+from app.api.deps import BodyDep, ServicesDep, json_body
 from app.api.docs import OPEN_BODY, TURN_BODY
 from app.api.problems import JSONText
+from app.api.telemetry import turn_appended, turn_rejected
+from app.domain.errors import DomainError
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 LIST_PARAMS = frozenset({"status", "after", "limit"})
@@ -45,8 +48,15 @@ async def get_session(session_id: str, svc: ServicesDep) -> JSONText:
 
 
 @router.post("/{session_id}/turns", status_code=201, openapi_extra=TURN_BODY)
-async def append_turn(session_id: str, svc: ServicesDep, body: BodyDep) -> JSONText:
-    written = await svc.writer.append_turn(session_id, body)
+async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JSONText:
+    started, body = time.perf_counter(), None
+    try:
+        body = await json_body(request)
+        written = await svc.writer.append_turn(session_id, body)
+    except DomainError as exc:
+        turn_rejected(svc.metrics, session_id, body, exc, started)
+        raise
+    turn_appended(svc.metrics, session_id, body, written, started)
     if written.created:
         svc.reader.notify()
     return JSONText(written.body, status_code=201 if written.created else 200)
@@ -56,7 +66,7 @@ async def append_turn(session_id: str, svc: ServicesDep, body: BodyDep) -> JSONT
 async def session_events(
     session_id: str,
     svc: ServicesDep,
-    after: Annotated[int | None, Query(ge=0)] = None,
+    after: Annotated[int | None, Query(ge=0, lt=2**63)] = None,
     limit: Annotated[int | None, Query()] = None,
     include_r3: bool = True,
 ) -> JSONText:
@@ -65,6 +75,6 @@ async def session_events(
 
 @router.get("/{session_id}/state")
 async def session_state(
-    session_id: str, svc: ServicesDep, leaf: Annotated[int | None, Query(ge=0)] = None
+    session_id: str, svc: ServicesDep, leaf: Annotated[int | None, Query(ge=0, lt=2**31)] = None
 ) -> JSONText:
     return JSONText(await svc.reader.state(session_id, leaf))

@@ -79,6 +79,31 @@ def reject_unknown(body: dict[str, Any], allowed: frozenset[str], where: str) ->
         )
 
 
+TEXT_MAX = 1024
+
+
+def is_text_safe(value: str) -> bool:
+    """Storable as database text on every backend: no NUL, encodable as UTF-8."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def require_text(value: str, field_name: str, max_len: int = TEXT_MAX) -> str:
+    if len(value) > max_len or not is_text_safe(value):
+        raise InvalidRequest(
+            f"{field_name} must be text of at most {max_len} characters without NUL or "
+            "unpaired surrogates",
+            field=field_name, expected=f"UTF-8 text, at most {max_len} characters",
+            actual=describe(value),
+        )
+    return value
+
+
 def validate_session_id(value: Any, field_name: str = "session_id") -> str:
     if not isinstance(value, str) or not SESSION_ID_RE.match(value):
         raise InvalidRequest(
@@ -199,11 +224,12 @@ def parse_open(raw: Any) -> SessionSpec:
 
     labels_raw = body.get("labels")
     labels = {} if labels_raw is None else require_object(labels_raw, "labels")
-    for key in labels:
+    for key, value in labels.items():
         if not LABEL_KEY_RE.match(key):
             raise InvalidRequest("label names must be 1-64 characters of [A-Za-z0-9._:-]",
                                  field=f"labels.{key}", expected="[A-Za-z0-9._:-]{1,64}",
                                  actual=describe(key))
+        require_text(label_text(value), f"labels.{key}")
 
     return SessionSpec(
         session_id=session_id,

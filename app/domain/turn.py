@@ -22,6 +22,7 @@ from app.domain.session import (
     is_int,
     reject_unknown,
     require_object,
+    require_text,
 )
 
 TURN_FIELDS = frozenset({"event_id", "parent", "record", "metadata"})
@@ -35,7 +36,7 @@ LEGACY_SPEC_FIELDS = {
     "completion_tokens": "completion_token_num",
 }
 TOKEN_MAX = (1 << 31) - 1
-COUNTER_MAX = (1 << 62)
+COUNTER_MAX = 1 << 40  # sums over 1024 nodes and millions of turns stay in BIGINT
 EVENT_ID_MAX = 128
 TIMESTAMP_MAX = 253402300800  # 10000-01-01T00:00:00Z
 OMITTED: Any = object()
@@ -332,6 +333,11 @@ def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = 
     if finish is not None and not isinstance(finish, str):
         raise _invalid("finish_reason must be a string", "record.response.choices[0]."
                        "finish_reason", "string | null", finish)
+    if finish is not None:
+        require_text(finish, "record.response.choices[0].finish_reason", 64)
+    weight_version = meta.get("weight_version")
+    if isinstance(weight_version, str):
+        require_text(weight_version, f"{META}.weight_version", 256)
 
     timestamp = record.get("timestamp")
     if timestamp is not None and (not isinstance(timestamp, int | float)
@@ -347,7 +353,7 @@ def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = 
         output=output,
         logprobs=logprobs,
         finish_reason=finish,
-        weight_version=meta.get("weight_version"),
+        weight_version=weight_version,
         returns_r3=returns_r3,
         r3_start=r3_start,
         r3_values=r3_values,

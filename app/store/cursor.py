@@ -29,7 +29,7 @@ def decode(cursor: str | None, arity: int, field: str = "after") -> tuple[int, .
         text = base64.urlsafe_b64decode(padded.encode("ascii")).decode("ascii")
         tag, *parts = text.split(":")
         values = tuple(int(p) for p in parts)
-        if tag != "v1" or len(values) != arity or any(v < 0 for v in values):
+        if tag != "v1" or len(values) != arity or any(not 0 <= v < 2**63 for v in values):
             raise ValueError(text)
     except (ValueError, UnicodeError, binascii.Error):
         raise InvalidRequest("cursor is not one this server issued", field=field,

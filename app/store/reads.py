@@ -20,7 +20,7 @@ from app.domain.errors import InvalidRequest
 from app.domain.events import TURN_RECORDED, restore_record
 from app.domain.projections import iso_us, tree_entry
 from app.domain.r3 import Patch
-from app.domain.session import LABEL_KEY_RE, describe
+from app.domain.session import LABEL_KEY_RE, describe, require_text
 from app.store import cursor
 from app.store.db import Database
 from app.store.dialect import feed_fence
@@ -71,6 +71,7 @@ def label_filter(
             raise InvalidRequest("label filter names are 1-64 characters of [A-Za-z0-9._:-]",
                                  field=key, expected="[A-Za-z0-9._:-]{1,64}",
                                  actual=describe(key))
+        require_text(value, key)
         clauses.append(sa.exists().where(
             session_labels.c.session_id == session_id,
             session_labels.c.key == key,

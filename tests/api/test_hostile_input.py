@@ -1,0 +1,78 @@
+"""Text the databases cannot hold, and numbers they cannot bind, answer 4xx — never 500."""
+
+import base64
+import json
+
+from tests.factory import open_body, turn
+
+
+async def test_nul_and_lone_surrogate_labels_are_422(client, sid):
+    raw = json.dumps({"session_id": sid, "version": "v2", "labels": {"a": "x\x00y"}})
+    r = await client.post("/v1/sessions", content=raw.encode(),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["field"] == "labels.a"
+    raw = json.dumps({"session_id": sid, "version": "v2", "labels": {"a": "\ud800"}})
+    r = await client.post("/v1/sessions", content=raw.encode(),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
+
+
+async def test_nested_label_values_with_nul_are_stored_escaped(client, sid):
+    raw = json.dumps({"session_id": sid, "version": "v2", "labels": {"a": ["x\x00y"]}})
+    r = await client.post("/v1/sessions", content=raw.encode(),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 201
+    assert r.json()["labels"] == {"a": ["x\x00y"]}
+
+
+async def test_record_strings_keep_nul_and_surrogates(client, sid):
+    await client.post("/v1/sessions", json=open_body(sid))
+    body = turn([1, 2], [3])
+    text = json.dumps(body).replace('"content": "x"', '"content": "a\\u0000b\\ud800"')
+    r = await client.post(f"/v1/sessions/{sid}/turns", content=text.encode(),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 201, r.text
+    evs = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    assert evs[1]["record"] == json.loads(text)["record"]
+
+
+async def test_weight_version_and_finish_reason_with_nul_are_422(client, sid):
+    await client.post("/v1/sessions", json=open_body(sid))
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2], weight_version="7\x00"))
+    assert r.status_code == 422
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2], finish_reason="s\x00"))
+    assert r.status_code == 422
+
+
+async def test_filters_and_cursors_out_of_range_are_422(client):
+    assert (await client.get("/v1/sessions", params={"run_id": "a\x00b"})).status_code == 422
+    assert (await client.get("/v1/sessions", params={"run_id": "x" * 5000})).status_code == 422
+    big = base64.urlsafe_b64encode(b"v1:99999999999999999999").decode().rstrip("=")
+    assert (await client.get("/v1/sessions", params={"after": big})).status_code == 422
+    big2 = base64.urlsafe_b64encode(b"v1:1:99999999999999999999").decode().rstrip("=")
+    assert (await client.get("/v1/events", params={"after": big2})).status_code == 422
+
+
+async def test_huge_positions_and_leaves_are_422_or_404(client, sid):
+    await client.post("/v1/sessions", json=open_body(sid))
+    r = await client.get(f"/v1/sessions/{sid}/events", params={"after": 2**70})
+    assert r.status_code == 422
+    r = await client.get(f"/v1/sessions/{sid}/state", params={"leaf": 2**40})
+    assert r.status_code == 422
+    r = await client.get(f"/v1/sessions/{sid}/state", params={"leaf": 5})
+    assert r.status_code == 404
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2], parent=2**70))
+    assert r.status_code == 404
+
+
+async def test_huge_numbers_in_records_round_trip(client, sid):
+    await client.post("/v1/sessions", json=open_body(sid))
+    body = turn([1], [2])
+    body["record"]["request"]["seed"] = 2**80
+    body["record"]["request"]["temperature"] = 1e308
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert r.status_code == 201
+    evs = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    assert evs[1]["record"]["request"]["seed"] == 2**80
+    assert type(evs[1]["record"]["request"]["seed"]) is int
