@@ -8,10 +8,12 @@ from enum import StrEnum
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from app.cli_analytics import analytics_cli, gate_cli, history_cli
 from app.cli_demo import demo
+from app.cli_io import export, import_
 from app.cli_store import rebuild, replay
 from app.settings import get_settings
 
@@ -22,6 +24,8 @@ cli.add_typer(analytics_cli, name="analytics")
 cli.command()(rebuild)
 cli.command()(replay)
 cli.command()(demo)
+cli.command("import")(import_)
+cli.command()(export)
 console = Console(stderr=True)
 
 
@@ -38,32 +42,41 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default 8000)")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
     migrate: Annotated[bool, typer.Option(help="Apply migrations to head first")] = True,
+    workers: Annotated[int, typer.Option(
+        min=1, help="Server processes (each keeps its own validated state cache)")] = 1,
     insecure: Annotated[bool, typer.Option(
         help="Allow a non-loopback address without API tokens")] = False,
 ) -> None:
     """Apply migrations to head, then serve the REST API with uvicorn."""
     import uvicorn
 
+    from app.logging import configure_logging
     from app.store import migrate as migrations
 
-    url = _url(database_url)
-    settings = get_settings()
+    try:
+        url = _url(database_url)
+        settings = get_settings()
+    except ValidationError as exc:
+        console.print(f"[red]invalid settings:[/] {exc}")
+        raise typer.Exit(2) from None
     bind = host or settings.host
     try:
         loopback = ipaddress.ip_address(bind).is_loopback
     except ValueError:
         loopback = bind == "localhost"
-    if not loopback and not settings.api_tokens:
+    if not loopback and not settings.token_scopes:
         if not insecure:
             console.print(f"[red]refusing to serve on non-loopback {bind} without API tokens[/];"
                           " set TURNLOG_API_TOKENS or pass --insecure")
             raise typer.Exit(2)
         console.print(f"[yellow]warning:[/] serving on {bind} without API tokens (--insecure)")
+    configure_logging()
     if migrate and settings.migrate_on_start:
         migrations.upgrade(url)
         console.print(f"[green]schema at head[/] on {settings.database_url}")
+    # log_config=None: uvicorn keeps the JSON logging configured above.
     uvicorn.run("app.main:create_app", factory=True, host=bind, port=port or settings.port,
-                log_level="info")
+                workers=workers, log_level="info", log_config=None)
 
 
 class MigrateAction(StrEnum):

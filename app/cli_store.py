@@ -37,9 +37,18 @@ def _database(database_url: str | None) -> Database:
 def rebuild(
     session: Annotated[str | None, typer.Option(help="Only this session")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Serve the progress gauges for Prometheus on 127.0.0.1:PORT while running")] = None,
 ) -> None:
     """Drop and recompute every projection from the events; checksums must match."""
+    from prometheus_client import start_http_server
+
+    from app.metrics import RebuildProgress
     from app.store.rebuild import rebuild as run_rebuild
+
+    gauges = RebuildProgress()
+    if metrics_port is not None:
+        start_http_server(metrics_port, addr="127.0.0.1", registry=gauges.registry)
 
     async def go() -> Any:
         db = _database(database_url)
@@ -51,6 +60,7 @@ def rebuild(
 
                 def advance(done: int, total: int) -> None:
                     bar.update(task, completed=done, total=total)
+                    gauges(done, total)
 
                 return await run_rebuild(db, session, advance)
         finally:

@@ -8,7 +8,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__
-from app.api import analytics, feed, gates, health, history, problems, samples, sessions
+from app.api import (
+    analytics,
+    feed,
+    gates,
+    health,
+    history,
+    problems,
+    samples,
+    sessions,
+    telemetry,
+)
+from app.api.auth import BearerAuth, TokenTable
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.api.problems import JSONText
@@ -57,7 +68,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.services = svc
     problems.install(app)
+    # Added innermost first: metrics see every answer, auth refuses before the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    for module in (health, sessions, samples, feed, analytics, history, gates):
+    app.add_middleware(BearerAuth, tokens=TokenTable(settings.token_scopes))
+    app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
+    for module in (health, telemetry, sessions, samples, feed, analytics, history, gates):
         app.include_router(module.router)
     return app

@@ -2,16 +2,49 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./turnlog.db"
 
+Scope = Literal["read", "write"]
+SCOPES: tuple[Scope, ...] = ("read", "write")
+# RFC 6750 b64token characters (no ':' or ','), long enough to be a secret.
+TOKEN_RE = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+MIN_TOKEN_CHARS = 16
+
+
+def parse_api_tokens(text: str) -> dict[str, Scope]:
+    """`TURNLOG_API_TOKENS`: comma-separated `token:scope` pairs, scope `read` or `write`.
+
+    Errors name the entry by position, never echo a token.
+    """
+    tokens: dict[str, Scope] = {}
+    for index, entry in enumerate(text.split(","), start=1):
+        entry = entry.strip()
+        if not entry:
+            continue
+        token, sep, scope = entry.rpartition(":")
+        where = f"TURNLOG_API_TOKENS entry {index}"
+        if not sep or scope not in SCOPES:
+            raise ValueError(f"{where} must be `token:read` or `token:write`")
+        if len(token) < MIN_TOKEN_CHARS or not TOKEN_RE.match(token):
+            raise ValueError(f"{where}: a token is at least {MIN_TOKEN_CHARS} characters of "
+                             "[A-Za-z0-9-._~+/] (optionally ending in '=')")
+        if token in tokens:
+            raise ValueError(f"{where} repeats an earlier token")
+        tokens[token] = "write" if scope == "write" else "read"
+    return tokens
+
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TURNLOG_", env_file=".env", extra="ignore")
+    # Inputs stay out of error messages: they may hold tokens or database passwords.
+    model_config = SettingsConfigDict(env_prefix="TURNLOG_", env_file=".env", extra="ignore",
+                                      hide_input_in_errors=True)
 
     database_url: str = DEFAULT_DATABASE_URL
     host: str = "127.0.0.1"
@@ -22,10 +55,21 @@ class Settings(BaseSettings):
     max_overflow: int = Field(default=10, ge=0)
     statement_timeout_ms: int = Field(default=60_000, ge=0)
     state_cache_sessions: int = Field(default=512, ge=0)
+    # Comma-separated `token:scope` pairs (scope `read` or `write`); empty = no auth.
     api_tokens: str = ""
     migrate_on_start: bool = True
     # Metric-history whitelist, comma-separated; empty = DEFAULT_METRIC_KEYS.
     metric_keys: str = ""
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _valid_api_tokens(cls, value: str) -> str:
+        parse_api_tokens(value)
+        return value
+
+    @property
+    def token_scopes(self) -> dict[str, Scope]:
+        return parse_api_tokens(self.api_tokens)
 
 
 @lru_cache(maxsize=1)

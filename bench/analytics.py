@@ -177,14 +177,19 @@ def hand_written(group_by: str, filtered: bool) -> tuple[str, list[Any]]:
             params)
 
 
-async def timed(fn: Callable[[], Awaitable[Any]], repeat: int) -> tuple[float, Any]:
-    result = await fn()  # warm-up (and the answer to compare)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        await fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+async def timed_pair(api: Callable[[], Awaitable[Any]], raw: Callable[[], Awaitable[Any]],
+                     repeat: int) -> tuple[float, float, Any, Any]:
+    """Medians of `repeat` runs of each, interleaved (alternating which goes first) so a
+    change of load on the machine hits both alike; one warm-up each gives the answers."""
+    answers = (await api(), await raw())
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for rep in range(repeat):
+        order = (0, 1) if rep % 2 == 0 else (1, 0)
+        for which in order:
+            t0 = time.perf_counter()
+            await (api, raw)[which]()
+            times[which].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1]), *answers
 
 
 async def bench(url: str, repeat: int) -> list[tuple[str, float, float]]:
@@ -213,8 +218,7 @@ async def bench(url: str, repeat: int) -> list[tuple[str, float, float]]:
                 async def raw(sql: str = sql, args: list[Any] = args) -> Any:
                     return await conn.fetch(sql, *args)
 
-                t_api, groups = await timed(api, repeat)
-                t_raw, rows = await timed(raw, repeat)
+                t_api, t_raw, groups, rows = await timed_pair(api, raw, repeat)
                 by_key = {g["key"]: [g["sessions"], g["turns"], *(g[s] for s in API_SUMS)]
                           for g in groups}
                 assert by_key == {r["key"]: [r["sessions"], r["turns"], *(int(r[c])
@@ -255,7 +259,7 @@ async def main() -> None:
         await migrate.upgrade_async(url)
         print(f"loading into {name} ...", flush=True)
         await load(url, args.sessions, args.turns)
-        print(f"timing medians of {args.repeat} runs after a warm-up:", flush=True)
+        print(f"timing medians of {args.repeat} interleaved runs after a warm-up:", flush=True)
         results = await bench(url, args.repeat)
     finally:
         if not args.keep:

@@ -132,11 +132,11 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
     return time.perf_counter() - t0
 
 
-async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int) -> float:
+async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int) -> float:
     port = free_port()
     env = dict(os.environ, TURNLOG_DATABASE_URL=url)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port)],
+        [sys.executable, "-m", "app", "serve", "--port", str(port), "--workers", str(workers)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     base = f"http://127.0.0.1:{port}"
@@ -223,6 +223,7 @@ async def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=1, help="turnlog server processes")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
     args = parser.parse_args()
@@ -260,7 +261,10 @@ async def main() -> None:
             from app.store import migrate
 
             await migrate.upgrade_async(url)
-        elapsed = await fn(url, plans, args.clients)
+        if name == "turnlog":
+            elapsed = await bench_turnlog(url, plans, args.clients, args.workers)
+        else:
+            elapsed = await fn(url, plans, args.clients)
         results[name] = (elapsed, await stored_bytes(url, tables))
         print(f"  {name:8s} {elapsed:7.2f} s", flush=True)
 

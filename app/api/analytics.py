@@ -6,7 +6,9 @@ Every query parameter other than the endpoint's own is a label filter
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 
 from app.api.deps import ServicesDep
 from app.api.problems import JSONText
@@ -18,12 +20,22 @@ ROLLOUT_PARAMS = frozenset({"strict"})
 
 
 @router.get("/analytics/spec")
-async def spec_rates(request: Request, svc: ServicesDep, group_by: str | None = None) -> JSONText:
+async def spec_rates(
+    request: Request,
+    svc: ServicesDep,
+    group_by: Annotated[str | None, Query(
+        description="weight_version | model | run_id | rollout_id | hour | day")] = None,
+) -> JSONText:
     """Spec-decoding sums and rates per weight_version, model, run_id, rollout_id, hour or day."""
     return JSONText(await svc.analytics.spec(group_by, label_filters(request, SPEC_PARAMS)))
 
 
 @router.get("/metrics/rollout")
-async def rollout_metrics(request: Request, svc: ServicesDep, strict: bool = False) -> JSONText:
+async def rollout_metrics(
+    request: Request,
+    svc: ServicesDep,
+    strict: Annotated[bool, Query(
+        description="409 if a special_token_* or non_assistant_text rate is non-zero")] = False,
+) -> JSONText:
     """Miles-style rollout metrics over the closed sessions that match the label filters."""
     return JSONText(await svc.analytics.rollout(label_filters(request, ROLLOUT_PARAMS), strict))

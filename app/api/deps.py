@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
 from app.domain import jsonio
+from app.metrics import ApiMetrics
 from app.settings import Settings
 from app.store.analytics import Analytics
 from app.store.db import Database
@@ -30,6 +31,7 @@ class Services:
     analytics: Analytics
     history: History
     gates: Gates
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)
 
 
 def services(request: Request) -> Services:

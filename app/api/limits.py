@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.domain import jsonio
+from app.api.problems import send_problem
 from app.domain.errors import TooLarge
 
 
@@ -20,7 +20,7 @@ class BodyLimit:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send, int(declared))
+            await send_problem(send, self._error(int(declared)))
             return
         seen = 0
 
@@ -42,12 +42,3 @@ class BodyLimit:
             f"request body exceeds the limit of {self.max_bytes} bytes",
             field="body", expected=f"at most {self.max_bytes} bytes", actual=size,
         )
-
-    async def _reject(self, send: Send, size: int) -> None:
-        problem = self._error(size).problem()
-        body = jsonio.dumps(problem).encode("ascii")
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/problem+json"),
-            (b"content-length", str(len(body)).encode()),
-        ]})
-        await send({"type": "http.response.body", "body": body})

@@ -8,24 +8,39 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from app.domain import jsonio
 from app.domain.errors import DomainError
 
 PROBLEM = "application/problem+json"
+# Seconds a client should wait after a lost database connection (the pool
+# reconnects on the next checkout, pre-ping weeds out dead connections).
+UNAVAILABLE_RETRY_AFTER = "1"
 log = structlog.get_logger("turnlog.api")
 
 
 class JSONText(JSONResponse):
-    """JSON rendered ASCII-only, so any stored string (even a lone surrogate) encodes."""
+    """JSON that renders any stored string (even a lone surrogate, escaped)."""
 
     def render(self, content: Any) -> bytes:
-        return jsonio.dumps(content).encode("ascii")
+        return jsonio.dumps_bytes(content)
 
 
 def problem_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONText:
     return JSONText(body, status_code=int(body["status"]), media_type=PROBLEM, headers=headers)
+
+
+async def send_problem(send: Send, error: DomainError,
+                       headers: dict[str, str] | None = None) -> None:
+    """Answer with `error` straight from ASGI middleware, before any route runs."""
+    body = jsonio.dumps_bytes(error.problem())
+    raw = [(b"content-type", PROBLEM.encode()), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.http_status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _field_of(loc: tuple[Any, ...]) -> str:
@@ -64,6 +79,21 @@ def install(app: FastAPI) -> None:
             "detail": str(exc.detail),
         }, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONText:
+        if not database_unavailable(exc):
+            return await _unexpected(request, exc)
+        # Transient: the transaction was rolled back (or its commit is unknown);
+        # a retry with the same body is safe because every write is idempotent.
+        log.warning("database unavailable", path=request.url.path, error=repr(exc.orig))
+        return problem_response({
+            "type": "urn:turnlog:unavailable",
+            "title": "Database unavailable",
+            "status": 503,
+            "detail": "the database connection failed during this request; "
+                      "retry it unchanged (appends are idempotent by event_id)",
+        }, headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONText:
         log.exception("unhandled error", path=request.url.path, error=repr(exc))
@@ -73,6 +103,11 @@ def install(app: FastAPI) -> None:
             "status": 500,
             "detail": "the server failed to answer this request; it has been logged",
         })
+
+
+def database_unavailable(exc: DBAPIError) -> bool:
+    """A lost or refused database connection (retryable), not a bad statement."""
+    return bool(exc.connection_invalidated) or isinstance(exc, OperationalError | InterfaceError)
 
 
 def _short(value: Any) -> Any:

@@ -35,7 +35,7 @@ from app.domain.metric_history import (
     SeriesPoint,
     encode_value,
 )
-from app.domain.session import describe, is_int, reject_unknown, require_object
+from app.domain.session import describe, is_int, is_text_safe, reject_unknown, require_object
 
 BASELINE_WINDOW = 20
 LAST_STEP = -1
@@ -251,10 +251,11 @@ def parse_gate_spec(raw: Any, field_name: str = "spec") -> GateSpec:
     body = require_object(raw, field_name)
     reject_unknown(body, SPEC_FIELDS, field_name)
     metric_raw = body.get("metric")
-    if not isinstance(metric_raw, str) or not 1 <= len(metric_raw) <= MAX_METRIC:
+    if (not isinstance(metric_raw, str) or not 1 <= len(metric_raw) <= MAX_METRIC
+            or not is_text_safe(metric_raw)):
         raise InvalidRequest(f"{field_name}.metric must be a metric key",
                              field=f"{field_name}.metric",
-                             expected=f"string of 1-{MAX_METRIC} characters",
+                             expected=f"UTF-8 text of 1-{MAX_METRIC} characters without NUL",
                              actual=describe(metric_raw))
     metric = metric_raw
     default = GATE_DEFAULTS.get(metric)

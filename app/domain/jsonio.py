@@ -104,8 +104,24 @@ def _loads_stdlib(raw: bytes | str) -> Any:
 
 
 def dumps(value: Any) -> str:
-    """Compact, ASCII-only JSON text: stores any string (lone surrogates, NUL) as text."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    """Compact JSON text of any value `loads` produced (UTF-8 safe, NUL escaped).
+
+    msgspec is the fast path; a lone surrogate (valid in JSON escapes, not in
+    UTF-8) falls back to ASCII-escaped standard-library output.
+    """
+    try:
+        return msgspec.json.encode(value).decode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def dumps_bytes(value: Any) -> bytes:
+    """`dumps` as bytes, for response bodies."""
+    try:
+        return msgspec.json.encode(value)
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False).encode("ascii")
 
 
 def canonical(value: Any) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.domain.errors import InvalidRequest
-from app.domain.session import describe, is_int, reject_unknown, require_object
+from app.domain.session import describe, is_int, is_text_safe, reject_unknown, require_object
 
 DEFAULT_METRIC_KEYS: frozenset[str] = frozenset({
     "train/grad_norm",
@@ -134,9 +134,11 @@ def encode_series(series: Sequence[SeriesPoint]) -> list[list[Any]]:
 
 
 def _text(value: Any, field_name: str, limit: int = MAX_TEXT) -> str:
-    if not isinstance(value, str) or not 1 <= len(value) <= limit:
+    # Stored as database text: no NUL or lone surrogate (PostgreSQL refuses both).
+    if not isinstance(value, str) or not 1 <= len(value) <= limit or not is_text_safe(value):
         raise InvalidRequest(f"{field_name} must be a non-empty string", field=field_name,
-                             expected=f"string of 1-{limit} characters", actual=describe(value))
+                             expected=f"UTF-8 text of 1-{limit} characters without NUL",
+                             actual=describe(value))
     return value
 
 

@@ -36,7 +36,7 @@ LEGACY_SPEC_FIELDS = {
     "completion_tokens": "completion_token_num",
 }
 TOKEN_MAX = (1 << 31) - 1
-COUNTER_MAX = 1 << 40  # sums over 1024 nodes and millions of turns stay in BIGINT
+COUNTER_MAX = 1 << 52  # a session carrier sums at most 1024 of them: stays in BIGINT
 EVENT_ID_MAX = 128
 TIMESTAMP_MAX = 253402300800  # 10000-01-01T00:00:00Z
 OMITTED: Any = object()

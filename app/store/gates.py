@@ -38,7 +38,7 @@ from app.domain.gates import (
     row_trust,
 )
 from app.domain.metric_history import MAX_METRIC, RunCoordinate, parse_coordinate
-from app.domain.session import describe, reject_unknown, require_object
+from app.domain.session import describe, is_text_safe, reject_unknown, require_object
 from app.store.db import Database
 from app.store.history import RunHistory, load_run
 from app.store.schema import gate_baselines
@@ -89,9 +89,10 @@ def parse_check(raw: Any) -> GateCheck:
     body = require_object(raw, "body")
     reject_unknown(body, EVALUATE_FIELDS, "")
     run_id = body.get("run_id")
-    if not isinstance(run_id, str) or not 1 <= len(run_id) <= MAX_METRIC:
+    if (not isinstance(run_id, str) or not 1 <= len(run_id) <= MAX_METRIC
+            or not is_text_safe(run_id)):
         raise InvalidRequest("run_id must be a non-empty string", field="run_id",
-                             expected=f"string of 1-{MAX_METRIC} characters",
+                             expected=f"UTF-8 text of 1-{MAX_METRIC} characters without NUL",
                              actual=describe(run_id))
     record = body.get("record", True)
     if not isinstance(record, bool):

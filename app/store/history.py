@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
@@ -140,29 +141,40 @@ class History:
         kept = keep_whitelisted(submission.points, self.keys)
         key = run_key(submission.coordinate, submission.run_id)
         fingerprint = jsonio.fingerprint(submission.body())
-        async with self.db.write() as conn:
-            existing = (await conn.execute(
-                sa.select(metric_submissions.c.id)
-                .where(metric_submissions.c.run_key == key)
-                .where(metric_submissions.c.attempt == submission.attempt)
-                .where(metric_submissions.c.fingerprint == fingerprint)
-            )).first()
-            created = existing is None
-            if created:
-                submission_id = (await conn.execute(
-                    metric_submissions.insert().values(
-                        run_key=key, run_id=submission.run_id, attempt=submission.attempt,
-                        trusted=submission.trusted, fingerprint=fingerprint,
-                        recorded_us=time.time_ns() // 1000, **submission.coordinate.as_dict(),
-                    ).returning(metric_submissions.c.id)
-                )).scalar_one()
-                if kept:
-                    await conn.execute(metric_points.insert(), [
-                        point_row(submission_id, i, point) for i, point in enumerate(kept)])
-            run = await load_run(conn, submission.coordinate, submission.run_id)
+        try:
+            async with self.db.write() as conn:
+                created = await self._insert(conn, submission, key, fingerprint, kept)
+        except IntegrityError:
+            # The same body committed concurrently (PostgreSQL): answer as a repeat.
+            created = False
+        run = await self.run(submission.coordinate, submission.run_id)
         dropped = sorted({p.metric for p in submission.points} - {p.metric for p in kept})
         return {**run.as_dict(), "attempt": submission.attempt, "kept": len(kept),
                 "dropped": dropped}, created
+
+    @staticmethod
+    async def _insert(conn: AsyncConnection, submission: HistorySubmission, key: str,
+                      fingerprint: str, kept: tuple[MetricPoint, ...]) -> bool:
+        """Insert the submission and its kept points; False if it is already stored."""
+        existing = (await conn.execute(
+            sa.select(metric_submissions.c.id)
+            .where(metric_submissions.c.run_key == key)
+            .where(metric_submissions.c.attempt == submission.attempt)
+            .where(metric_submissions.c.fingerprint == fingerprint)
+        )).first()
+        if existing is not None:
+            return False
+        submission_id = (await conn.execute(
+            metric_submissions.insert().values(
+                run_key=key, run_id=submission.run_id, attempt=submission.attempt,
+                trusted=submission.trusted, fingerprint=fingerprint,
+                recorded_us=time.time_ns() // 1000, **submission.coordinate.as_dict(),
+            ).returning(metric_submissions.c.id)
+        )).scalar_one()
+        if kept:
+            await conn.execute(metric_points.insert(), [
+                point_row(submission_id, i, point) for i, point in enumerate(kept)])
+        return True
 
     async def run(self, coordinate: RunCoordinate, run_id: str) -> RunHistory:
         async with self.db.read() as conn:

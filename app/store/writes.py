@@ -52,6 +52,8 @@ def now_us() -> int:
 class Written:
     body: dict[str, Any]
     created: bool
+    # Bytes of R3 patch stored by this append (0 for a repeat or a turn without R3).
+    r3_bytes: int = 0
 
 
 def turn_reply(session_id: str, node: Any) -> dict[str, Any]:
@@ -171,7 +173,8 @@ class Writer:
             )
         if len(state.nodes) == node.seq:
             state.add_node(node)
-        return Written(turn_reply(session_id, nrow), created=True)
+        return Written(turn_reply(session_id, nrow), created=True,
+                       r3_bytes=0 if stored.patch is None else len(stored.patch.data))
 
     async def _repeat(
         self, conn: AsyncConnection, state: SessionState, seq: int, body: TurnBody

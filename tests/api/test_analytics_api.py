@@ -97,11 +97,12 @@ async def test_rates_are_ratios_of_sums_not_means_of_ratios(client):
 async def test_rates_are_float64_divisions_of_sums_beyond_2_pow_53(client):
     rid = run_id()
     sid = await open_session(client, {"run_id": rid})
-    big = (1 << 53) + 1
-    await append(client, sid, root(0, spec=(3, big, 3)), root(1, spec=(3, big + 2, 7)))
+    big = (1 << 52) - 2  # near the largest counter a turn may carry; the sums pass 2**53
+    await append(client, sid, root(0, spec=(3, big, 3)), root(1, spec=(3, big + 2, 7)),
+                 root(2, spec=(3, big, 5)))
     (group,) = await spec_groups(client, "run_id", run_id=rid)
-    assert group["spec_num_correct_drafts"] == 2 * big + 2
-    assert group["accept_rate"] == float(2 * big + 2) / float(10)
+    assert group["spec_num_correct_drafts"] == 3 * big + 2 > 2**53
+    assert group["accept_rate"] == float(3 * big + 2) / float(15)
 
 
 async def test_open_sessions_are_included(client):

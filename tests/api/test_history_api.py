@@ -4,6 +4,7 @@ Each test uses its own run coordinate (a fresh test path), so baselines of
 other tests never reach it.
 """
 
+import asyncio
 import uuid
 
 import httpx
@@ -76,6 +77,15 @@ async def test_a_repeated_submission_is_stored_once(client):
     assert (first.status_code, again.status_code) == (201, 200)
     assert again.json() == first.json()
     assert (await history(client, coord, "run-1"))["series"] == {KL: [[0, 0.25]]}
+
+
+async def test_concurrent_repeats_store_the_submission_once(client):
+    coord = coordinate()
+    body = submission(coord, "run-1", [(KL, 0, 0.25)])
+    replies = await asyncio.gather(*(client.post("/v1/metric-history", json=body)
+                                     for _ in range(6)))
+    assert sorted(r.status_code for r in replies) == [200] * 5 + [201]
+    assert (await history(client, coord, "run-1"))["submissions"] == 1
 
 
 async def test_non_finite_values_round_trip_as_marker_strings(client):

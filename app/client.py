@@ -1,0 +1,559 @@
+"""A small Python client for turnlog: async (httpx) with a thread-backed sync facade.
+
+Owns the wire calls of CONTRACT.md and one retry policy: every request is
+retried (tenacity, bounded exponential backoff with full jitter, honouring
+`Retry-After`) on connection errors, timeouts and 5xx answers, never on 4xx.
+That is safe because every write is idempotent on the wire: a turn carries an
+`event_id`, an open carries a `session_id`, a close repeats identically — so
+the client always sends both ids, generating them when the caller does not.
+Refuses to own any rule of the store: answers are returned as the JSON the
+server sent (plain dicts), and R3 tensors as numpy arrays read from `.npy`.
+
+Errors are `TurnlogError`s carrying the server's problem+json (`slug`,
+`status`, `field`, `expected`, `actual`); transport failures that outlast
+the retries are `TurnlogConnectionError`s. Both carry the `event_id` of the
+turn they were appending, so a caller that did not choose one can still
+resend the same turn later without risking a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+import numpy as np
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
+
+__all__ = [
+    "FeedPage",
+    "SyncTurnlogClient",
+    "TurnlogClient",
+    "TurnlogConnectionError",
+    "TurnlogError",
+    "new_event_id",
+]
+
+URN = "urn:turnlog:"
+OMITTED: Any = object()
+_T = TypeVar("_T")
+# Not worth retrying: the request itself is wrong (bad URL, bad proxy setup).
+_PERMANENT_TRANSPORT = (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.ProxyError)
+
+
+def new_event_id() -> str:
+    """A fresh idempotency key for one turn (uuid4 hex); reuse it when resending that turn."""
+    return uuid.uuid4().hex
+
+
+class TurnlogError(Exception):
+    """An answer that is not a success, as the server's problem+json.
+
+    `slug` is the part after `urn:turnlog:` (`"session-closed"`, `"r3-gap"`, …);
+    `problem` is the whole body, including rule-specific extras.
+    """
+
+    def __init__(self, problem: Mapping[str, Any], *, retry_after: float | None = None,
+                 event_id: str | None = None) -> None:
+        self.problem: dict[str, Any] = dict(problem)
+        self.type: str = str(self.problem.get("type", "about:blank"))
+        self.slug: str = self.type.removeprefix(URN)
+        status = self.problem.get("status")
+        self.status: int | None = status if isinstance(status, int) else None
+        self.title: str = str(self.problem.get("title", ""))
+        self.detail: str = str(self.problem.get("detail", ""))
+        self.field: str | None = self.problem.get("field")
+        self.expected: Any = self.problem.get("expected")
+        self.actual: Any = self.problem.get("actual")
+        self.retry_after = retry_after
+        self.event_id = event_id
+        super().__init__(f"{self.status} {self.slug}: {self.detail}")
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is not None and self.status >= 500
+
+
+class TurnlogConnectionError(TurnlogError):
+    """The server could not be reached or did not answer in time (after the retries).
+
+    Its `__cause__` is the httpx exception; `status` is None.
+    """
+
+    def __init__(self, cause: httpx.TransportError, *, event_id: str | None = None) -> None:
+        super().__init__({"type": f"{URN}connection-failed", "title": "Connection failed",
+                          "detail": f"{type(cause).__name__}: {cause}"}, event_id=event_id)
+        self.transient = not isinstance(cause, _PERMANENT_TRANSPORT)
+
+    @property
+    def retryable(self) -> bool:
+        return self.transient
+
+
+def _decode(content: bytes) -> Any:
+    try:
+        return msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        # Lone surrogate escapes are valid JSON text that msgspec refuses.
+        return json.loads(content)
+
+
+def _encode(body: Any) -> bytes:
+    # allow_nan=False: the server rejects non-finite numbers; fail before sending.
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        return None  # an HTTP date: the backoff decides instead
+
+
+def _error(response: httpx.Response, event_id: str | None) -> TurnlogError:
+    problem: dict[str, Any] | None = None
+    with contextlib.suppress(ValueError, msgspec.DecodeError):
+        body = _decode(response.content)
+        if isinstance(body, dict) and "type" in body:
+            problem = body
+    if problem is None:
+        problem = {"type": "about:blank", "title": response.reason_phrase,
+                   "detail": response.text[:500]}
+    problem.setdefault("status", response.status_code)
+    return TurnlogError(problem, retry_after=_retry_after(response), event_id=event_id)
+
+
+class _Backoff:
+    """Full-jitter exponential backoff, but never shorter than a `Retry-After`."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.jitter = wait_random_exponential(multiplier=initial, max=maximum)
+        self.maximum = maximum
+
+    def __call__(self, state: RetryCallState) -> float:
+        delay = float(self.jitter(state))
+        exc = state.outcome.exception() if state.outcome is not None else None
+        hint = getattr(exc, "retry_after", None)
+        if hint:
+            delay = max(delay, min(float(hint), self.maximum))
+        return delay
+
+
+@dataclass(frozen=True)
+class FeedPage:
+    """One page of the global feed and the cursor to continue after it."""
+
+    events: list[dict[str, Any]]
+    next: str
+
+
+def _label_params(labels: Mapping[str, Any] | None) -> dict[str, str]:
+    """Label filters as query parameters (strings as-is, anything else as JSON text)."""
+    out: dict[str, str] = {}
+    for key, value in (labels or {}).items():
+        out[key] = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return out
+
+
+class TurnlogClient:
+    """Async client. Use as `async with TurnlogClient(url) as tl: ...` (or call `aclose`).
+
+    `retries` is the number of resends after the first attempt; `retry_deadline`
+    (seconds, optional) bounds the total time spent retrying one call.
+    `backoff` / `max_backoff` shape the jittered exponential wait between
+    attempts. `transport` lets tests plug in `httpx.ASGITransport(app=...)`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = 30.0,
+        retries: int = 5,
+        retry_deadline: float | None = None,
+        backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        all_headers = {"accept": "application/json, application/problem+json",
+                       **dict(headers or {})}
+        if token:
+            all_headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
+                                       headers=all_headers, transport=transport)
+        self.retries = retries
+        self.retry_deadline = retry_deadline
+        self._wait = _Backoff(backoff, max_backoff)
+
+    async def __aenter__(self) -> TurnlogClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- transport ---------------------------------------------------------------
+
+    def _retrying(self) -> AsyncRetrying:
+        stop: stop_base = stop_after_attempt(self.retries + 1)
+        if self.retry_deadline is not None:
+            stop = stop | stop_after_delay(self.retry_deadline)
+        return AsyncRetrying(
+            stop=stop,
+            wait=self._wait,
+            retry=retry_if_exception(lambda exc: isinstance(exc, TurnlogError)
+                                     and exc.retryable),
+            reraise=True,
+        )
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        event_id: str | None = None,
+        timeout: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        content = None if body is None else _encode(body)
+        headers = None if body is None else {"content-type": "application/json"}
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        async for attempt in self._retrying():
+            with attempt:
+                try:
+                    response = await self._http.request(method, path, content=content,
+                                                        headers=headers, params=query, **extra)
+                except httpx.TransportError as exc:
+                    raise TurnlogConnectionError(exc, event_id=event_id) from exc
+                if response.status_code >= 400:
+                    raise _error(response, event_id)
+                return response
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return _decode((await self._send(method, path, **kwargs)).content)
+
+    # -- sessions ------------------------------------------------------------------
+
+    async def open(self, body: Mapping[str, Any] | None = None, /, **fields: Any) -> dict[str, Any]:
+        """Open a session (`POST /v1/sessions`) from `body` and/or keyword fields.
+
+        A `session_id` is generated when absent, so a retried open is idempotent;
+        read it back from the reply. Returns the session summary.
+        """
+        payload = {**dict(body or {}), **fields}
+        if payload.get("session_id") is None:
+            payload["session_id"] = uuid.uuid4().hex
+        result: dict[str, Any] = await self._json("POST", "/v1/sessions", body=payload)
+        return result
+
+    async def append(
+        self,
+        session_id: str,
+        record: Mapping[str, Any],
+        *,
+        event_id: str | None = None,
+        parent: int | None = OMITTED,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Append one turn (`POST …/turns`); returns the append reply.
+
+        `parent` omitted = derived by the server; None = a new root. Without an
+        `event_id` one is generated and reused by this call's retries; if the
+        call still fails, the error's `event_id` is the one to resend with.
+        """
+        body: dict[str, Any] = {"event_id": event_id or new_event_id(), "record": record}
+        if parent is not OMITTED:
+            body["parent"] = parent
+        if metadata is not None:
+            body["metadata"] = metadata
+        return await self.append_body(session_id, body)
+
+    async def append_body(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Append a complete turn body as CONTRACT §1 spells it (an `event_id` is
+        added when missing)."""
+        payload = dict(body)
+        if payload.get("event_id") is None:
+            payload["event_id"] = new_event_id()
+        result: dict[str, Any] = await self._json(
+            "POST", f"/v1/sessions/{session_id}/turns", body=payload,
+            event_id=payload["event_id"])
+        return result
+
+    async def close(
+        self,
+        session_id: str,
+        *,
+        max_seq_len: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Close a session; returns its samples without arrays. Repeats are idempotent."""
+        body: dict[str, Any] = {"max_seq_len": max_seq_len, "metadata": dict(metadata or {})}
+        result: dict[str, Any] = await self._json(
+            "POST", f"/v1/sessions/{session_id}/close", body=body)
+        return result
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        """The session summary with its `tree`."""
+        result: dict[str, Any] = await self._json("GET", f"/v1/sessions/{session_id}")
+        return result
+
+    async def state(self, session_id: str, leaf: int | None = None) -> dict[str, Any]:
+        """`GET …/state`: where the session stands (for `leaf`, default the latest node)."""
+        result: dict[str, Any] = await self._json(
+            "GET", f"/v1/sessions/{session_id}/state", params={"leaf": leaf})
+        return result
+
+    async def resume(self, session_id: str) -> dict[str, Any]:
+        """What a restarted session server needs to carry on: `active_leaf`,
+        `checkpoint_token_ids`, `next_routed_experts_start_len`, `covered_r3_rows`."""
+        return await self.state(session_id)
+
+    async def events(
+        self,
+        session_id: str,
+        *,
+        after: int | None = None,
+        limit: int | None = None,
+        include_r3: bool = True,
+    ) -> list[dict[str, Any]]:
+        """One page of a session's events in commit order (records exactly as appended)."""
+        result: list[dict[str, Any]] = await self._json(
+            "GET", f"/v1/sessions/{session_id}/events",
+            params={"after": after, "limit": limit,
+                    "include_r3": "true" if include_r3 else "false"})
+        return result
+
+    async def all_events(self, session_id: str, *, include_r3: bool = True,
+                         page_size: int = 1000) -> list[dict[str, Any]]:
+        """Every event of a session, paging by position."""
+        out: list[dict[str, Any]] = []
+        after: int | None = None
+        while True:
+            page = await self.events(session_id, after=after, limit=page_size,
+                                     include_r3=include_r3)
+            out.extend(page)
+            if len(page) < page_size:
+                return out
+            after = page[-1]["position"]
+
+    async def sessions(
+        self,
+        *,
+        status: str | None = None,
+        labels: Mapping[str, Any] | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """One page of `GET /v1/sessions`: `{"sessions": [...], "next": cursor}`."""
+        result: dict[str, Any] = await self._json(
+            "GET", "/v1/sessions",
+            params={"status": status, "after": after, "limit": limit,
+                    **_label_params(labels)})
+        return result
+
+    async def iter_sessions(
+        self,
+        *,
+        status: str | None = None,
+        labels: Mapping[str, Any] | None = None,
+        page_size: int = 100,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every matching session summary, paging with the cursor."""
+        after: str | None = None
+        while True:
+            page = await self.sessions(status=status, labels=labels, after=after,
+                                       limit=page_size)
+            for summary in page["sessions"]:
+                yield summary
+            if len(page["sessions"]) < page_size:
+                return
+            after = page["next"]
+
+    # -- samples -------------------------------------------------------------------
+
+    async def samples(self, session_id: str, *, arrays: bool = True) -> dict[str, Any]:
+        """The samples of a closed session (409 `session-open` while open)."""
+        result: dict[str, Any] = await self._json(
+            "GET", f"/v1/sessions/{session_id}/samples",
+            params={"arrays": "true" if arrays else "false"})
+        return result
+
+    async def r3(self, session_id: str, index: int) -> np.ndarray:
+        """A sample's R3 tensor, int32 `[len(tokens) - 1, num_layers, topk]`."""
+        response = await self._send("GET", f"/v1/sessions/{session_id}/samples/{index}/r3")
+        array: np.ndarray = np.load(io.BytesIO(response.content), allow_pickle=False)
+        return array
+
+    # -- feed ----------------------------------------------------------------------
+
+    async def feed(self, *, after: str | None = None, limit: int | None = None,
+                   wait: float | None = None) -> FeedPage:
+        """One page of the global feed; `wait` long-polls up to that many seconds."""
+        timeout = None
+        if wait:
+            base = self._http.timeout
+            timeout = httpx.Timeout(connect=base.connect, write=base.write, pool=base.pool,
+                                    read=None if base.read is None else base.read + wait)
+        body = await self._json("GET", "/v1/events",
+                                params={"after": after, "limit": limit, "wait": wait},
+                                timeout=timeout)
+        return FeedPage(events=body["events"], next=body["next"])
+
+    async def follow_pages(
+        self,
+        *,
+        after: str | None = None,
+        wait: float = 10.0,
+        limit: int | None = None,
+        until_idle: bool = False,
+    ) -> AsyncIterator[FeedPage]:
+        """Pages of the feed forever (or, with `until_idle`, until a long-poll
+        comes back empty). Persist `page.next` after handling a page to resume there."""
+        cursor = after
+        while True:
+            page = await self.feed(after=cursor, limit=limit, wait=wait)
+            if page.events:
+                yield page
+            elif until_idle:
+                return
+            cursor = page.next
+
+    async def follow(
+        self,
+        *,
+        after: str | None = None,
+        wait: float = 10.0,
+        limit: int | None = None,
+        until_idle: bool = False,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Feed events one by one in commit order (see `follow_pages` for cursors)."""
+        async for page in self.follow_pages(after=after, wait=wait, limit=limit,
+                                            until_idle=until_idle):
+            for event in page.events:
+                yield event
+
+    # -- service -------------------------------------------------------------------
+
+    async def ready(self) -> dict[str, Any]:
+        """`GET /readyz` (raises `TurnlogError` 503 `not-ready` after the retries)."""
+        result: dict[str, Any] = await self._json("GET", "/readyz")
+        return result
+
+
+class SyncTurnlogClient:
+    """Blocking facade for trainers: the async client on a private event loop in a
+    daemon thread. Same methods and arguments; iterators become generators."""
+
+    def __init__(self, base_url: str, token: str | None = None, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="turnlog-client", daemon=True)
+        self._thread.start()
+        try:
+            self._client: TurnlogClient = self._run(self._make(base_url, token, options))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+            raise
+
+    @staticmethod
+    async def _make(base_url: str, token: str | None, options: dict[str, Any]) -> TurnlogClient:
+        return TurnlogClient(base_url, token, **options)
+
+    def _run(self, awaitable: Awaitable[_T]) -> _T:
+        async def call() -> _T:
+            return await awaitable
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+
+    def _iterate(self, iterator: AsyncIterator[_T]) -> Iterator[_T]:
+        try:
+            while True:
+                try:
+                    yield self._run(iterator.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None and self._loop.is_running():
+                self._run(aclose())
+
+    def shutdown(self) -> None:
+        """Close the connections and stop the private loop (`close` closes a session)."""
+        if not self._loop.is_running():
+            return
+        self._run(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> SyncTurnlogClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.shutdown()
+
+    def _bind(name: str) -> Callable[..., Any]:  # type: ignore[misc]
+        def method(self: SyncTurnlogClient, *args: Any, **kwargs: Any) -> Any:
+            return self._run(getattr(self._client, name)(*args, **kwargs))
+
+        method.__name__ = name
+        method.__doc__ = getattr(TurnlogClient, name).__doc__
+        return method
+
+    def _bind_iter(name: str) -> Callable[..., Any]:  # type: ignore[misc]
+        def method(self: SyncTurnlogClient, *args: Any, **kwargs: Any) -> Any:
+            return self._iterate(getattr(self._client, name)(*args, **kwargs))
+
+        method.__name__ = name
+        method.__doc__ = getattr(TurnlogClient, name).__doc__
+        return method
+
+    open = _bind("open")
+    append = _bind("append")
+    append_body = _bind("append_body")
+    close = _bind("close")
+    session = _bind("session")
+    state = _bind("state")
+    resume = _bind("resume")
+    events = _bind("events")
+    all_events = _bind("all_events")
+    sessions = _bind("sessions")
+    samples = _bind("samples")
+    r3 = _bind("r3")
+    feed = _bind("feed")
+    ready = _bind("ready")
+    iter_sessions = _bind_iter("iter_sessions")
+    follow = _bind_iter("follow")
+    follow_pages = _bind_iter("follow_pages")
+    del _bind, _bind_iter

@@ -1,0 +1,52 @@
+"""Structured logs: one JSON object per line on stderr, for turnlog's and uvicorn's records.
+
+structlog renders turnlog's own events; the standard library's records
+(uvicorn's error and access logs, SQLAlchemy, alembic) go through the same
+processor chain via `ProcessorFormatter`, so a log shipper sees one format.
+`turnlog serve` calls `configure_logging` before uvicorn starts (and hands
+uvicorn `log_config=None` so it keeps this configuration). Tests never call
+it: structlog's defaults and `structlog.testing.capture_logs` suffice there.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+from structlog.types import Processor
+
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+def configure_logging(level: str = "info") -> None:
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    for name in UVICORN_LOGGERS:
+        uvicorn_logger = logging.getLogger(name)
+        uvicorn_logger.handlers = []
+        uvicorn_logger.propagate = True

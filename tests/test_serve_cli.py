@@ -1,0 +1,87 @@
+"""`turnlog serve`: no non-loopback bind without API tokens unless `--insecure`; bad token
+settings stop it at startup; JSON logging is configured and uvicorn told to keep it."""
+
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import app.logging
+from app.cli import cli
+from app.settings import get_settings
+
+TOKEN = "w-0123456789abcdef"
+runner = CliRunner()
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any]]:
+    """Runs `serve` up to uvicorn: the call uvicorn would have got is recorded, not made."""
+    import uvicorn
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append({"args": a, **kw}))
+    monkeypatch.setattr(app.logging, "configure_logging", lambda *a, **kw: None)
+    monkeypatch.setenv("TURNLOG_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
+    monkeypatch.delenv("TURNLOG_API_TOKENS", raising=False)
+    monkeypatch.delenv("TURNLOG_HOST", raising=False)
+    get_settings.cache_clear()
+    yield calls
+    get_settings.cache_clear()
+
+
+def serve(*args: str) -> Any:
+    return runner.invoke(cli, ["serve", "--no-migrate", *args])
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "db.example"])
+def test_non_loopback_without_tokens_is_refused(served, host):
+    result = serve("--host", host)
+    assert result.exit_code == 2
+    assert "refusing to serve" in result.output
+    assert served == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
+def test_loopback_serves_without_tokens(served, host):
+    assert serve("--host", host).exit_code == 0
+    assert served[0]["host"] == host
+
+
+def test_default_bind_is_loopback(served):
+    assert serve().exit_code == 0
+    assert served[0]["host"] == "127.0.0.1"
+
+
+def test_insecure_allows_non_loopback_with_a_warning(served):
+    result = serve("--host", "0.0.0.0", "--insecure")
+    assert result.exit_code == 0, result.output
+    assert "without API tokens" in result.output
+    assert served[0]["host"] == "0.0.0.0"
+
+
+def test_tokens_allow_non_loopback(served, monkeypatch):
+    monkeypatch.setenv("TURNLOG_API_TOKENS", f"{TOKEN}:write")
+    result = serve("--host", "0.0.0.0")
+    assert result.exit_code == 0, result.output
+    assert served[0]["host"] == "0.0.0.0"
+
+
+def test_an_empty_token_list_is_no_tokens(served, monkeypatch):
+    monkeypatch.setenv("TURNLOG_API_TOKENS", " , ")
+    assert serve("--host", "0.0.0.0").exit_code == 2
+
+
+def test_bad_token_setting_stops_startup_without_echoing_it(served, monkeypatch):
+    monkeypatch.setenv("TURNLOG_API_TOKENS", f"{TOKEN}:admin")
+    result = serve()
+    assert result.exit_code == 2
+    assert "TURNLOG_API_TOKENS entry 1" in result.output
+    assert TOKEN not in result.output
+    assert served == []
+
+
+def test_uvicorn_keeps_our_logging(served):
+    assert serve().exit_code == 0
+    assert served[0]["log_config"] is None
+    assert served[0]["factory"] is True
