@@ -74,8 +74,8 @@ def serve(
     if migrate and settings.migrate_on_start:
         migrations.upgrade(url)
         console.print(f"[green]schema at head[/] on {settings.database_url}")
-    # log_config=None: uvicorn keeps the JSON logging configured above.
-    uvicorn.run("app.main:create_app", factory=True, host=bind, port=port or settings.port,
+    # log_config=None: uvicorn keeps the JSON logging that the factory sets up per worker.
+    uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port or settings.port,
                 workers=workers, log_level="info", log_config=None)
 
 

@@ -75,3 +75,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, telemetry, sessions, samples, feed, analytics, history, gates):
         app.include_router(module.router)
     return app
+
+
+def create_served_app() -> FastAPI:
+    """The factory `turnlog serve` gives uvicorn: JSON logs in every worker process first."""
+    from app.logging import configure_logging
+
+    configure_logging()
+    return create_app()

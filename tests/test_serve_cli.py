@@ -85,3 +85,15 @@ def test_uvicorn_keeps_our_logging(served):
     assert serve().exit_code == 0
     assert served[0]["log_config"] is None
     assert served[0]["factory"] is True
+    # every worker process configures JSON logging itself, in the factory
+    assert served[0]["args"] == ("app.main:create_served_app",)
+
+
+def test_the_served_factory_configures_logging(monkeypatch):
+    import app.main
+
+    calls = []
+    monkeypatch.setattr(app.logging, "configure_logging", lambda: calls.append(1))
+    monkeypatch.setattr(app.main, "create_app", lambda: "the app")
+    assert app.main.create_served_app() == "the app"
+    assert calls == [1]

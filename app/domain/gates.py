@@ -207,9 +207,16 @@ class Verdict:
                 "outcome": self.outcome, "results": [r.as_dict() for r in self.results]}
 
 
+def _finite_number(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float64
+        return False
+
+
 def _param(value: Any, field_name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not math.isfinite(value) or value < 0:
+            or not _finite_number(value) or value < 0:
         raise InvalidRequest(f"{field_name} must be a finite number >= 0", field=field_name,
                              expected="finite number >= 0", actual=describe(value))
     return float(value)

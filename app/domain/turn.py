@@ -9,6 +9,7 @@ need the session's tree (parent, offsets, prefix) live in `app/domain/tree.py`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +150,14 @@ def token_array(value: Any, field_name: str) -> np.ndarray:
     raise _token_error(value, field_name)
 
 
+def _fits_float64(value: int | float) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
 def _output_error(entries: list[Any], name: str) -> InvalidRequest:
     for i, entry in enumerate(entries):
         where = f"{name}[{i}]"
@@ -156,8 +165,10 @@ def _output_error(entries: list[Any], name: str) -> InvalidRequest:
             return _invalid("each output entry is [logprob, token_id, ...]", where,
                             "array [logprob, token_id, ...]", entry)
         logprob, tok = entry[0], entry[1]
-        if not isinstance(logprob, int | float) or isinstance(logprob, bool):
-            return _invalid("logprob must be a number", f"{where}[0]", "number", logprob)
+        if not isinstance(logprob, int | float) or isinstance(logprob, bool) \
+                or not _fits_float64(logprob):
+            return _invalid("logprob must be a number", f"{where}[0]", "float64 number",
+                            logprob)
         if not is_int(tok) or not 0 <= tok <= TOKEN_MAX:
             return _invalid("token id out of range", f"{where}[1]",
                             f"integer in [0, {TOKEN_MAX}]", tok)
@@ -176,10 +187,12 @@ def _output(meta: dict[str, Any]) -> tuple[np.ndarray, list[float]]:
     if set(map(type, entries)) == {list} and min(map(len, entries)) >= 2:
         logprobs = [entry[0] for entry in entries]
         ids = [entry[1] for entry in entries]
-        if set(map(type, logprobs)) <= {float, int} and set(map(type, ids)) == {int}:
-            arr = np.asarray(ids, dtype=np.int64) if max(ids) <= TOKEN_MAX else None
-            if arr is not None and int(arr.min()) >= 0:
-                return arr, [float(x) for x in logprobs]
+        # Range-checked as Python ints first: numpy overflows on ids beyond int64, and
+        # float() on an integer log-prob beyond float64.
+        if set(map(type, logprobs)) <= {float, int} and set(map(type, ids)) == {int} \
+                and min(ids) >= 0 and max(ids) <= TOKEN_MAX:
+            with contextlib.suppress(OverflowError):
+                return np.asarray(ids, dtype=np.int64), [float(x) for x in logprobs]
     raise _output_error(entries, name)
 
 

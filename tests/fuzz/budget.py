@@ -1,7 +1,7 @@
-"""Example budgets of the fuzz tests: bounded and seeded for CI, deeper by hand.
+"""Example budgets of the fuzz tests: bounded and seeded in CI, deeper by hand.
 
-`TURNLOG_FUZZ_EXAMPLES=500 make test PYTEST_ARGS=tests/fuzz` multiplies nothing: it sets
-the examples per HTTP test (and per schemathesis operation) and draws random seeds.
+`TURNLOG_FUZZ_EXAMPLES=N` sets the examples of every fuzz test (per operation
+for schemathesis) to N and draws fresh random seeds instead of the fixed ones.
 """
 
 import os

@@ -36,6 +36,7 @@ META: Path = ("record", "response", "choices", 0, "meta_info")
 REQUEST: Path = ("record", "request")
 PAYLOAD: Path = (*META, "routed_experts")
 START: Path = (*REQUEST, "routed_experts_start_len")
+LOGPROB: Path = (*META, "output_token_logprobs", 1, 0)
 HTTP = settings(max_examples=examples(25), deadline=None, derandomize=DERANDOMIZE,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
@@ -105,7 +106,7 @@ TYPED: dict[Path, Callable[[Any], bool]] = {
     START: is_integer,
     (*META, "output_token_logprobs"): lambda v: isinstance(v, list),
     (*META, "output_token_logprobs", 0): lambda v: isinstance(v, list),
-    (*META, "output_token_logprobs", 1, 0): is_number,
+    LOGPROB: is_number,
     (*META, "output_token_logprobs", 1, 1): is_integer,
     (*META, "completion_tokens"): lambda v: v is None or is_integer(v),
     (*META, "spec_verify_ct"): lambda v: v is None or is_integer(v),
@@ -162,11 +163,14 @@ def wrong_offset(draw: st.DrawFn) -> bytes:
 @st.composite
 def huge_number(draw: st.DrawFn) -> bytes:
     body = second_turn()
-    path = draw(st.sampled_from(NUMBERS))
+    path = draw(st.sampled_from([*NUMBERS, LOGPROB]))
     if path == ("parent",):
         body["parent"] = 0  # an explicit parent, so only the number itself is wrong
-    value = draw(st.integers(2**53, 2**300) | st.integers(max_value=-1)
-                 | st.sampled_from([1e300, -1e300, 2.0**64]))
+    if path == LOGPROB:  # any float64 is a log-prob; an integer beyond float64 is not
+        value = draw(st.integers(2**1024, 2**1100) | st.integers(-(2**1100), -(2**1024)))
+    else:
+        value = draw(st.integers(2**53, 2**300) | st.integers(max_value=-1)
+                     | st.sampled_from([1e300, -1e300, 2.0**64, -(2**70), -(10**400)]))
     set_at(body, path, value)
     return dumps(body)
 
@@ -174,8 +178,8 @@ def huge_number(draw: st.DrawFn) -> bytes:
 @st.composite
 def non_finite_literal(draw: st.DrawFn) -> bytes:
     body = second_turn()
-    path = draw(st.sampled_from([*NUMBERS, (*REQUEST, "temperature"),
-                                 (*META, "output_token_logprobs", 1, 0), ("metadata", "x")]))
+    path = draw(st.sampled_from([*NUMBERS, (*REQUEST, "temperature"), LOGPROB,
+                                 ("metadata", "x")]))
     set_at(body, path, SENTINEL)
     raw = dumps(body)
     assert raw.count(repr(SENTINEL).encode()) == 1
@@ -225,7 +229,7 @@ def test_the_uncorrupted_turn_is_valid():
     assert len(state.nodes) == 2 and state.nodes[1].parent == 0
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None, derandomize=DERANDOMIZE)
 @given(raw=any_corruption)
 def test_validator_rejects_every_corruption_with_a_domain_error(raw):
     state, _ = fold_in_memory(open_spec("fz"), [first_turn()])
@@ -235,7 +239,7 @@ def test_validator_rejects_every_corruption_with_a_domain_error(raw):
     assert len(state.nodes) == 1
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None, derandomize=DERANDOMIZE)
 @given(raw=st.binary(max_size=512) | any_corruption.map(lambda b: b[:len(b) // 2]))
 def test_parser_fails_only_with_invalid_request(raw):
     try:
