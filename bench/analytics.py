@@ -23,28 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import asyncpg
 import httpx
 import numpy as np
-from sqlalchemy.engine import make_url
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.pgserver import (  # noqa: E402
-    PostgresServer,
-    create_database,
-    drop_database,
-    start_postgres,
-)
+from bench.common import pg_dsn, postgres
+from tests.pgserver import create_database, drop_database
 
 RUNS, ROLLOUTS_PER_RUN, MODELS, VERSIONS = 20, 100, 3, 200
 DAY0 = 1764374400  # 2025-11-29T00:00:00Z
@@ -58,10 +48,6 @@ NODE_COLUMNS = ("session_id", "seq", "parent", "depth", "num_tokens", "prompt_le
                 "record_ts", "record_hour", "record_day", "position", "recorded_us")
 LABEL_GROUPS = {"model", "run_id", "rollout_id"}
 COLUMN = {"weight_version": "weight_version", "hour": "record_hour", "day": "record_day"}
-
-
-def pg_dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def sid(i: int) -> str:
@@ -246,11 +232,7 @@ async def main() -> None:
     if args.sessions < 1 or args.turns < args.sessions:
         parser.error("need at least one turn per session")
 
-    if args.postgres_url:
-        server = PostgresServer(url=str(make_url(args.postgres_url).set(
-            drivername="postgresql+asyncpg")), source="env")
-    else:
-        server = start_postgres()
+    server = postgres(args.postgres_url)
     name = f"bench_analytics_{uuid.uuid4().hex[:6]}"
     url = create_database(server, name)
     try:

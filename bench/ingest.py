@@ -23,24 +23,16 @@ import argparse
 import asyncio
 import base64
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import asyncpg
 import httpx
 import numpy as np
-from sqlalchemy.engine import make_url
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.pgserver import PostgresServer, create_database, start_postgres  # noqa: E402
+from bench.common import pg_dsn, postgres, start_server, stop_server
+from tests.pgserver import create_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")
@@ -108,16 +100,6 @@ def make_session(rng: np.random.Generator, turns: int, new_tokens: int) -> Sessi
     return SessionPlan(sid, open_body, plan)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pg_dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  # noqa: ANN001
     queue: asyncio.Queue[SessionPlan] = asyncio.Queue()
     for p in plans:
@@ -133,24 +115,9 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
 
 
 async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int) -> float:
-    port = free_port()
-    env = dict(os.environ, TURNLOG_DATABASE_URL=url)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port), "--workers", str(workers)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}"
+    proc, base = await start_server(url, workers)
     try:
         async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-            for _ in range(300):
-                try:
-                    if (await http.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise RuntimeError("turnlog did not become ready")
             headers = {"content-type": "application/json"}
 
             async def work(_i: int, plan: SessionPlan) -> None:
@@ -164,8 +131,7 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
 
             return await run_workers(plans, clients, work)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_server(proc)
 
 
 async def bench_naive(url: str, plans: list[SessionPlan], clients: int) -> float:
@@ -228,18 +194,14 @@ async def main() -> None:
                         help="keep the test cluster's fsync=off (default: durable settings)")
     args = parser.parse_args()
 
-    if args.postgres_url:
-        server = PostgresServer(url=str(make_url(args.postgres_url).set(
-            drivername="postgresql+asyncpg")), source="env")
-    else:
-        server = start_postgres()
-        if not args.fast_unsafe:
-            # The test cluster runs with fsync off; measure with production durability.
-            conn = await asyncpg.connect(pg_dsn(server.url))
-            for setting in ("fsync", "synchronous_commit", "full_page_writes"):
-                await conn.execute(f"ALTER SYSTEM SET {setting} = on")
-            await conn.execute("SELECT pg_reload_conf()")
-            await conn.close()
+    server = postgres(args.postgres_url)
+    if not args.postgres_url and not args.fast_unsafe:
+        # The test cluster runs with fsync off; measure with production durability.
+        conn = await asyncpg.connect(pg_dsn(server.url))
+        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
+            await conn.execute(f"ALTER SYSTEM SET {setting} = on")
+        await conn.execute("SELECT pg_reload_conf()")
+        await conn.close()
     rng = np.random.default_rng(7)
     print(f"generating {args.sessions} sessions x {args.turns} turns ...", flush=True)
     plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]

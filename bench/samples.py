@@ -21,23 +21,18 @@ import asyncio
 import base64
 import io
 import json
-import os
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 import numpy as np
-from sqlalchemy.engine import make_url
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.ingest import LAYERS, TOPK, free_port, make_session  # noqa: E402
-from tests.pgserver import create_database, start_postgres  # noqa: E402
+from bench.common import postgres, start_server, stop_server
+from bench.ingest import LAYERS, TOPK, make_session
+from tests.pgserver import create_database
 
 
 def rss_kib(pid: int, field: str) -> int:
@@ -64,33 +59,16 @@ async def main() -> None:
     if args.sqlite:
         url = f"sqlite+aiosqlite:////tmp/turnlog-bench-{uuid.uuid4().hex[:6]}.db"
     else:
-        if args.postgres_url:
-            from tests.pgserver import PostgresServer
-
-            server = PostgresServer(url=str(make_url(args.postgres_url).set(
-                drivername="postgresql+asyncpg")), source="env")
-        else:
-            server = start_postgres()
-        url = create_database(server, f"bench_samples_{uuid.uuid4().hex[:6]}")
+        url = create_database(postgres(args.postgres_url),
+                              f"bench_samples_{uuid.uuid4().hex[:6]}")
 
     plan = make_session(np.random.default_rng(3), 10, args.new_tokens)
     patches = [np.frombuffer(base64.b64decode(json.loads(t.body)["record"]["response"]
                                               ["choices"][0]["meta_info"]["routed_experts"]),
                              "<i4").reshape(-1, LAYERS, TOPK) for t in plan.turns]
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port)],
-                            cwd=ROOT, env=dict(os.environ, TURNLOG_DATABASE_URL=url),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, base = await start_server(url)
     try:
-        base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-            for _ in range(300):
-                try:
-                    if (await http.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
             headers = {"content-type": "application/json"}
             (await http.post("/v1/sessions", content=plan.open_body,
                              headers=headers)).raise_for_status()
@@ -127,8 +105,7 @@ async def main() -> None:
             assert tensor.shape == (rows, LAYERS, TOPK)
             assert tensor.tobytes() == reference.tobytes()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_server(proc)
 
     http_ms = statistics.median(http_times) * 1000
     curl_ms = statistics.median(curl_times) * 1000

@@ -16,6 +16,8 @@ from app.api.sessions import label_filters
 
 router = APIRouter(prefix="/v1", tags=["analytics"])
 SPEC_PARAMS = frozenset({"group_by"})
+# Documented for clients and fuzzers; the store validates and answers 422 itself.
+GROUP_BY_VALUES = ("weight_version", "model", "run_id", "rollout_id", "hour", "day")
 ROLLOUT_PARAMS = frozenset({"strict"})
 
 
@@ -24,7 +26,8 @@ async def spec_rates(
     request: Request,
     svc: ServicesDep,
     group_by: Annotated[str | None, Query(
-        description="weight_version | model | run_id | rollout_id | hour | day")] = None,
+        description="weight_version | model | run_id | rollout_id | hour | day",
+        json_schema_extra={"enum": list(GROUP_BY_VALUES)})] = None,
 ) -> JSONText:
     """Spec-decoding sums and rates per weight_version, model, run_id, rollout_id, hour or day."""
     return JSONText(await svc.analytics.spec(group_by, label_filters(request, SPEC_PARAMS)))

@@ -1,0 +1,63 @@
+"""Plumbing shared by the benchmarks: a PostgreSQL server and a `turnlog serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.pgserver import PostgresServer, start_postgres  # noqa: E402
+
+
+def postgres(url: str | None) -> PostgresServer:
+    """The server at `url`, else a throwaway cluster from the installed binaries."""
+    if url:
+        return PostgresServer(url=str(make_url(url).set(drivername="postgresql+asyncpg")),
+                              source="env")
+    return start_postgres()
+
+
+def pg_dsn(url: str) -> str:
+    """An asyncpg DSN (no SQLAlchemy driver suffix) for a `postgresql+asyncpg://` URL."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def start_server(url: str, workers: int = 1) -> tuple[subprocess.Popen[bytes], str]:
+    """`turnlog serve` on a free loopback port; returns once `/readyz` answers 200."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--port", str(port), "--workers", str(workers)],
+        cwd=ROOT, env=dict(os.environ, TURNLOG_DATABASE_URL=url),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+        for _ in range(600):
+            try:
+                if (await http.get("/readyz")).status_code == 200:
+                    return proc, base
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+    proc.terminate()
+    raise RuntimeError("turnlog did not become ready within 60 s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(10)
