@@ -61,3 +61,43 @@ async def start_server(url: str, workers: int = 1) -> tuple[subprocess.Popen[byt
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     proc.wait(10)
+
+
+class RawHttp:
+    """A minimal keep-alive HTTP/1.1 client for load generation (like wrk).
+
+    The benchmarks measure the server, so the load generator must cost almost
+    nothing: requests are pre-encoded bytes written straight to the socket and
+    replies are read by Content-Length. Not a general client.
+    """
+
+    def __init__(self, base: str) -> None:
+        host, port = base.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> RawHttp:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
+                                                                 limit=1 << 20)
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        assert self.writer is not None
+        self.writer.close()
+
+    async def post_json(self, path: str, body: bytes) -> tuple[int, bytes]:
+        assert self.reader is not None and self.writer is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        self.writer.write(head.encode("ascii"))
+        self.writer.write(body)
+        await self.writer.drain()
+        status_line = await self.reader.readuntil(b"\r\n")
+        status = int(status_line.split()[1])
+        length = 0
+        while (line := await self.reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)

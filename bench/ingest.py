@@ -28,10 +28,9 @@ import uuid
 from dataclasses import dataclass
 
 import asyncpg
-import httpx
 import numpy as np
 
-from bench.common import pg_dsn, postgres, start_server, stop_server
+from bench.common import RawHttp, pg_dsn, postgres, start_server, stop_server
 from tests.pgserver import create_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -117,19 +116,26 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
 async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int) -> float:
     proc, base = await start_server(url, workers)
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-            headers = {"content-type": "application/json"}
+        connections = [RawHttp(base) for _ in range(clients)]
+        for conn in connections:
+            await conn.__aenter__()
 
-            async def work(_i: int, plan: SessionPlan) -> None:
-                r = await http.post("/v1/sessions", content=plan.open_body, headers=headers)
-                r.raise_for_status()
-                for turn in plan.turns:
-                    r = await http.post(f"/v1/sessions/{plan.session_id}/turns",
-                                        content=turn.body, headers=headers)
-                    if r.status_code != 201:
-                        raise RuntimeError(r.text)
+        async def work(i: int, plan: SessionPlan) -> None:
+            http = connections[i]
+            status, reply = await http.post_json("/v1/sessions", plan.open_body)
+            if status not in (200, 201):
+                raise RuntimeError(reply.decode())
+            for turn in plan.turns:
+                status, reply = await http.post_json(f"/v1/sessions/{plan.session_id}/turns",
+                                                     turn.body)
+                if status != 201:
+                    raise RuntimeError(reply.decode())
 
+        try:
             return await run_workers(plans, clients, work)
+        finally:
+            for conn in connections:
+                await conn.__aexit__()
     finally:
         stop_server(proc)
 
