@@ -5,7 +5,8 @@ exits 0 (trusted), 1 (failed) or 2 (error: a gate could not be judged, or
 the check itself failed — bad spec file, unreachable database). It talks to
 the database directly through the store (`--database-url`, default
 TURNLOG_DATABASE_URL) or to a running server (`--url`). Rules live in
-`app/domain/gates.py`; this module only parses options and prints.
+`app/domain/gate_specs.py` and `app/domain/gates.py`; this module only parses options
+and prints.
 """
 
 from __future__ import annotations

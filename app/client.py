@@ -1,109 +1,46 @@
-"""A small Python client for turnlog: async (httpx) with a thread-backed sync facade.
+"""A small async Python client for turnlog (httpx): the wire calls of CONTRACT.md.
 
-Owns the wire calls of CONTRACT.md and one retry policy: every request is
-retried (tenacity, bounded exponential backoff with full jitter, honouring
-`Retry-After`) on connection errors, timeouts and 5xx answers, never on 4xx.
-That is safe because every write is idempotent on the wire: a turn carries an
-`event_id`, an open carries a `session_id`, a close repeats identically — so
-the client always sends both ids, generating them when the caller does not.
+Owns one method per call and what makes resending them safe: every write
+is idempotent on the wire — a turn carries an `event_id`, an open carries a
+`session_id`, a close repeats identically — so the client always sends both
+ids, generating them when the caller does not, and every request goes
+through the retry policy of `client_errors.py`. Failed answers become the
+`TurnlogError`s defined there.
+
 Refuses to own any rule of the store: answers are returned as the JSON the
 server sent (plain dicts), and R3 tensors as numpy arrays read from `.npy`.
-
-Errors are `TurnlogError`s carrying the server's problem+json (`slug`,
-`status`, `field`, `expected`, `actual`); transport failures that outlast
-the retries are `TurnlogConnectionError`s. Both carry the `event_id` of the
-turn they were appending, so a caller that did not choose one can still
-resend the same turn later without risking a duplicate.
+Also refuses the error types and retry policy (`client_errors.py`) and the
+blocking facade (`client_sync.py`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
-import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import msgspec
 import numpy as np
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_random_exponential,
-)
-from tenacity.stop import stop_base
+
+from app.client_errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
 
 __all__ = [
     "FeedPage",
-    "SyncTurnlogClient",
     "TurnlogClient",
-    "TurnlogConnectionError",
-    "TurnlogError",
     "new_event_id",
 ]
 
-URN = "urn:turnlog:"
 OMITTED: Any = object()
-_T = TypeVar("_T")
-# Not worth retrying: the request itself is wrong (bad URL, bad proxy setup).
-_PERMANENT_TRANSPORT = (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.ProxyError)
 
 
 def new_event_id() -> str:
     """A fresh idempotency key for one turn (uuid4 hex); reuse it when resending that turn."""
     return uuid.uuid4().hex
-
-
-class TurnlogError(Exception):
-    """An answer that is not a success, as the server's problem+json.
-
-    `slug` is the part after `urn:turnlog:` (`"session-closed"`, `"r3-gap"`, …);
-    `problem` is the whole body, including rule-specific extras.
-    """
-
-    def __init__(self, problem: Mapping[str, Any], *, retry_after: float | None = None,
-                 event_id: str | None = None) -> None:
-        self.problem: dict[str, Any] = dict(problem)
-        self.type: str = str(self.problem.get("type", "about:blank"))
-        self.slug: str = self.type.removeprefix(URN)
-        status = self.problem.get("status")
-        self.status: int | None = status if isinstance(status, int) else None
-        self.title: str = str(self.problem.get("title", ""))
-        self.detail: str = str(self.problem.get("detail", ""))
-        self.field: str | None = self.problem.get("field")
-        self.expected: Any = self.problem.get("expected")
-        self.actual: Any = self.problem.get("actual")
-        self.retry_after = retry_after
-        self.event_id = event_id
-        super().__init__(f"{self.status} {self.slug}: {self.detail}")
-
-    @property
-    def retryable(self) -> bool:
-        return self.status is not None and self.status >= 500
-
-
-class TurnlogConnectionError(TurnlogError):
-    """The server could not be reached or did not answer in time (after the retries).
-
-    Its `__cause__` is the httpx exception; `status` is None.
-    """
-
-    def __init__(self, cause: httpx.TransportError, *, event_id: str | None = None) -> None:
-        super().__init__({"type": f"{URN}connection-failed", "title": "Connection failed",
-                          "detail": f"{type(cause).__name__}: {cause}"}, event_id=event_id)
-        self.transient = not isinstance(cause, _PERMANENT_TRANSPORT)
-
-    @property
-    def retryable(self) -> bool:
-        return self.transient
 
 
 def _decode(content: bytes) -> Any:
@@ -141,22 +78,6 @@ def _error(response: httpx.Response, event_id: str | None) -> TurnlogError:
                    "detail": response.text[:500]}
     problem.setdefault("status", response.status_code)
     return TurnlogError(problem, retry_after=_retry_after(response), event_id=event_id)
-
-
-class _Backoff:
-    """Full-jitter exponential backoff, but never shorter than a `Retry-After`."""
-
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.jitter = wait_random_exponential(multiplier=initial, max=maximum)
-        self.maximum = maximum
-
-    def __call__(self, state: RetryCallState) -> float:
-        delay = float(self.jitter(state))
-        exc = state.outcome.exception() if state.outcome is not None else None
-        hint = getattr(exc, "retry_after", None)
-        if hint:
-            delay = max(delay, min(float(hint), self.maximum))
-        return delay
 
 
 @dataclass(frozen=True)
@@ -207,7 +128,7 @@ class TurnlogClient:
                                        headers=all_headers, transport=transport)
         self.retries = retries
         self.retry_deadline = retry_deadline
-        self._wait = _Backoff(backoff, max_backoff)
+        self._wait = Backoff(backoff, max_backoff)
 
     async def __aenter__(self) -> TurnlogClient:
         return self
@@ -219,18 +140,6 @@ class TurnlogClient:
         await self._http.aclose()
 
     # -- transport ---------------------------------------------------------------
-
-    def _retrying(self) -> AsyncRetrying:
-        stop: stop_base = stop_after_attempt(self.retries + 1)
-        if self.retry_deadline is not None:
-            stop = stop | stop_after_delay(self.retry_deadline)
-        return AsyncRetrying(
-            stop=stop,
-            wait=self._wait,
-            retry=retry_if_exception(lambda exc: isinstance(exc, TurnlogError)
-                                     and exc.retryable),
-            reraise=True,
-        )
 
     async def _send(
         self,
@@ -246,7 +155,7 @@ class TurnlogClient:
         headers = None if body is None else {"content-type": "application/json"}
         query = {k: v for k, v in (params or {}).items() if v is not None}
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        async for attempt in self._retrying():
+        async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
             with attempt:
                 try:
                     response = await self._http.request(method, path, content=content,
@@ -467,93 +376,3 @@ class TurnlogClient:
         """`GET /readyz` (raises `TurnlogError` 503 `not-ready` after the retries)."""
         result: dict[str, Any] = await self._json("GET", "/readyz")
         return result
-
-
-class SyncTurnlogClient:
-    """Blocking facade for trainers: the async client on a private event loop in a
-    daemon thread. Same methods and arguments; iterators become generators."""
-
-    def __init__(self, base_url: str, token: str | None = None, **options: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name="turnlog-client", daemon=True)
-        self._thread.start()
-        try:
-            self._client: TurnlogClient = self._run(self._make(base_url, token, options))
-        except BaseException:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
-            raise
-
-    @staticmethod
-    async def _make(base_url: str, token: str | None, options: dict[str, Any]) -> TurnlogClient:
-        return TurnlogClient(base_url, token, **options)
-
-    def _run(self, awaitable: Awaitable[_T]) -> _T:
-        async def call() -> _T:
-            return await awaitable
-
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
-
-    def _iterate(self, iterator: AsyncIterator[_T]) -> Iterator[_T]:
-        try:
-            while True:
-                try:
-                    yield self._run(iterator.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None and self._loop.is_running():
-                self._run(aclose())
-
-    def shutdown(self) -> None:
-        """Close the connections and stop the private loop (`close` closes a session)."""
-        if not self._loop.is_running():
-            return
-        self._run(self._client.aclose())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
-
-    def __enter__(self) -> SyncTurnlogClient:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.shutdown()
-
-    def _bind(name: str) -> Callable[..., Any]:  # type: ignore[misc]
-        def method(self: SyncTurnlogClient, *args: Any, **kwargs: Any) -> Any:
-            return self._run(getattr(self._client, name)(*args, **kwargs))
-
-        method.__name__ = name
-        method.__doc__ = getattr(TurnlogClient, name).__doc__
-        return method
-
-    def _bind_iter(name: str) -> Callable[..., Any]:  # type: ignore[misc]
-        def method(self: SyncTurnlogClient, *args: Any, **kwargs: Any) -> Any:
-            return self._iterate(getattr(self._client, name)(*args, **kwargs))
-
-        method.__name__ = name
-        method.__doc__ = getattr(TurnlogClient, name).__doc__
-        return method
-
-    open = _bind("open")
-    append = _bind("append")
-    append_body = _bind("append_body")
-    close = _bind("close")
-    session = _bind("session")
-    state = _bind("state")
-    resume = _bind("resume")
-    events = _bind("events")
-    all_events = _bind("all_events")
-    sessions = _bind("sessions")
-    samples = _bind("samples")
-    r3 = _bind("r3")
-    feed = _bind("feed")
-    ready = _bind("ready")
-    iter_sessions = _bind_iter("iter_sessions")
-    follow = _bind_iter("follow")
-    follow_pages = _bind_iter("follow_pages")
-    del _bind, _bind_iter

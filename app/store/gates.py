@@ -1,10 +1,11 @@
 """Regression gates against the metric history: `POST /v1/gates/evaluate`, `turnlog gate check`.
 
-Owns the I/O around `app/domain/gates.py`: reading a run's merged series,
-fetching per coordinate the most recent trusted baseline values of *other*
-runs (newest first, at most the window), and storing the rows the run
-contributes (`baseline_rows`, trusted per `row_trust`) in the same
-transaction, so two evaluations never see half of each other. A re-evaluated
+Owns the I/O around `app/domain/gates.py` (specs parsed by `gate_specs.py`):
+reading a run's merged series, fetching per coordinate the most recent
+trusted baseline values of *other* runs (newest first, at most the window),
+and storing the rows the run contributes (`baseline_rows`, trusted per
+`row_trust`) in the same transaction, so two evaluations never see half of
+each other. A re-evaluated
 run replaces its own rows (value and trust) but keeps its original place in
 time. Refuses to own any rule: selection, corridor, status and verdict are
 the domain's.
@@ -24,17 +25,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
 from app.domain.errors import InvalidRequest
+from app.domain.gate_specs import GateSpec, default_specs, parse_gate_specs
 from app.domain.gates import (
     BASELINE_WINDOW,
     BaselineRow,
     GateCoordinate,
-    GateSpec,
     Verdict,
     baseline_rows,
     coordinates,
-    default_specs,
     evaluate,
-    parse_gate_specs,
     row_trust,
 )
 from app.domain.metric_history import MAX_METRIC, RunCoordinate, parse_coordinate

@@ -10,22 +10,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.domain.errors import InvalidRequest
-from app.domain.gates import (
+from app.domain.gate_specs import (
     GATE_DEFAULTS,
-    BaselineRow,
     Constraint,
-    GateCoordinate,
     GateSpec,
+    default_specs,
+    parse_constraint,
+    parse_gate_spec,
+    parse_gate_specs,
+)
+from app.domain.gates import (
+    BaselineRow,
+    GateCoordinate,
     GateStatus,
     SelectionError,
     baseline_of,
     baseline_rows,
     coordinates,
-    default_specs,
     evaluate,
-    parse_constraint,
-    parse_gate_spec,
-    parse_gate_specs,
     row_trust,
     select,
 )

@@ -1,0 +1,192 @@
+"""Gate specs: `{metric, steps, constraint}` parsed, defaulted and keyed.
+
+Owns the spec half of `POST /v1/gates/evaluate` and `turnlog gate check`:
+the `GATE_DEFAULTS` table filling what a spec omits, parsing and validating
+steps and constraints, the normalized `Constraint` (and the band it spans
+around a reference), and the canonical `steps_key` / `constraint_key`.
+
+The keys are canonical JSON of the literals *as written* (or of the
+`GATE_DEFAULTS` literal a spec relied on), never of the normalized form, so
+`{"rel_up": 1}` and `{"rel_up": 1.0}` are different coordinates and a code
+change to normalization can never silently re-key a history.
+
+Refuses to own judging: step selection, baselines, statuses, the verdict and
+baseline rows are `gates.py`'s. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from app.domain.errors import InvalidRequest
+from app.domain.jsonio import canonical
+from app.domain.metric_history import MAX_METRIC, STEP_MAX
+from app.domain.session import describe, is_int, is_text_safe, reject_unknown, require_object
+
+SPEC_FIELDS = frozenset({"metric", "steps", "constraint"})
+CONSTRAINT_PARAMS = ("rel_up", "abs_floor_up", "rel_down", "abs_floor_down")
+
+
+@dataclass(frozen=True)
+class GateDefault:
+    steps: str
+    constraint: Mapping[str, float]
+
+
+def _default(steps: str, **constraint: float) -> GateDefault:
+    return GateDefault(steps=steps, constraint=MappingProxyType(constraint))
+
+
+_TRAIN_KL = _default("all", rel_up=0.5, abs_floor_up=0.02, rel_down=0.8, abs_floor_down=0.02)
+_TITO_TEXT = _default("last", rel_up=1.0, abs_floor_up=0.1, rel_down=1.0)
+
+# Editing a literal here re-keys every spec relying on it: its baselines cold-start.
+GATE_DEFAULTS: Mapping[str, GateDefault] = MappingProxyType({
+    "train/grad_norm": _default("all", rel_up=0.5, abs_floor_up=0.1, rel_down=0.8,
+                                abs_floor_down=0.1),
+    "train/ppo_kl": _TRAIN_KL,
+    "train/train_rollout_logprob_abs_diff": _TRAIN_KL,
+    "train/train_rollout_kl": _TRAIN_KL,
+    "rollout/raw_reward": _default("all", rel_up=0.5, abs_floor_up=0.05, rel_down=0.2,
+                                   abs_floor_down=0.05),
+    "rollout/tito_session_mismatch_rate/v1/assistant_text": _TITO_TEXT,
+    "rollout/tito_session_mismatch_rate/v2/assistant_text": _TITO_TEXT,
+})
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Normalized corridor parameters: omitted ones are 0."""
+
+    rel_up: float = 0.0
+    abs_floor_up: float = 0.0
+    rel_down: float = 0.0
+    abs_floor_down: float = 0.0
+
+    def corridor(self, ref: float) -> tuple[float, float]:
+        """`(lo, hi)`; each band scales from the reference only, never from the value."""
+        hi = ref + max(self.rel_up * abs(ref), self.abs_floor_up)
+        lo = ref - max(self.rel_down * abs(ref), self.abs_floor_down)
+        return lo, hi
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in CONSTRAINT_PARAMS}
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    metric: str
+    steps: str | tuple[int, ...]
+    constraint: Constraint
+    steps_key: str
+    constraint_key: str
+
+    @property
+    def steps_literal(self) -> str | list[int]:
+        return self.steps if isinstance(self.steps, str) else list(self.steps)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "steps": self.steps_literal, "steps_key": self.steps_key,
+                "constraint": self.constraint.as_dict(), "constraint_key": self.constraint_key}
+
+
+def _finite_number(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float64
+        return False
+
+
+def _param(value: Any, field_name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not _finite_number(value) or value < 0:
+        raise InvalidRequest(f"{field_name} must be a finite number >= 0", field=field_name,
+                             expected="finite number >= 0", actual=describe(value))
+    return float(value)
+
+
+def parse_constraint(raw: Any, field_name: str = "constraint") -> Constraint:
+    """Unknown keys rejected; each side needs one of its params written; omitted are 0."""
+    body = require_object(raw, field_name)
+    reject_unknown(body, frozenset(CONSTRAINT_PARAMS), field_name)
+    for side in ("up", "down"):
+        names = (f"rel_{side}", f"abs_floor_{side}")
+        if not any(name in body for name in names):
+            raise InvalidRequest(f"{field_name} needs at least one {side} band parameter",
+                                 field=field_name, expected=f"one of {list(names)}",
+                                 actual=sorted(body))
+    return Constraint(**{name: _param(body[name], f"{field_name}.{name}")
+                         for name in CONSTRAINT_PARAMS if name in body})
+
+
+def parse_steps(raw: Any, field_name: str = "steps") -> str | tuple[int, ...]:
+    """`"last"`, `"all"`, or a non-empty list of distinct steps >= 0 (order kept)."""
+    if raw in ("last", "all") and isinstance(raw, str):
+        return raw
+    expected = '"last" | "all" | non-empty array of distinct integers >= 0'
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest(f"{field_name} must be \"last\", \"all\" or a list of steps",
+                             field=field_name, expected=expected, actual=describe(raw))
+    seen: set[int] = set()
+    for i, step in enumerate(raw):
+        if not is_int(step) or not 0 <= step <= STEP_MAX or step in seen:
+            raise InvalidRequest(f"{field_name}[{i}] must be a new integer step >= 0",
+                                 field=f"{field_name}[{i}]", expected=expected,
+                                 actual=describe(step))
+        seen.add(step)
+    return tuple(raw)
+
+
+def parse_gate_spec(raw: Any, field_name: str = "spec") -> GateSpec:
+    body = require_object(raw, field_name)
+    reject_unknown(body, SPEC_FIELDS, field_name)
+    metric_raw = body.get("metric")
+    if (not isinstance(metric_raw, str) or not 1 <= len(metric_raw) <= MAX_METRIC
+            or not is_text_safe(metric_raw)):
+        raise InvalidRequest(f"{field_name}.metric must be a metric key",
+                             field=f"{field_name}.metric",
+                             expected=f"UTF-8 text of 1-{MAX_METRIC} characters without NUL",
+                             actual=describe(metric_raw))
+    metric = metric_raw
+    default = GATE_DEFAULTS.get(metric)
+    literals: dict[str, Any] = {}
+    for name in ("steps", "constraint"):
+        if body.get(name) is not None:
+            literals[name] = body[name]
+        elif default is not None:
+            literals[name] = (default.steps if name == "steps" else dict(default.constraint))
+        else:
+            raise InvalidRequest(f"{field_name}.{name} is required: {metric!r} has no default",
+                                 field=f"{field_name}.{name}",
+                                 expected=f"{name}, or a metric among {sorted(GATE_DEFAULTS)}",
+                                 actual=None)
+    return GateSpec(
+        metric=metric,
+        steps=parse_steps(literals["steps"], f"{field_name}.steps"),
+        constraint=parse_constraint(literals["constraint"], f"{field_name}.constraint"),
+        steps_key=canonical(literals["steps"]),
+        constraint_key=canonical(literals["constraint"]),
+    )
+
+
+def parse_gate_specs(raw: Any, field_name: str = "specs") -> tuple[GateSpec, ...]:
+    """A list of specs; a repeat of an earlier (metric, steps_key, constraint_key) is dropped."""
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"{field_name} must be a list of gate specs", field=field_name,
+                             expected="array of {metric, steps?, constraint?}",
+                             actual=describe(raw))
+    specs: dict[tuple[str, str, str], GateSpec] = {}
+    for i, item in enumerate(raw):
+        spec = parse_gate_spec(item, f"{field_name}[{i}]")
+        specs.setdefault((spec.metric, spec.steps_key, spec.constraint_key), spec)
+    return tuple(specs.values())
+
+
+def default_specs(metrics: Iterable[str] | None = None) -> tuple[GateSpec, ...]:
+    """The defaulted spec of every `GATE_DEFAULTS` metric (or of the given ones)."""
+    names = sorted(GATE_DEFAULTS) if metrics is None else list(metrics)
+    return parse_gate_specs([{"metric": name} for name in names])
