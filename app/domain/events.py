@@ -40,22 +40,28 @@ class StoredTurn:
     patch: Patch | None
 
 
+def without_r3(record: dict[str, Any]) -> dict[str, Any]:
+    """Copy of `record` without `meta_info.routed_experts` (whatever its value:
+    a payload, `""` or null), as `GET …/events?include_r3=false` shows it."""
+    out = dict(record)
+    response = dict(out["response"])
+    choices = list(response["choices"])
+    choice = dict(choices[0])
+    meta = dict(choice["meta_info"])
+    meta.pop("routed_experts", None)
+    choice["meta_info"] = meta
+    choices[0] = choice
+    response["choices"] = choices
+    out["response"] = response
+    return out
+
+
 def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
     """Copy of `record` without `input_ids` (and the R3 payload unless `keep_r3`)."""
-    out = dict(record)
+    out = dict(record) if keep_r3 else without_r3(record)
     request = dict(out["request"])
     request.pop("input_ids", None)
     out["request"] = request
-    if not keep_r3:
-        response = dict(out["response"])
-        choices = list(response["choices"])
-        choice = dict(choices[0])
-        meta = dict(choice["meta_info"])
-        meta.pop("routed_experts", None)
-        choice["meta_info"] = meta
-        choices[0] = choice
-        response["choices"] = choices
-        out["response"] = response
     return out
 
 

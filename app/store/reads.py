@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from app.domain import jsonio
 from app.domain.errors import InvalidRequest
-from app.domain.events import TURN_RECORDED, restore_record
+from app.domain.events import TURN_RECORDED, restore_record, without_r3
 from app.domain.projections import iso_us, tree_entry
 from app.domain.r3 import Patch
 from app.domain.session import LABEL_KEY_RE, describe, require_text
@@ -132,11 +132,12 @@ class Reader:
                     patches[p.seq] = Patch(start=p.start_row, end=p.end_row,
                                            num_layers=p.num_layers, topk=p.topk,
                                            dtype=p.dtype, data=p.data)
-        return [self._event(r, state, patches) for r in rows if r["seq"] is None
+        return [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
                 or r["seq"] < len(state.nodes)]
 
     @staticmethod
-    def _event(row: Any, state: Any, patches: dict[int, Patch]) -> dict[str, Any]:
+    def _event(row: Any, state: Any, patches: dict[int, Patch],
+               include_r3: bool = True) -> dict[str, Any]:
         payload = jsonio.loads(row["payload"])
         out: dict[str, Any] = {
             "position": row["position"],
@@ -149,8 +150,11 @@ class Reader:
             node = state.nodes[row["seq"]]
             patch = patches.get(row["seq"])
             out["parent"] = payload["parent"]
-            out["record"] = restore_record(payload, node.facts.prompt,
-                                           None if patch is None else patch.base64())
+            record = restore_record(payload, node.facts.prompt,
+                                    None if patch is None else patch.base64())
+            # A payload that was never moved to a patch row (`""`, null) is
+            # still in the stored JSON: `include_r3=false` leaves it out too.
+            out["record"] = record if include_r3 else without_r3(record)
             out["metadata"] = payload.get("metadata")
         else:
             out.update(payload)
