@@ -41,6 +41,7 @@ def upgrade() -> None:
         sa.Column("labels", sa.Text, nullable=False),
         sa.Column("open_fingerprint", sa.String(64), nullable=False),
         sa.Column("created_us", sa.BigInteger, nullable=False),
+        sa.Column("xid", sa.BigInteger, nullable=False, server_default=sa.text("0")),
         sa.Column("status", sa.String(8), nullable=False),
         sa.Column("num_nodes", sa.Integer, nullable=False),
         sa.Column("active_leaf", sa.Integer, nullable=True),
@@ -56,6 +57,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_sessions"),
         sa.UniqueConstraint("session_id", name="uq_sessions_session_id"),
     )
+    op.create_index("ix_sessions_xid_id", "sessions", ["xid", "id"])
     op.create_table(
         "session_labels",
         sa.Column("session_id", sa.String(128), nullable=False),
@@ -153,8 +155,9 @@ def upgrade() -> None:
     dialect = op.get_bind().dialect.name
     if dialect == "postgresql":
         # Feed fence: every event row carries its writing transaction id.
-        op.execute("ALTER TABLE events ALTER COLUMN xid "
-                   "SET DEFAULT (pg_current_xact_id()::text::bigint)")
+        for table in ("events", "sessions"):
+            op.execute(f"ALTER TABLE {table} ALTER COLUMN xid "
+                       "SET DEFAULT (pg_current_xact_id()::text::bigint)")
         # R3 bytes do not compress; skip pglz's attempt on every insert.
         op.execute("ALTER TABLE r3_patches ALTER COLUMN data SET STORAGE EXTERNAL")
         op.execute(PG_IMMUTABLE_FN)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
+from pydantic import BeforeValidator
 
 from app.domain import jsonio
 from app.metrics import ApiMetrics
@@ -49,3 +50,13 @@ async def json_body(request: Request) -> Any:
 
 ServicesDep = Annotated[Services, Depends(services)]
 BodyDep = Annotated[Any, Depends(json_body)]
+
+
+def _blank_is_absent(value: Any) -> Any:
+    return None if value == "" else value
+
+
+# `?status=&after=&limit=` (the contract's own template) means "not given".
+Blank = BeforeValidator(_blank_is_absent)
+OptStr = Annotated[str | None, Blank, Query()]
+OptLimit = Annotated[int | None, Blank, Query(description="page size (clamped to the maximum)")]

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from app.api.deps import ServicesDep
+from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
 from app.api.problems import JSONText
 
 router = APIRouter(prefix="/v1", tags=["feed"])
@@ -15,8 +15,9 @@ router = APIRouter(prefix="/v1", tags=["feed"])
 @router.get("/events")
 async def feed(
     svc: ServicesDep,
-    after: str | None = None,
-    limit: Annotated[int | None, Query()] = None,
-    wait: Annotated[float | None, Query()] = None,
+    after: OptStr = None,
+    limit: OptLimit = None,
+    wait: Annotated[float | None, Blank, Query(
+        description="long-poll seconds (clamped to 30)")] = None,
 ) -> JSONText:
     return JSONText(await svc.reader.feed(after, limit, wait))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from app.api.deps import BodyDep, ServicesDep, json_body
+from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, json_body
 from app.api.docs import OPEN_BODY, TURN_BODY
 from app.api.problems import JSONText
 from app.api.telemetry import turn_appended, turn_rejected
@@ -33,9 +33,9 @@ async def open_session(svc: ServicesDep, body: BodyDep) -> JSONText:
 async def list_sessions(
     request: Request,
     svc: ServicesDep,
-    status: str | None = None,
-    after: str | None = None,
-    limit: Annotated[int | None, Query()] = None,
+    status: OptStr = None,
+    after: OptStr = None,
+    limit: OptLimit = None,
 ) -> JSONText:
     page = await svc.reader.list_sessions(status, after, limit,
                                           label_filters(request, LIST_PARAMS))
@@ -66,8 +66,8 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
 async def session_events(
     session_id: str,
     svc: ServicesDep,
-    after: Annotated[int | None, Query(ge=0, lt=2**63)] = None,
-    limit: Annotated[int | None, Query()] = None,
+    after: Annotated[int | None, Blank, Query(ge=0, lt=2**63)] = None,
+    limit: OptLimit = None,
     include_r3: bool = True,
 ) -> JSONText:
     return JSONText(await svc.reader.session_events(session_id, after, limit, include_r3))

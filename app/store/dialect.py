@@ -18,9 +18,12 @@ from app.store.schema import events
 PG_XMIN = "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 
 
-def feed_fence(conn: AsyncConnection) -> ColumnElement[bool] | None:
+def feed_fence(
+    conn: AsyncConnection, xid: ColumnElement[int] = events.c.xid
+) -> ColumnElement[bool] | None:
+    """Rows of transactions that can no longer commit behind a reader (PG only)."""
     if conn.dialect.name == "postgresql":
-        return events.c.xid < sa.text(PG_XMIN)
+        return xid < sa.text(PG_XMIN)
     return None
 
 

@@ -25,7 +25,7 @@ from app.domain.events import (
     restore_prompt,
     stored_facts,
 )
-from app.domain.session import SessionSpec, parse_close, validate_session_id
+from app.domain.session import SESSION_ID_RE, SessionSpec, parse_close
 from app.domain.tree import SessionState
 from app.store.schema import events, r3_patches, sessions
 
@@ -57,7 +57,11 @@ class StateCache:
 
 
 async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = False) -> Any:
-    validate_session_id(session_id, "session_id")
+    if not SESSION_ID_RE.match(session_id):
+        # No session can have such an id: unknown, and never sent to the database.
+        raise UnknownSession(f"no session {session_id[:80]!r}", field="session_id",
+                             expected="an opened session id ([A-Za-z0-9._:-]{1,128})",
+                             actual=session_id[:80])
     query = sa.select(sessions).where(sessions.c.session_id == session_id)
     if lock and conn.dialect.name == "postgresql":
         # NO KEY UPDATE: serializes appends without blocking inserts that only

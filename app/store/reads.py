@@ -52,12 +52,13 @@ def summary(row: Any) -> dict[str, Any]:
 
 
 def check_limit(limit: int | None, default: int, maximum: int) -> int:
+    """A page size: absent → default; above the maximum → the maximum ("at most")."""
     if limit is None:
         return default
-    if limit < 1 or limit > maximum:
+    if limit < 1:
         raise InvalidRequest(f"limit must be between 1 and {maximum}", field="limit",
                              expected=f"integer in [1, {maximum}]", actual=limit)
-    return limit
+    return min(limit, maximum)
 
 
 def label_filter(
@@ -164,18 +165,28 @@ class Reader:
         self, status: str | None, after: str | None, limit: int | None,
         filters: Mapping[str, str],
     ) -> dict[str, Any]:
+        """Sessions in the order their opens committed, behind the feed's fence, so a
+        tailing reader never skips an open that committed late."""
         limit = check_limit(limit, 100, 1000)
-        (after_id,) = cursor.decode(after, 1)
+        start = cursor.decode(after, 2)
         if status not in (None, "open", "closed"):
             raise InvalidRequest("status must be open or closed", field="status",
                                  expected='"open" | "closed"', actual=describe(status))
-        query = (sa.select(sessions).where(sessions.c.id > after_id)
-                 .where(*label_filter(filters)).order_by(sessions.c.id).limit(limit))
+        query = (sa.select(sessions)
+                 .where(sa.tuple_(sessions.c.xid, sessions.c.id) > sa.tuple_(*start))
+                 .where(*label_filter(filters))
+                 .order_by(sessions.c.xid, sessions.c.id).limit(limit))
         if status is not None:
             query = query.where(sessions.c.status == status)
         async with self.db.read() as conn:
+            fence = feed_fence(conn, sessions.c.xid)
+            if fence is not None:
+                query = query.where(fence)
             rows = (await conn.execute(query)).mappings().all()
-        next_cursor = cursor.encode(rows[-1]["id"]) if rows else (after or cursor.encode(0))
+        if rows:
+            next_cursor = cursor.encode(rows[-1]["xid"], rows[-1]["id"])
+        else:
+            next_cursor = after or cursor.encode(*start)
         return {"sessions": [summary(r) for r in rows], "next": next_cursor}
 
     async def _feed_page(self, after: tuple[int, ...], limit: int) -> list[Any]:
@@ -196,9 +207,10 @@ class Reader:
         self, after: str | None, limit: int | None, wait: float | None
     ) -> dict[str, Any]:
         limit = check_limit(limit, 100, MAX_FEED_LIMIT)
-        if wait is not None and not 0 <= wait <= MAX_WAIT:
+        if wait is not None and not wait >= 0:  # NaN fails this too
             raise InvalidRequest(f"wait must be between 0 and {MAX_WAIT} seconds", field="wait",
                                  expected=f"number in [0, {MAX_WAIT}]", actual=wait)
+        wait = None if wait is None else min(wait, MAX_WAIT)
         start = cursor.decode(after, 2)
         deadline = time.monotonic() + (wait or 0.0)
         while True:

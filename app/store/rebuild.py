@@ -30,8 +30,10 @@ PROJECTIONS: dict[str, sa.Table] = {
 
 
 def _columns(table: sa.Table) -> list[sa.Column[Any]]:
-    # `sessions.id` is the row's identity (the list cursor), not a projected value.
-    return [c for c in table.columns if not (table is sessions and c.name == "id")]
+    # `sessions.id` and `.xid` place the row in the list's order (its cursor), they are
+    # not values projected from events.
+    return [c for c in table.columns
+            if not (table is sessions and c.name in ("id", "xid"))]
 
 
 async def projection_rows(

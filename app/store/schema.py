@@ -36,6 +36,8 @@ sessions = sa.Table(
     sa.Column("labels", sa.Text, nullable=False),
     sa.Column("open_fingerprint", sa.String(64), nullable=False),
     sa.Column("created_us", sa.BigInteger, nullable=False),
+    # the opening transaction's id: the session list pages behind the same fence as the feed
+    sa.Column("xid", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     # session head projection
     sa.Column("status", sa.String(8), nullable=False),
     sa.Column("num_nodes", sa.Integer, nullable=False),
@@ -51,6 +53,7 @@ sessions = sa.Table(
     # samples projection, session level
     sa.Column("empty_reason", sa.String(32), nullable=True),
     sa.Column("sample_errors", sa.Text, nullable=True),
+    sa.Index("ix_sessions_xid_id", "xid", "id"),
 )
 
 session_labels = sa.Table(

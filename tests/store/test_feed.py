@@ -45,8 +45,6 @@ async def test_empty_page_keeps_cursor(client):
 async def test_bad_cursor_and_limits_are_422(client):
     assert (await client.get("/v1/events", params={"after": "garbage!"})).status_code == 422
     assert (await client.get("/v1/events", params={"limit": 0})).status_code == 422
-    assert (await client.get("/v1/events", params={"limit": 1001})).status_code == 422
-    assert (await client.get("/v1/events", params={"wait": 31})).status_code == 422
     assert (await client.get("/v1/events", params={"limit": "x"})).status_code == 422
 
 
