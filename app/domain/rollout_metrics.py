@@ -132,8 +132,9 @@ def rollout_metrics(sessions: Iterable[SessionRow]) -> dict[str, float | int]:
 
     `sessions`/`samples` always; spec keys only if some session has a
     carrier; TITO keys only for versions present (see `tito_rates`);
-    `rollout/response_len/{mean,max,min}` and `rollout/truncated_ratio` only
-    if there is at least one sample (no samples is no data, not zero).
+    `rollout/response_len/{mean,max,min}` and `rollout/truncated_ratio`
+    always, 0.0 over no samples (CONTRACT lists them unconditionally; a zero
+    denominator gives 0.0 as everywhere else).
     A session id given twice is a caller bug (`ValueError`): carriers are
     counted once per session.
     """
@@ -147,11 +148,10 @@ def rollout_metrics(sessions: Iterable[SessionRow]) -> dict[str, float | int]:
     if carriers:
         out.update(spec_rates(carriers))
     out.update(tito_rates((version, sample.mismatch) for version, sample in samples))
-    if samples:
-        lengths = [sample.response_length for _, sample in samples]
-        truncated = sum(1 for _, sample in samples if sample.status == "truncated")
-        out[f"{RESPONSE_LEN}/mean"] = ratio(sum(lengths), len(lengths))
-        out[f"{RESPONSE_LEN}/max"] = float(max(lengths))
-        out[f"{RESPONSE_LEN}/min"] = float(min(lengths))
-        out[TRUNCATED_RATIO] = ratio(truncated, len(samples))
+    lengths = [sample.response_length for _, sample in samples]
+    truncated = sum(1 for _, sample in samples if sample.status == "truncated")
+    out[f"{RESPONSE_LEN}/mean"] = ratio(sum(lengths), len(lengths))
+    out[f"{RESPONSE_LEN}/max"] = float(max(lengths, default=0))
+    out[f"{RESPONSE_LEN}/min"] = float(min(lengths, default=0))
+    out[TRUNCATED_RATIO] = ratio(truncated, len(samples))
     return out

@@ -206,8 +206,11 @@ async def test_rollout_metrics_cover_only_closed_matching_sessions(client):
                         "rollout/truncated_ratio": 0.0}
 
 
-async def test_no_matching_sessions_is_counts_only(client):
-    assert (await rollout(client, run_id=run_id())).json() == {"sessions": 0, "samples": 0}
+async def test_no_matching_sessions_gives_zero_counts_and_rates(client):
+    assert (await rollout(client, run_id=run_id())).json() == {
+        "sessions": 0, "samples": 0, "rollout/response_len/mean": 0.0,
+        "rollout/response_len/max": 0.0, "rollout/response_len/min": 0.0,
+        "rollout/truncated_ratio": 0.0}
 
 
 async def test_spec_rates_come_from_carriers_once_per_session(client):

@@ -173,9 +173,13 @@ def test_a_spec_session_without_samples_still_counts_its_carrier() -> None:
     assert out["rollout/spec_accept_length"] == 4.0
 
 
-def test_without_samples_there_are_no_length_or_truncation_keys() -> None:
-    assert rollout_metrics([session("a")]) == {"sessions": 1, "samples": 0}
-    assert rollout_metrics([]) == {"sessions": 0, "samples": 0}
+EMPTY = {"rollout/response_len/mean": 0.0, "rollout/response_len/max": 0.0,
+         "rollout/response_len/min": 0.0, "rollout/truncated_ratio": 0.0}
+
+
+def test_without_samples_length_and_truncation_keys_are_zero() -> None:
+    assert rollout_metrics([session("a")]) == {"sessions": 1, "samples": 0, **EMPTY}
+    assert rollout_metrics([]) == {"sessions": 0, "samples": 0, **EMPTY}
 
 
 def test_a_session_given_twice_is_a_caller_bug() -> None:

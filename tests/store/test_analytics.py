@@ -294,6 +294,10 @@ async def view_rollout(engine, ex):
         out["rollout/response_len/max"] = float(samples["max"])
         out["rollout/response_len/min"] = float(samples["min"])
         out["rollout/truncated_ratio"] = float(samples["truncated"])
+    else:
+        for key in ("response_len/mean", "response_len/max", "response_len/min",
+                    "truncated_ratio"):
+            out[f"rollout/{key}"] = 0.0
     return out
 
 
