@@ -122,6 +122,11 @@ def label_text(value: Any) -> str:
     return value if isinstance(value, str) else canonical(value)
 
 
+def uses_addition_r3(pause_generation_mode: str) -> bool:
+    """Addition (append-only patch) R3 iff weights are updated in place."""
+    return pause_generation_mode == "in_place"
+
+
 @dataclass(frozen=True)
 class SessionSpec:
     session_id: str
@@ -134,7 +139,7 @@ class SessionSpec:
 
     @property
     def use_addition_r3(self) -> bool:
-        return self.pause_generation_mode == "in_place"
+        return uses_addition_r3(self.pause_generation_mode)
 
     @property
     def has_r3(self) -> bool:

@@ -20,7 +20,7 @@ from app.domain.errors import InvalidRequest
 from app.domain.events import TURN_RECORDED, restore_record, without_r3
 from app.domain.projections import iso_us, tree_entry
 from app.domain.r3 import Patch
-from app.domain.session import LABEL_KEY_RE, describe, require_text
+from app.domain.session import LABEL_KEY_RE, describe, require_text, uses_addition_r3
 from app.store import cursor
 from app.store.db import Database
 from app.store.dialect import feed_fence
@@ -39,7 +39,7 @@ def summary(row: Any) -> dict[str, Any]:
         "session_id": row["session_id"],
         "version": row["version"],
         "pause_generation_mode": row["pause_generation_mode"],
-        "use_addition_r3": row["pause_generation_mode"] == "in_place",
+        "use_addition_r3": uses_addition_r3(row["pause_generation_mode"]),
         "r3": None if layers is None else {"num_layers": layers},
         "spec": bool(row["spec"]),
         "max_trim_tokens": row["max_trim_tokens"],
