@@ -20,34 +20,10 @@ from app.api import (
     telemetry,
 )
 from app.api.auth import BearerAuth, TokenTable
-from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.api.problems import JSONText
+from app.services import build_services
 from app.settings import Settings, get_settings
-from app.store.analytics import Analytics
-from app.store.db import Database
-from app.store.gates import Gates
-from app.store.history import History, metric_keys
-from app.store.loader import StateCache
-from app.store.reads import Reader
-from app.store.samples import SampleReader
-from app.store.writes import Writer
-
-
-def build_services(settings: Settings) -> Services:
-    db = Database(settings.database_url, settings)
-    cache = StateCache(settings.state_cache_sessions)
-    return Services(
-        settings=settings,
-        db=db,
-        cache=cache,
-        writer=Writer(db, cache, settings.max_nodes),
-        reader=Reader(db, cache),
-        samples=SampleReader(db, cache),
-        analytics=Analytics(db),
-        history=History(db, metric_keys(settings.metric_keys)),
-        gates=Gates(db),
-    )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -79,7 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def create_served_app() -> FastAPI:
     """The factory `turnlog serve` gives uvicorn: JSON logs in every worker process first."""
-    from app.logging import configure_logging
+    from app.logs import configure_logging
 
     configure_logging()
     return create_app()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from app.client import TurnlogClient
-from app.client_errors import TurnlogConnectionError, TurnlogError
-from app.client_sync import SyncTurnlogClient
+from app.client.errors import TurnlogConnectionError, TurnlogError
+from app.client.sync import SyncTurnlogClient
 from app.main import create_app
 from app.simulator import SessionSimulator, SimConfig, route
 from tests.factory import turn

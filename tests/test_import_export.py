@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.domain.samples import build_samples
 from app.domain.session import parse_close
-from app.dump_import import event_id
 from app.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory
+from app.transfer.dump_import import event_id
 
 
 def linear_dump(mode: str = "retract", turns: int = 4, *, layers_key: str | None = "num_layers",
@@ -227,7 +227,7 @@ async def test_export_round_trip(client, db_url, tmp_path):
 
 def test_imported_samples_equal_an_in_memory_fold(tmp_path):
     """The import derives what an API client would send: same open, same bodies."""
-    from app.dump_import import Dump, ImportOptions, open_body, turn_body
+    from app.transfer.dump_import import Dump, ImportOptions, open_body, turn_body
 
     dump_json = linear_dump("in_place", turns=6, seed=12)
     dump = Dump("x", dump_json["session_id"], dump_json["records"], dump_json["metadata"], 0)

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-import app.logging
+import app.logs
 from app.cli import cli
 from app.settings import get_settings
 
@@ -21,7 +21,7 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any
 
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append({"args": a, **kw}))
-    monkeypatch.setattr(app.logging, "configure_logging", lambda *a, **kw: None)
+    monkeypatch.setattr(app.logs, "configure_logging", lambda *a, **kw: None)
     monkeypatch.setenv("TURNLOG_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
     monkeypatch.delenv("TURNLOG_API_TOKENS", raising=False)
     monkeypatch.delenv("TURNLOG_HOST", raising=False)
@@ -93,7 +93,7 @@ def test_the_served_factory_configures_logging(monkeypatch):
     import app.main
 
     calls = []
-    monkeypatch.setattr(app.logging, "configure_logging", lambda: calls.append(1))
+    monkeypatch.setattr(app.logs, "configure_logging", lambda: calls.append(1))
     monkeypatch.setattr(app.main, "create_app", lambda: "the app")
     assert app.main.create_served_app() == "the app"
     assert calls == [1]

@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 from pydantic import BeforeValidator
 
 from app.domain import jsonio
-from app.metrics import ApiMetrics
-from app.settings import Settings
-from app.store.analytics import Analytics
-from app.store.db import Database
-from app.store.gates import Gates
-from app.store.history import History
-from app.store.loader import StateCache
-from app.store.reads import Reader
-from app.store.samples import SampleReader
-from app.store.writes import Writer
-
-
-@dataclass
-class Services:
-    settings: Settings
-    db: Database
-    cache: StateCache
-    writer: Writer
-    reader: Reader
-    samples: SampleReader
-    analytics: Analytics
-    history: History
-    gates: Gates
-    metrics: ApiMetrics = field(default_factory=ApiMetrics)
+from app.services import Services
 
 
 def services(request: Request) -> Services:

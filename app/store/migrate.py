@@ -1,7 +1,10 @@
 """Alembic as a library: upgrade, downgrade and inspect, from sync or async code.
 
-`migrations.ini` at the project root is the only alembic configuration; the
-URL is handed over here, never read from the ini.
+The migration scripts ship inside the package (`app/store/migrations/`), so an
+installed wheel migrates without a source checkout. The configuration is built
+here in code; the URL is handed over, never read from a file. (`migrations.ini`
+and `alembic/` at the top of a clone point at the same scripts, for people who
+run the `alembic` command by hand.)
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from sqlalchemy.engine import Connection
 from alembic import command
 from app.store.db import normalize_url
 
-ROOT = Path(__file__).resolve().parents[2]
-INI = ROOT / "migrations.ini"
+SCRIPTS = Path(__file__).resolve().parent / "migrations"
 _lock = threading.Lock()
 
 
 def config(url: str | None = None) -> Config:
-    cfg = Config(str(INI))
-    cfg.set_main_option("script_location", str(ROOT / "alembic"))
+    cfg = Config()
+    cfg.set_main_option("script_location", str(SCRIPTS))
+    cfg.set_main_option("path_separator", "os")
     if url is not None:
         cfg.attributes["url"] = normalize_url(url)
     return cfg

@@ -1,6 +1,6 @@
 """Table definitions (SQLAlchemy Core) shared by queries and migration checks.
 
-The schema is created only by alembic (`alembic/versions/`); these objects
+The schema is created only by alembic (`app/store/migrations/versions/`); these objects
 describe it for query building and for the drift check in the migration
 tests. Every table is keyed by `session_id` first so that it can be
 distributed by session. Event and patch rows are immutable (database

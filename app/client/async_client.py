@@ -27,7 +27,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from app.client_errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
+from app.client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
 
 __all__ = [
     "FeedPage",

@@ -29,7 +29,7 @@ from rich.table import Table
 from app.settings import Settings, get_settings
 
 if TYPE_CHECKING:
-    from app.dump_import import ImportReport
+    from app.transfer.dump_import import ImportReport
 
 console = Console(stderr=True)
 
@@ -74,7 +74,9 @@ def import_(
     the same dump again adds nothing. Records that fail validation are
     reported and skipped; the exit code is 1 if anything failed.
     """
-    from app.dump_import import (
+    from app.services import build_services
+    from app.store import migrate
+    from app.transfer.dump_import import (
         Failure,
         ImportOptions,
         ImportReport,
@@ -82,8 +84,6 @@ def import_(
         import_dump,
         read_dumps,
     )
-    from app.main import build_services
-    from app.store import migrate
 
     url = _url(database_url)
     options = ImportOptions(num_layers=num_layers, max_trim_tokens=max_trim_tokens,
@@ -170,8 +170,8 @@ def export(
     `manifest` and `sessions`: uint8 arrays of JSON text
     (`json.loads(npz["manifest"].tobytes())`).
     """
-    from app.main import build_services
-    from app.npz_export import ExportReport, export_samples
+    from app.services import build_services
+    from app.transfer.npz import ExportReport, export_samples
 
     url = _url(database_url)
     filters = {**parse_labels(label), "run_id": run_id}

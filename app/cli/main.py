@@ -11,10 +11,10 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from app.cli_analytics import analytics_cli, gate_cli, history_cli
-from app.cli_demo import demo
-from app.cli_io import export, import_
-from app.cli_store import rebuild, replay
+from app.cli.analytics import analytics_cli, gate_cli, history_cli
+from app.cli.demo import demo
+from app.cli.store import rebuild, replay
+from app.cli.transfer import export, import_
 from app.settings import get_settings
 
 cli = typer.Typer(no_args_is_help=True, help="turnlog: event-sourced session store for RL rollouts")
@@ -50,7 +50,7 @@ def serve(
     """Apply migrations to head, then serve the REST API with uvicorn."""
     import uvicorn
 
-    from app.logging import configure_logging
+    from app.logs import configure_logging
     from app.store import migrate as migrations
 
     try:

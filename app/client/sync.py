@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from app.client import TurnlogClient
+from app.client.async_client import TurnlogClient
 
 __all__ = ["SyncTurnlogClient"]
 

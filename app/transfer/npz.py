@@ -29,9 +29,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from app.api.deps import Services
 from app.domain.errors import DomainError
 from app.domain.samples import Sample, SamplesResult
+from app.services import Services
 
 Progress = Callable[[int, int], None]
 

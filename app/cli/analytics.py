@@ -61,7 +61,7 @@ def _check_sqlite_path(url: str) -> None:
 
 def _with_store(database_url: str | None, use: Callable[[Any], Awaitable[T]]) -> T:
     """Run `use(services)` against the database, then release its connections."""
-    from app.main import build_services
+    from app.services import build_services
 
     settings = _settings(database_url)
     _check_sqlite_path(settings.database_url)

@@ -1,0 +1,51 @@
+"""The store services one process runs: built once from settings, shared by every caller.
+
+The web layer (`app.api`), the CLI and batch jobs (`app.transfer`) all take
+their database, state cache, writer and readers from here, so a batch job
+never has to import the web layer to reach the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.metrics import ApiMetrics
+from app.settings import Settings
+from app.store.analytics import Analytics
+from app.store.db import Database
+from app.store.gates import Gates
+from app.store.history import History, metric_keys
+from app.store.loader import StateCache
+from app.store.reads import Reader
+from app.store.samples import SampleReader
+from app.store.writes import Writer
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Database
+    cache: StateCache
+    writer: Writer
+    reader: Reader
+    samples: SampleReader
+    analytics: Analytics
+    history: History
+    gates: Gates
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)
+
+
+def build_services(settings: Settings) -> Services:
+    db = Database(settings.database_url, settings)
+    cache = StateCache(settings.state_cache_sessions)
+    return Services(
+        settings=settings,
+        db=db,
+        cache=cache,
+        writer=Writer(db, cache, settings.max_nodes),
+        reader=Reader(db, cache),
+        samples=SampleReader(db, cache),
+        analytics=Analytics(db),
+        history=History(db, metric_keys(settings.metric_keys)),
+        gates=Gates(db),
+    )
