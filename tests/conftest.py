@@ -76,6 +76,27 @@ def backend(db_url: str) -> str:
     return "sqlite" if db_url.startswith("sqlite") else "postgres"
 
 
+POSTGRES_ONLY = "PostgreSQL only"
+
+
+@pytest.fixture(autouse=True)
+def _postgres_only(request: pytest.FixtureRequest) -> None:
+    """`@pytest.mark.postgres_only`: on SQLite the test is reported "skipped: PostgreSQL
+    only" (counted as such), never a pass that checked nothing.
+
+    Decided from the test's `db_url` parameter before any database is touched.
+    """
+    marker = request.node.get_closest_marker("postgres_only")
+    if marker is None:
+        return
+    callspec = getattr(request.node, "callspec", None)
+    param = None if callspec is None else callspec.params.get("db_url")
+    if param is None:
+        raise pytest.UsageError(f"{request.node.nodeid}: postgres_only needs the db_url fixture")
+    if param != "postgres":
+        pytest.skip(marker.kwargs.get("reason", POSTGRES_ONLY))
+
+
 @pytest.fixture
 def settings(db_url: str) -> Settings:
     # Tokens from the developer's environment would turn every API test into a 401.

@@ -34,9 +34,8 @@ async def test_log_rows_are_immutable(client, db_url, sid, statement):
     assert len(evs) == 2
 
 
-async def test_truncate_is_refused_on_postgres(client, db_url, backend):
-    if backend != "postgres":
-        return
+@pytest.mark.postgres_only  # SQLite has no TRUNCATE statement
+async def test_truncate_is_refused_on_postgres(client, db_url):
     engine = create_async_engine(db_url)
     try:
         with pytest.raises(DBAPIError, match="immutable"):
