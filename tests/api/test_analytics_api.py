@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from tests.api.helpers import close, opened
 from tests.factory import open_body, turn
 
 HOUR = 1764403200.0  # 2025-11-29T08:00:00Z
@@ -283,3 +284,35 @@ async def test_strict_passes_when_only_assistant_text_mismatches(client):
 async def test_strict_must_be_a_boolean(client):
     r = await rollout(client, run_id=run_id(), strict="maybe")
     assert r.status_code == 422 and r.json()["field"] == "strict"
+
+
+# --- more documented rules, one behaviour per test ---------------------
+
+
+async def test_analytics_label_filters_match_booleans(client, sid):
+    await opened(client, f"{sid}-t", labels={"run_id": sid, "flag": True})
+    await opened(client, f"{sid}-f", labels={"run_id": sid, "flag": False})
+    await append(client, f"{sid}-t", turn([1], [2], spec=(1, 1, 2)))
+    await append(client, f"{sid}-f", turn([1], [2], spec=(1, 1, 2)))
+    r = await client.get("/v1/analytics/spec", params={"group_by": "run_id", "run_id": sid,
+                                                       "flag": "true"})
+    (group,) = r.json()["groups"]
+    assert (group["key"], group["sessions"], group["turns"]) == (sid, 1, 1)
+    assert set(group) == {"key", "sessions", "turns", "spec_num_correct_drafts",
+                          "spec_num_proposed_drafts", "spec_verify_ct", "completion_tokens",
+                          "accept_rate", "accept_length"}
+
+
+async def test_rollout_metrics_over_v1_and_v2_never_share_a_tito_key(client, sid):
+    for version in ("v1", "v2"):
+        s = f"{sid}-{version}"
+        await opened(client, s, version=version, labels={"run_id": sid})
+        await append(client, s, turn([1, 2], [3], metadata={"tito_session_mismatch": (
+            [{"type": "assistant_text"}] if version == "v2" else [])}))
+        await close(client, s)
+    body = (await client.get("/v1/metrics/rollout", params={"run_id": sid})).json()
+    assert body["rollout/tito_session_mismatch_rate/v1"] == 0.0
+    assert body["rollout/tito_session_mismatch_rate/v2"] == 1.0
+    assert body["rollout/tito_session_mismatch_rate/v2/assistant_text"] == 1.0
+    assert "rollout/tito_session_mismatch_rate" not in body
+    assert (body["sessions"], body["samples"]) == (2, 2)

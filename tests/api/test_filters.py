@@ -1,8 +1,10 @@
 """Query filters of the list, feed and analytics routes, and the text fields of metric
 history and gates: names and values the store cannot hold answer 422 problem+json."""
 
+
 import pytest
 
+from tests.api.helpers import opened
 from tests.factory import open_body
 
 LABEL_ROUTES = [("/v1/sessions", {}), ("/v1/analytics/spec", {"group_by": "run_id"}),
@@ -106,3 +108,17 @@ async def test_blank_query_values_mean_not_given(client):
     assert r.status_code == 200
     r = await client.get("/v1/events", params={"after": "", "limit": "", "wait": ""})
     assert r.status_code == 200
+
+
+# --- more documented rules, one behaviour per test ---------------------
+
+
+@pytest.mark.parametrize(("value", "query", "matches"), [
+    (True, "true", True), (False, "false", True), (12, "12", True), (12, "12.0", False),
+    (1.5, "1.5", True), (None, "null", True), ("12", "12", True), ("x", '"x"', False),
+])
+async def test_label_filters_compare_json_text_without_quotes_for_strings(
+        client, sid, value, query, matches):
+    await opened(client, sid, labels={"run_id": sid, "flag": value})
+    page = (await client.get("/v1/sessions", params={"run_id": sid, "flag": query})).json()
+    assert [s["session_id"] for s in page["sessions"]] == ([sid] if matches else [])

@@ -1,8 +1,11 @@
 """POST /v1/sessions: defaults, idempotent repeats and every rejection of CONTRACT §1."""
 
+import uuid
+
 import pytest
 
-from tests.factory import open_body
+from tests.api.helpers import SUMMARY_KEYS, append, assert_problem, close, opened
+from tests.factory import open_body, turn
 
 
 async def test_open_returns_summary_with_defaults(client, sid):
@@ -91,3 +94,50 @@ async def test_unknown_session_is_404(client, sid):
     r = await client.get(f"/v1/sessions/{sid}")
     assert r.status_code == 404
     assert r.json()["type"] == "urn:turnlog:unknown-session"
+
+
+# --- more documented rules, one behaviour per test ---------------------
+
+
+async def test_open_repeat_with_version_true_is_the_same_as_v1(client, sid):
+    await opened(client, sid, version="v1", labels={"a": 1, "b": "x"})
+    r = await client.post("/v1/sessions", json={"session_id": sid, "version": True,
+                                                "labels": {"b": "x", "a": 1}, "r3": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == "v1"
+
+
+async def test_a_generated_session_id_is_uuid4_hex(client):
+    r = await client.post("/v1/sessions", json={"version": "v2"})
+    assert r.status_code == 201
+    generated = r.json()["session_id"]
+    parsed = uuid.UUID(hex=generated)
+    assert parsed.hex == generated and parsed.version == 4
+
+
+async def test_two_opens_without_session_id_are_two_sessions(client):
+    a = (await client.post("/v1/sessions", json={"version": "v2"})).json()["session_id"]
+    b = (await client.post("/v1/sessions", json={"version": "v2"})).json()["session_id"]
+    assert a != b
+
+
+async def test_the_open_reply_is_the_session_summary_without_tree(client, sid):
+    reply = await opened(client, sid, labels={"run_id": "r"})
+    assert set(reply) == SUMMARY_KEYS
+    full = (await client.get(f"/v1/sessions/{sid}")).json()
+    assert {k: v for k, v in full.items() if k != "tree"} == reply
+
+
+async def test_an_open_repeat_after_close_answers_200_with_the_current_summary(client, sid):
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3]))
+    await close(client, sid)
+    r = await client.post("/v1/sessions", json=open_body(sid))
+    assert r.status_code == 200
+    assert r.json()["status"] == "closed" and r.json()["num_nodes"] == 1
+    assert r.json()["closed_at"] is not None
+
+
+async def test_use_addition_r3_cannot_be_sent(client, sid):
+    r = await client.post("/v1/sessions", json=open_body(sid, use_addition_r3=True))
+    assert assert_problem(r, 422, "invalid-request")["field"] == "use_addition_r3"

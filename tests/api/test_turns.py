@@ -2,9 +2,11 @@
 
 import base64
 
+import httpx
 import numpy as np
 import pytest
 
+from tests.api.helpers import TURN_REPLY_KEYS, append, assert_problem, close, feed_tail, opened
 from tests.factory import open_body, r3_b64, turn
 
 L = 2  # layers
@@ -127,7 +129,6 @@ async def test_extending_a_length_node_is_409(client, sid):
 
 
 async def test_node_cap_is_409(client, sid, settings):
-    import httpx
 
     from app.main import create_app
 
@@ -296,7 +297,6 @@ async def test_malformed_turn_is_422_naming_the_field(client, sid, mutate, field
 
 
 async def test_body_over_limit_is_413(client, sid, settings):
-    import httpx
 
     from app.main import create_app
 
@@ -322,3 +322,115 @@ async def test_r3_values_beyond_uint8_round_trip(client, sid):
     assert evs[1]["record"] == body["record"]
     no_r3 = (await client.get(f"/v1/sessions/{sid}/events?include_r3=false")).json()
     assert "routed_experts" not in no_r3[1]["record"]["response"]["choices"][0]["meta_info"]
+
+
+# --- more documented rules, one behaviour per test ---------------------
+
+
+async def test_the_turn_reply_has_exactly_the_documented_fields(client, sid):
+    await opened(client, sid)
+    reply = await append(client, sid, turn([1, 2], [3]))
+    assert set(reply) == TURN_REPLY_KEYS
+    assert reply["r3"] is None
+
+
+async def test_the_turn_reply_position_is_the_one_the_feed_shows(client, sid):
+    cursor = await feed_tail(client)
+    await opened(client, sid)
+    reply = await append(client, sid, turn([1, 2], [3]))
+    page = (await client.get("/v1/events", params={"after": cursor, "limit": 1000})).json()
+    mine = [e for e in page["events"] if e["session_id"] == sid and e["seq"] == 0]
+    assert [e["position"] for e in mine] == [reply["position"]]
+
+
+async def test_a_repeat_after_close_with_other_content_is_409(client, sid):
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3], event_id="e1"))
+    await close(client, sid)
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2], [4], event_id="e1"))
+    problem = assert_problem(r, 409)
+    assert problem["type"] in ("urn:turnlog:idempotency-conflict", "urn:turnlog:session-closed")
+
+
+async def test_a_repeat_keeps_its_201_position_and_seq_after_later_turns(client, sid):
+    await opened(client, sid)
+    body = turn([1, 2], [3])
+    first = await append(client, sid, body)
+    await append(client, sid, turn([1, 2, 3, 4], [5]))
+    again = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert again.status_code == 200 and again.json() == first
+
+
+async def test_the_derived_parent_is_the_deepest_match_before_the_latest(client, sid):
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3]))                      # seq 0, depth 0
+    await append(client, sid, turn([1, 2, 3, 4], [5]))                # seq 1, depth 1
+    await append(client, sid, turn([1, 2, 3, 4], [5], parent=None))   # seq 2, a root
+    reply = await append(client, sid, turn([1, 2, 3, 4, 5, 6], [7]))
+    # seq 0, 1 and 2 all prefix the prompt; seq 1 is deepest although 2 is newer.
+    assert (reply["parent"], reply["depth"]) == (1, 2)
+
+
+async def test_the_derived_parent_with_trim_ignores_up_to_max_trim_tokens(client, sid):
+    await opened(client, sid, max_trim_tokens=2)
+    await append(client, sid, turn([1, 2], [3, 98, 99]))
+    reply = await append(client, sid, turn([1, 2, 3, 4], [5]))
+    assert reply["parent"] == 0
+    other = await append(client, sid, turn([1, 2, 7, 7], [5]))
+    assert other["parent"] is None  # three unmatched tokens exceed the trim
+
+
+async def test_a_v1_rollback_is_a_branch_and_nothing_is_discarded(client, sid):
+    await opened(client, sid, version="v1")
+    await append(client, sid, turn([1, 2], [3]))
+    await append(client, sid, turn([1, 2, 3, 4], [5]))
+    rolled = await append(client, sid, turn([1, 2, 3, 9], [10]))
+    assert rolled["parent"] == 0 and rolled["seq"] == 2
+    tree = (await client.get(f"/v1/sessions/{sid}")).json()["tree"]
+    assert [n["seq"] for n in tree] == [0, 1, 2]
+
+
+async def test_a_derived_parent_that_hit_the_length_limit_is_409(client, sid):
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3], finish_reason="length"))
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 3, 4], [5]))
+    assert_problem(r, 409, "parent-truncated")
+
+
+@pytest.mark.parametrize("kind", ["special_token_count", "special_token_type",
+                                  "non_assistant_text", "assistant_text"])
+async def test_each_mismatch_type_documented_is_accepted(client, sid, kind):
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3], metadata={
+        "tito_session_mismatch": [{"type": kind, "segment_index": 1}]}))
+
+
+async def test_a_turn_without_finish_reason_or_timestamp_is_accepted(client, sid):
+    await opened(client, sid)
+    body = turn([1, 2], [3], finish_reason=None)
+    del body["record"]["timestamp"]
+    reply = await append(client, sid, body)
+    assert reply["finish_reason"] is None
+
+
+async def test_completion_tokens_absent_is_accepted(client, sid):
+    await opened(client, sid)
+    body = turn([1, 2], [3, 4])
+    del body["record"]["response"]["choices"][0]["meta_info"]["completion_tokens"]
+    assert (await append(client, sid, body))["num_tokens"] == 4
+
+
+async def test_full_mode_r3_covers_rows_from_zero(client, sid):
+    await opened(client, sid, r3={"num_layers": L})
+    await append(client, sid, turn([1, 2, 3], [4, 5], r3=r3_b64(4, L, K)))
+    reply = await append(client, sid, turn([1, 2, 3, 4, 5, 6], [7], r3=r3_b64(6, L, K)))
+    assert reply["r3"] == {"start": 0, "end": 6}
+
+
+async def test_an_addition_root_after_the_first_must_start_at_row_0(client, sid):
+    await opened(client, sid, pause_generation_mode="in_place", r3={"num_layers": L})
+    await append(client, sid, turn([1, 2, 3], [4, 5], r3=r3_b64(4, L, K), start=0))
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=turn(
+        [7, 8, 9], [4, 5], r3=r3_b64(2, L, K), start=2, parent=None))
+    problem = assert_problem(r, 409, "r3-gap")
+    assert (problem["expected"], problem["actual"]) == (0, 2)

@@ -1,0 +1,76 @@
+"""Every error answers problem+json: unknown routes and methods, bodies that are not
+JSON objects, framework validation of parameters, unknown sessions (docs/api.md "Errors").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.helpers import assert_problem, opened
+
+
+async def test_an_unknown_route_is_a_problem_json_404(client):
+    assert_problem(await client.get("/v1/no-such-route"), 404)
+
+
+async def test_a_wrong_method_is_a_problem_json_405(client, sid):
+    assert_problem(await client.delete("/v1/sessions"), 405)
+    assert_problem(await client.put(f"/v1/sessions/{sid}/turns", json={}), 405)
+
+
+async def test_an_empty_turn_body_is_422_naming_event_id(client, sid):
+    await opened(client, sid)
+    r = await client.post(f"/v1/sessions/{sid}/turns", content=b"")
+    assert assert_problem(r, 422, "invalid-request")["field"] == "event_id"
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"null", b'"x"', b"1"])
+async def test_a_close_body_that_is_not_an_object_is_422(client, sid, raw):
+    await opened(client, sid)
+    r = await client.post(f"/v1/sessions/{sid}/close", content=raw)
+    assert assert_problem(r, 422, "invalid-request")["field"] == "body"
+    assert (await client.get(f"/v1/sessions/{sid}")).json()["status"] == "open"
+
+
+async def test_malformed_json_is_422_naming_the_body(client, sid):
+    await opened(client, sid)
+    r = await client.post(f"/v1/sessions/{sid}/turns", content=b'{"event_id": "e1",',
+                          headers={"content-type": "application/json"})
+    problem = assert_problem(r, 422, "invalid-request")
+    assert problem["field"] == "body" and "expected" in problem and "actual" in problem
+
+
+async def test_a_json_body_is_read_whatever_its_content_type(client, sid):
+    r = await client.post("/v1/sessions", content=b'{"session_id": "%s", "version": "v2"}'
+                          % sid.encode(), headers={"content-type": "text/plain"})
+    assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize(("url", "field"), [
+    ("/v1/events?limit=abc", "limit"),
+    ("/v1/events?wait=soon", "wait"),
+    ("/v1/metrics/rollout?strict=maybe", "strict"),
+    ("/v1/sessions/{sid}/events?include_r3=maybe", "include_r3"),
+    ("/v1/sessions/{sid}/events?after=-1", "after"),
+    ("/v1/sessions/{sid}/samples?arrays=maybe", "arrays"),
+    ("/v1/sessions/{sid}/state?leaf=abc", "leaf"),
+    ("/v1/sessions/{sid}/samples/abc/r3", "index"),
+])
+async def test_framework_validation_errors_are_problem_json_naming_the_parameter(
+        client, sid, url, field):
+    await opened(client, sid)
+    problem = assert_problem(await client.get(url.format(sid=sid)), 422, "invalid-request")
+    assert problem["field"] == field
+    assert "expected" in problem and "actual" in problem
+
+
+@pytest.mark.parametrize("path", ["", "/state", "/events", "/samples", "/samples/0/r3"])
+async def test_reads_of_an_unknown_session_are_404_unknown_session(client, sid, path):
+    problem = assert_problem(await client.get(f"/v1/sessions/{sid}{path}"), 404,
+                             "unknown-session")
+    assert problem["field"] == "session_id" and problem["actual"] == sid
+
+
+async def test_closing_an_unknown_session_is_404(client, sid):
+    assert_problem(await client.post(f"/v1/sessions/{sid}/close", json={}), 404,
+                   "unknown-session")
