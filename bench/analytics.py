@@ -14,7 +14,7 @@ SUM/GROUP BY on the raw `nodes` table through asyncpg, each repeated
 `--repeat` times after a warm-up. Prints the medians and the ratio API /
 hand-written (target: at most 1.5) and checks both answered the same sums.
 Without --postgres-url a throwaway cluster is started from the installed
-PostgreSQL binaries (tests/pgserver.py). The scratch database is dropped
+PostgreSQL binaries (tests/pg/). The scratch database is dropped
 at the end unless --keep.
 """
 
@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 
 from bench.common import pg_dsn, postgres
-from tests.pgserver import create_database, drop_database
+from tests.pg import create_database, drop_database
 
 RUNS, ROLLOUTS_PER_RUN, MODELS, VERSIONS = 20, 100, 3, 200
 DAY0 = 1764374400  # 2025-11-29T00:00:00Z

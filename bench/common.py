@@ -15,7 +15,7 @@ from sqlalchemy.engine import make_url
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.pgserver import PostgresServer, start_postgres  # noqa: E402
+from tests.pg import PostgresServer, start_postgres  # noqa: E402
 
 
 def postgres(url: str | None) -> PostgresServer:

@@ -13,7 +13,7 @@ concurrency, two references:
 - floor: raw asyncpg INSERTs of only the bytes turnlog must keep (the narrowed
   R3 and the token delta as bytea), no HTTP, no JSON.
 Without --postgres-url a throwaway cluster is started from the installed
-PostgreSQL binaries (tests/pgserver.py). Every phase gets its own database so
+PostgreSQL binaries (tests/pg/). Every phase gets its own database so
 the stored sizes are clean.
 """
 
@@ -31,7 +31,7 @@ import asyncpg
 import numpy as np
 
 from bench.common import RawHttp, pg_dsn, postgres, start_server, stop_server
-from tests.pgserver import create_database
+from tests.pg import create_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")

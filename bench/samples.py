@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.common import postgres, start_server, stop_server
 from bench.ingest import LAYERS, TOPK, make_session
-from tests.pgserver import create_database
+from tests.pg import create_database
 
 
 def rss_kib(pid: int, field: str) -> int:

@@ -1,7 +1,7 @@
 """Shared fixtures: every store and API test runs on SQLite and a real PostgreSQL.
 
 `db_url` is parametrized over both backends; the PostgreSQL server comes from
-`tests/pgserver.py` (TEST_POSTGRES_URL, testcontainers, or a throwaway cluster
+`tests/pg/` (TEST_POSTGRES_URL, testcontainers, or a throwaway cluster
 from the installed binaries) and its absence fails the run, never skips it.
 Each backend gets one fresh database per test process, built by the real
 migrations; tests isolate themselves with unique session ids.
@@ -20,7 +20,7 @@ import pytest
 from app.main import create_app
 from app.settings import Settings
 from app.store import migrate
-from tests.pgserver import PostgresServer, create_database, drop_database, start_postgres
+from tests.pg import PostgresServer, create_database, drop_database, start_postgres
 
 BACKENDS = ("sqlite", "postgres")
 
