@@ -1,0 +1,138 @@
+"""The wheel a user installs with pip migrates and serves without a source checkout.
+
+Builds the wheel from a copy of the project (offline: no build isolation, the
+test extra brings setuptools and wheel), installs it with `--no-deps` into a
+fresh venv whose dependencies resolve from this venv's site-packages (a `.pth`
+line; the package itself must come from the wheel), then runs the installed
+`turnlog` script from an empty working directory: `migrate` on a fresh SQLite
+file, `serve` on a free port, and `/readyz` must answer 200 at schema head.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT = 60.0
+pytestmark = pytest.mark.wheel
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
+        timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def clean_env() -> dict[str, str]:
+    """No TURNLOG_* setting of the developer's, and no path back into the checkout."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("TURNLOG_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A copy of what the wheel is built from, so the build leaves nothing in the checkout.
+    src = tmp_path_factory.mktemp("src")
+    shutil.copy(ROOT / "pyproject.toml", src)
+    shutil.copy(ROOT / "README.md", src)
+    shutil.copytree(ROOT / "app", src / "app",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path_factory.mktemp("dist")
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-cache-dir", "--wheel-dir", str(dist), str(src)], cwd=src, env=clean_env())
+    (built,) = dist.glob("turnlog-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("venv")
+    run([sys.executable, "-m", "venv", "--without-pip", str(home)], cwd=home)
+    python = home / "bin" / "python"
+    run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+         "--no-index", str(wheel)], cwd=home, env=clean_env())
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(run([str(python), "-c", purelib], cwd=home).stdout.strip())
+    # Dependencies from this venv; a plain path line, so this venv's editable-install
+    # hooks (.pth files there) are not run and `app` can only come from the wheel.
+    (site / "zz_outer_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return home
+
+
+def test_the_wheel_ships_the_migrations(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    versions = sorted(n for n in names if n.startswith("app/store/migrations/versions/")
+                      and n.endswith(".py"))
+    shipped = sorted((ROOT / "app/store/migrations/versions").glob("*.py"))
+    assert [Path(n).name for n in versions] == [p.name for p in shipped]
+    assert "app/store/migrations/env.py" in names
+    assert "app/store/migrations/script.py.mako" in names
+    assert not [n for n in names if n.startswith(("tests/", "bench/", "alembic/"))]
+
+
+def test_app_is_imported_from_the_wheel_not_the_checkout(venv: Path, tmp_path: Path) -> None:
+    found = run([str(venv / "bin" / "python"), "-c", "import app; print(app.__file__)"],
+                cwd=tmp_path, env=clean_env()).stdout.strip()
+    assert Path(found).is_relative_to(venv), found
+
+
+@pytest.fixture
+def served(venv: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    turnlog = str(venv / "bin" / "turnlog")
+    migrated = run([turnlog, "migrate", "--database-url", url], cwd=tmp_path, env=clean_env())
+    assert "current: 0" in migrated.stdout and "(head: " in migrated.stdout, migrated.stdout
+    port = free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen([turnlog, "serve", "--port", str(port), "--database-url", url],
+                            cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_the_installed_wheel_migrates_and_serves_ready(served, tmp_path: Path) -> None:
+    base, proc = served
+    deadline = time.monotonic() + READY_TIMEOUT
+    reply = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            reply = httpx.get(f"{base}/readyz", timeout=2)
+            break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    log = (tmp_path / "serve.log").read_text(errors="replace")
+    assert reply is not None, f"turnlog serve never answered (exit {proc.poll()}):\n{log}"
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["status"] == "ready" and body["database"] == "sqlite"
+    assert body["schema"] is not None
