@@ -5,7 +5,8 @@ router whose full forward over any token sequence is the R3 oracle (row i
 depends only on tokens[0..i], like real top-k routing); `SessionSimulator`,
 which plays an agent's session (branches, retries, TITO trailing-token
 trims, every finish reason, both R3 modes, v1 and v2) and emits open and turn
-bodies in the exact wire shape of `/work/shared/examples`; and
+bodies in the exact wire shape of a session server's records (docs/api.md §1.2;
+examples in `tests/data/`); and
 `fold_in_memory`, which feeds those bodies through the real domain rules
 (parse, attach, encode) to get a `SessionState` and its stored patches.
 Refuses to own any rule it exercises — validation, attachment and samples
@@ -181,7 +182,7 @@ class SessionSimulator:
         return [self.rng.randrange(OUTPUT_BASE, VOCAB) for _ in range(count)]
 
     def derived_parent(self, prompt: tuple[int, ...]) -> int | None:
-        """CONTRACT §1's derived parent, written independently of the domain's."""
+        """The derived parent of docs/api.md §1.2, written independently of the domain's."""
         best: SimNode | None = None
         best_depth = -1
         for node in self.nodes:
@@ -264,7 +265,7 @@ class SessionSimulator:
         hand-built test). `output`, `logprobs`, `weight_version` and `spec`
         (meta_info counters) override the random ones. With
         `include_parent=False` the body leaves `parent` out and the node is
-        recorded under the parent CONTRACT §1 derives.
+        recorded under the parent docs/api.md §1.2 derives.
         """
         ids = self.extension(parent, trim, new_tokens) if prompt is None else tuple(prompt)
         if not ids:
@@ -372,7 +373,7 @@ class SessionSimulator:
         # A trim is always followed by new user tokens, so the trimmed token
         # is never re-matched by the next output.
         prompt = self.extension(parent, trim, rng.randint(1 if trim else 0, 5))
-        # Leaving the parent out is only faithful when CONTRACT §1 derives this one.
+        # Leaving the parent out is only faithful when docs/api.md §1.2 derives this one.
         include = not (rng.random() < rates.omit_parent
                        and self.derived_parent(prompt) == parent)
         return self.turn(parent, prompt=prompt, include_parent=include, **common)

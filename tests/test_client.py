@@ -1,4 +1,4 @@
-"""`app.client`: typed errors, retries that are safe, and every read the contract offers."""
+"""`app.client`: typed errors, retries that are safe, and every read docs/api.md offers."""
 
 from __future__ import annotations
 

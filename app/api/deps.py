@@ -32,7 +32,7 @@ def _blank_is_absent(value: Any) -> Any:
     return None if value == "" else value
 
 
-# `?status=&after=&limit=` (the contract's own template) means "not given".
+# `?status=&after=&limit=` means "not given" (docs/api.md §0.1).
 Blank = BeforeValidator(_blank_is_absent)
 OptStr = Annotated[str | None, Blank, Query()]
 OptLimit = Annotated[int | None, Blank, Query(description="page size (clamped to the maximum)")]

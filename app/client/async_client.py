@@ -1,4 +1,4 @@
-"""A small async Python client for turnlog (httpx): the wire calls of CONTRACT.md.
+"""A small async Python client for turnlog (httpx): the wire calls of docs/api.md.
 
 Owns one method per call and what makes resending them safe: every write
 is idempotent on the wire — a turn carries an `event_id`, an open carries a
@@ -207,7 +207,7 @@ class TurnlogClient:
         return await self.append_body(session_id, body)
 
     async def append_body(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Append a complete turn body as CONTRACT §1 spells it (an `event_id` is
+        """Append a complete turn body as docs/api.md §1.2 spells it (an `event_id` is
         added when missing)."""
         payload = dict(body)
         if payload.get("event_id") is None:

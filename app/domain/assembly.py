@@ -1,6 +1,6 @@
 """R3 for one sample: which rows of which stored patches make its tensor.
 
-Owns the strict assembly rule of CONTRACT §2 step 6. Planning only looks at
+Owns the strict assembly rule of docs/api.md §2.4 step 6. Planning only looks at
 patch geometry (`[start, end)` per kept turn), so the store can check a sample
 at close time and later stream the tensor one patch at a time without ever
 holding it whole; `assemble` applies a plan in memory for tests and small

@@ -1,6 +1,6 @@
 """Typed domain errors: every rule violation turnlog can report.
 
-Each error carries the stable problem-type slug and HTTP status of CONTRACT.md
+Each error carries the stable problem-type slug and HTTP status of docs/api.md §0.3
 together with the field, expected and actual value, so the API maps them to
 RFC 9457 problem+json in one place (`app/api/problems.py`). Nothing here knows
 about HTTP frameworks.

@@ -1,6 +1,6 @@
 """Rollout metrics over a set of closed sessions: `GET /v1/metrics/rollout`.
 
-Owns the numbers of CONTRACT §4 and §5 for a set of sessions: the TITO
+Owns the numbers of docs/api.md §4 and §5.2 for a set of sessions: the TITO
 mismatch rates per session-server version (`rollout/tito_session_mismatch_rate/{v}`
 and `/{v}/{type}`; only samples that sent the key count; v1 and v2 never
 share a key), the strict check of `strict=true`, summing the sessions'
@@ -133,7 +133,7 @@ def rollout_metrics(sessions: Iterable[SessionRow]) -> dict[str, float | int]:
     `sessions`/`samples` always; spec keys only if some session has a
     carrier; TITO keys only for versions present (see `tito_rates`);
     `rollout/response_len/{mean,max,min}` and `rollout/truncated_ratio`
-    always, 0.0 over no samples (CONTRACT lists them unconditionally; a zero
+    always, 0.0 over no samples (docs/api.md §5.2 lists them unconditionally; a zero
     denominator gives 0.0 as everywhere else).
     A session id given twice is a caller bug (`ValueError`): carriers are
     counted once per session.

@@ -1,4 +1,4 @@
-"""The samples projection of a closed session (CONTRACT §2).
+"""The samples projection of a closed session (docs/api.md §2).
 
 Owns which leaves become samples (v1: the latest path; v2: every leaf but
 retries, longest path first), who keeps the loss of a completion shared by

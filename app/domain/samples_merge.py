@@ -1,4 +1,4 @@
-"""One root→leaf path merged into one sample's arrays: CONTRACT §2 steps 1–5.
+"""One root→leaf path merged into one sample's arrays: docs/api.md §2.4 steps 1–5.
 
 Owns TITO alignment (trailing-token trim), truncation by `max_seq_len`, the
 per-turn status, the merge stop after the first non-completed turn, and the

@@ -1,6 +1,6 @@
 """The session definition: parsing and normalizing the open and close bodies.
 
-Owns the rules of CONTRACT §1 for `POST /v1/sessions` and `POST …/close`:
+Owns the rules of docs/api.md §1.1 and §1.6 for `POST /v1/sessions` and `POST …/close`:
 allowed values, defaults, the derived `use_addition_r3`. The normalized body
 is what the `session_opened` event stores and what an idempotent repeat is
 compared against. Pure: no I/O, no clock except the id generator.

@@ -1,6 +1,6 @@
 """Speculative-decoding counters (SpecInfo) and the per-session carrier.
 
-Owns the rule of CONTRACT §3: which turns contribute (the `spec_verify_ct > 0`
+Owns the rule of docs/api.md §3: which turns contribute (the `spec_verify_ct > 0`
 guard), how counters sum, how the two rates are derived from the sums, and
 the session carrier `session_metrics` summed over every node of a session.
 Refuses to own reading counters from a record (legacy names are resolved in

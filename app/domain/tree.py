@@ -2,7 +2,7 @@
 
 An append-only forest of nodes; `seq` (commit order within the session) is
 the only ordering key and the node id. This module owns the fold
-(`SessionState.apply_*`), the attach rules of CONTRACT §1 (derived parent,
+(`SessionState.apply_*`), the attach rules of docs/api.md §1.2 (derived parent,
 truncated parents, contiguous R3 offsets, stable prefixes, the node cap) and
 the resume view (`/state`). Everything here is synchronous pure data: storage,
 transactions and HTTP live one layer up.
@@ -157,7 +157,7 @@ class SessionState:
         return None if best is None else best.seq
 
     def attach(self, body: TurnBody, max_nodes: int) -> Attachment:
-        """Validate a new turn against the tree; raises the 404/409/422 of CONTRACT §1."""
+        """Validate a new turn against the tree; raises the 404/409/422 of docs/api.md §1.2."""
         facts = body.facts
         if self.closed:
             raise SessionClosed("session is closed; it takes no more turns",

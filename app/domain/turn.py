@@ -1,6 +1,6 @@
 """One recorded SGLang turn: shape validation and the facts derived from it.
 
-Owns the context-free rules of CONTRACT §1 for a turn body (types, prompt,
+Owns the context-free rules of docs/api.md §1.2 for a turn body (types, prompt,
 output, completion_tokens, mismatch types, R3 payload encoding and geometry
 relative to the session definition) and the per-turn facts every projection
 uses (tokens, finish reason, weight version, SpecInfo counters). Rules that

@@ -1,4 +1,4 @@
-"""`GET /v1/analytics/spec` and `GET /v1/metrics/rollout` (CONTRACT §3–§5) on both backends.
+"""`GET /v1/analytics/spec` and `GET /v1/metrics/rollout` (docs/api.md §3–§5) on both backends.
 
 Every test labels its sessions with a fresh `run_id` and filters on it, so
 the shared database's other sessions never leak into the numbers.

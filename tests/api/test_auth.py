@@ -1,4 +1,4 @@
-"""API tokens (CONTRACT §7): 401 without or with an unknown token, 403 for a read token on a
+"""API tokens (docs/api.md §7): 401 without or with an unknown token, 403 for a read token on a
 route that changes something, service routes open, and the `TURNLOG_API_TOKENS` format."""
 
 from collections.abc import AsyncIterator

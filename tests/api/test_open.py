@@ -1,4 +1,4 @@
-"""POST /v1/sessions: defaults, idempotent repeats and every rejection of CONTRACT §1."""
+"""POST /v1/sessions: defaults, idempotent repeats and every rejection of docs/api.md §1.1."""
 
 import uuid
 

@@ -1,4 +1,4 @@
-"""Close, samples and R3 tensors over HTTP (CONTRACT §1 close, §2)."""
+"""Close, samples and R3 tensors over HTTP (docs/api.md §1.6, §2)."""
 
 import base64
 import io

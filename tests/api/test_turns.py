@@ -1,4 +1,4 @@
-"""POST /v1/sessions/{sid}/turns: replies, derived parents and every status of CONTRACT §1."""
+"""POST /v1/sessions/{sid}/turns: replies, derived parents and every status of docs/api.md §1.2."""
 
 import base64
 

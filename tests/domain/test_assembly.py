@@ -1,4 +1,4 @@
-"""R3 planning and assembly for one sample (CONTRACT §2 step 6)."""
+"""R3 planning and assembly for one sample (docs/api.md §2.4 step 6)."""
 
 from __future__ import annotations
 

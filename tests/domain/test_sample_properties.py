@@ -2,7 +2,7 @@
 
 The simulator plays honest TITO sessions (branches, retries, trims within
 `max_trim_tokens`, every finish reason, both R3 modes, v1 and v2); this file
-recomputes CONTRACT §2 from the simulator's own record of what it sent — an
+recomputes docs/api.md §2 from the simulator's own record of what it sent — an
 oracle written independently of `app/domain/samples*.py` — and checks every
 sample's R3 against a full forward of the causal router over its tokens.
 """
@@ -199,7 +199,7 @@ def test_every_sample_replays_a_full_forward_over_its_tokens(game: Played) -> No
 
 @PROPERTY
 @given(played())
-def test_samples_follow_the_contract_rules(game: Played) -> None:
+def test_samples_follow_the_documented_rules(game: Played) -> None:
     check_against_oracle(game)
 
 

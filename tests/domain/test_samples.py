@@ -1,4 +1,4 @@
-"""The samples projection (CONTRACT §2) on small hand-built sessions.
+"""The samples projection (docs/api.md §2) on small hand-built sessions.
 
 User/template token ids are below 1000 and model output ids from 1000 on, so
 each expected array can be read off the token lists.
@@ -261,7 +261,7 @@ def test_merging_stops_after_the_first_turn_that_is_not_completed() -> None:
 
 
 def test_truncation_after_the_merge_stop_still_marks_the_sample_truncated() -> None:
-    # CONTRACT §2 step 4: "truncated if step 3 removed anything", even when
+    # docs/api.md §2.4 step 4: "truncated if step 3 removed anything", even when
     # the merge stop would have left the removed turn out anyway.
     sim = session()
     bodies = [sim.turn(None, prompt=P0, output=[1001], finish_reason="abort"),
@@ -418,7 +418,7 @@ SAMPLE_KEYS = ["index", "leaf", "path", "tokens", "response_length", "loss_mask"
                "metadata", "r3"]
 
 
-def test_sample_json_has_exactly_the_contract_keys() -> None:
+def test_sample_json_has_exactly_the_documented_keys() -> None:
     sim = session(r3=True)
     result = samples(sim, two_turns(sim), metadata={"reward": 1.0})
     body = result.to_json(arrays=True)

@@ -1,4 +1,4 @@
-"""SpecInfo (CONTRACT §3): the guard, sums before rates, and the session carrier."""
+"""SpecInfo (docs/api.md §3): the guard, sums before rates, and the session carrier."""
 
 from __future__ import annotations
 
