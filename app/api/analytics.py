@@ -30,7 +30,7 @@ async def spec_rates(
         json_schema_extra={"enum": list(GROUP_BY_VALUES)})] = None,
 ) -> JSONText:
     """Spec-decoding sums and rates per weight_version, model, run_id, rollout_id, hour or day."""
-    return JSONText(await svc.analytics.spec(group_by, label_filters(request, SPEC_PARAMS)))
+    return JSONText(await svc.analytics.spec_rates(group_by, label_filters(request, SPEC_PARAMS)))
 
 
 @router.get("/metrics/rollout")

@@ -23,8 +23,8 @@ def label_filters(request: Request, known: frozenset[str]) -> dict[str, str]:
 
 @router.post("", status_code=201, openapi_extra=OPEN_BODY)
 async def open_session(svc: ServicesDep, body: BodyDep) -> JSONText:
-    spec, created = await svc.writer.open_session(body)
-    summary = await svc.reader.summary(spec.session_id)
+    definition, created = await svc.writer.open_session(body)
+    summary = await svc.reader.summary(definition.session_id)
     svc.reader.notify()
     return JSONText(summary, status_code=201 if created else 200)
 

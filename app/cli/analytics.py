@@ -5,7 +5,7 @@ exits 0 (trusted), 1 (failed) or 2 (error: a gate could not be judged, or
 the check itself failed — bad spec file, unreachable database). It talks to
 the database directly through the store (`--database-url`, default
 TURNLOG_DATABASE_URL) or to a running server (`--url`). Rules live in
-`app/domain/gate_specs.py` and `app/domain/gates.py`; this module only parses options
+`app/domain/gate_definitions.py` and `app/domain/gates.py`; this module only parses options
 and prints.
 """
 
@@ -222,7 +222,7 @@ def analytics_spec(
     """Speculative-decoding accept rate and length per group (sums first, then ratios)."""
     filters = _labels(label)
     try:
-        reply = _with_store(database_url, lambda svc: svc.analytics.spec(group_by, filters))
+        reply = _with_store(database_url, lambda svc: svc.analytics.spec_rates(group_by, filters))
     except Exception as exc:  # reported, exit 2
         raise _fail(exc) from None
     if as_json:

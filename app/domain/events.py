@@ -19,7 +19,7 @@ import numpy as np
 
 from app.domain import jsonio
 from app.domain.r3 import Patch, narrow
-from app.domain.session import SessionSpec
+from app.domain.session import SessionDefinition
 from app.domain.tree import Attachment
 from app.domain.turn import OMITTED, TurnBody, TurnFacts, parse_turn
 
@@ -117,7 +117,7 @@ def restore_record(
 
 
 def stored_facts(
-    spec: SessionSpec,
+    definition: SessionDefinition,
     payload: dict[str, Any],
     prompt: np.ndarray,
     patch_geometry: tuple[int, int] | None,
@@ -130,7 +130,7 @@ def stored_facts(
     body: dict[str, Any] = {"event_id": "stored", "record": record}
     if "metadata" in payload:
         body["metadata"] = payload["metadata"]
-    return parse_turn(body, spec, stored_r3=patch_geometry).facts
+    return parse_turn(body, definition, stored_r3=patch_geometry).facts
 
 
 def stored_content(

@@ -128,12 +128,12 @@ def uses_addition_r3(pause_generation_mode: str) -> bool:
 
 
 @dataclass(frozen=True)
-class SessionSpec:
+class SessionDefinition:
     session_id: str
     version: str
     pause_generation_mode: str
     num_layers: int | None
-    spec: bool
+    speculative: bool  # wire name `spec`: the session runs speculative decoding
     max_trim_tokens: int
     labels: dict[str, Any] = field(default_factory=dict)
 
@@ -152,13 +152,13 @@ class SessionSpec:
             "version": self.version,
             "pause_generation_mode": self.pause_generation_mode,
             "r3": None if self.num_layers is None else {"num_layers": self.num_layers},
-            "spec": self.spec,
+            "spec": self.speculative,
             "max_trim_tokens": self.max_trim_tokens,
             "labels": self.labels,
         }
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> SessionSpec:
+    def from_body(cls, body: dict[str, Any]) -> SessionDefinition:
         """Rebuild from a stored, already normalized body."""
         r3 = body.get("r3")
         return cls(
@@ -166,13 +166,13 @@ class SessionSpec:
             version=body["version"],
             pause_generation_mode=body["pause_generation_mode"],
             num_layers=None if r3 is None else int(r3["num_layers"]),
-            spec=bool(body["spec"]),
+            speculative=bool(body["spec"]),
             max_trim_tokens=int(body["max_trim_tokens"]),
             labels=dict(body.get("labels") or {}),
         )
 
 
-def parse_open(raw: Any) -> SessionSpec:
+def parse_open(raw: Any) -> SessionDefinition:
     body = require_object(raw, "body")
     reject_unknown(body, OPEN_FIELDS, "")
 
@@ -214,11 +214,11 @@ def parse_open(raw: Any) -> SessionSpec:
                                  actual=describe(layers))
         num_layers = layers
 
-    spec = body.get("spec")
-    spec = False if spec is None else spec
-    if not isinstance(spec, bool):
+    speculative = body.get("spec")
+    speculative = False if speculative is None else speculative
+    if not isinstance(speculative, bool):
         raise InvalidRequest("spec must be a boolean", field="spec", expected="boolean",
-                             actual=describe(spec))
+                             actual=describe(speculative))
 
     trim = body.get("max_trim_tokens")
     trim = 0 if trim is None else trim
@@ -236,19 +236,19 @@ def parse_open(raw: Any) -> SessionSpec:
                                  actual=describe(key))
         require_text(label_text(value), f"labels.{key}")
 
-    return SessionSpec(
+    return SessionDefinition(
         session_id=session_id,
         version=version,
         pause_generation_mode=mode,
         num_layers=num_layers,
-        spec=spec,
+        speculative=speculative,
         max_trim_tokens=trim,
         labels=labels,
     )
 
 
 @dataclass(frozen=True)
-class CloseSpec:
+class SessionClose:
     max_seq_len: int | None
     metadata: dict[str, Any]
 
@@ -260,7 +260,7 @@ class CloseSpec:
         return self.metadata.get("reward")
 
 
-def parse_close(raw: Any) -> CloseSpec:
+def parse_close(raw: Any) -> SessionClose:
     body = require_object(raw, "body")
     reject_unknown(body, CLOSE_FIELDS, "")
     max_seq_len = body.get("max_seq_len")
@@ -270,4 +270,4 @@ def parse_close(raw: Any) -> CloseSpec:
                              actual=describe(max_seq_len))
     metadata = body.get("metadata")
     metadata = {} if metadata is None else require_object(metadata, "metadata")
-    return CloseSpec(max_seq_len=max_seq_len, metadata=metadata)
+    return SessionClose(max_seq_len=max_seq_len, metadata=metadata)

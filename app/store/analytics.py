@@ -24,7 +24,7 @@ from app.domain import jsonio
 from app.domain.errors import InvalidRequest
 from app.domain.rollout_metrics import SampleRow, SessionRow, check_strict, rollout_metrics
 from app.domain.session import describe
-from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo
+from app.domain.specinfo import SPEC_INFO_COLUMNS, SPEC_INFO_KEYS, SpecInfo
 from app.store.db import Database
 from app.store.reads import label_filter
 from app.store.schema import samples, sessions
@@ -84,7 +84,7 @@ def spec_group_query(group_by: str, filters: Mapping[str, str]) -> sa.Select[Any
 
 
 def spec_group(row: Any) -> dict[str, Any]:
-    info = SpecInfo(**{name: int(row[name]) for name in SPEC_INFO_KEYS})
+    info = SpecInfo.from_dict(row)
     return {
         "key": row["key"],
         "sessions": int(row["sessions"]),
@@ -99,7 +99,7 @@ class Analytics:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def spec(self, group_by: str | None, filters: Mapping[str, str]) -> dict[str, Any]:
+    async def spec_rates(self, group_by: str | None, filters: Mapping[str, str]) -> dict[str, Any]:
         """`GET /v1/analytics/spec`: one group per key over every recorded turn."""
         column = parse_group_by(group_by)
         query = spec_group_query(column, filters)
@@ -114,8 +114,7 @@ class Analytics:
         async with self.db.read() as conn:
             heads = (await conn.execute(
                 sa.select(sessions.c.session_id, sessions.c.version, sessions.c.spec,
-                          sessions.c.spec_correct, sessions.c.spec_proposed,
-                          sessions.c.spec_verify, sessions.c.spec_completion)
+                          *(sessions.c[column] for column in SPEC_INFO_COLUMNS.values()))
                 .where(*clauses).order_by(sessions.c.id)
             )).all()
             sample_rows = (await conn.execute(
@@ -136,9 +135,7 @@ class Analytics:
                 session_id=head.session_id,
                 version=head.version,
                 samples=tuple(by_session.get(head.session_id, ())),
-                carrier=SpecInfo(int(head.spec_correct), int(head.spec_proposed),
-                                 int(head.spec_verify), int(head.spec_completion))
-                if head.spec else None,
+                carrier=SpecInfo.from_columns(head._mapping) if head.spec else None,
             )
             for head in heads
         ]

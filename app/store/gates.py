@@ -1,6 +1,6 @@
 """Regression gates against the metric history: `POST /v1/gates/evaluate`, `turnlog gate check`.
 
-Owns the I/O around `app/domain/gates.py` (specs parsed by `gate_specs.py`):
+Owns the I/O around `app/domain/gates.py` (gates parsed by `gate_definitions.py`):
 reading a run's merged series, fetching per coordinate the most recent
 trusted baseline values of *other* runs (newest first, at most the window),
 and storing the rows the run contributes (`baseline_rows`, trusted per
@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
 from app.domain.errors import InvalidRequest
-from app.domain.gate_specs import GateSpec, default_specs, parse_gate_specs
+from app.domain.gate_definitions import GateDefinition, default_gates, parse_gate_definitions
 from app.domain.gates import (
     BASELINE_WINDOW,
     BaselineRow,
@@ -52,11 +52,11 @@ def coordinate_key(coordinate: GateCoordinate) -> str:
 
 @dataclass(frozen=True)
 class GateCheck:
-    """What `evaluate` was asked: the run, its specs and whether to record its rows."""
+    """What `evaluate` was asked: the run, its gates and whether to record its rows."""
 
     coordinate: RunCoordinate
     run_id: str
-    specs: tuple[GateSpec, ...]
+    gates: tuple[GateDefinition, ...]
     record: bool = True
 
 
@@ -101,7 +101,7 @@ def parse_check(raw: Any) -> GateCheck:
     return GateCheck(
         coordinate=parse_coordinate(body.get("coordinate")),
         run_id=run_id,
-        specs=default_specs() if specs is None else parse_gate_specs(specs),
+        gates=default_gates() if specs is None else parse_gate_definitions(specs),
         record=record,
     )
 
@@ -173,11 +173,11 @@ class Gates:
 
     async def _judge(self, conn: AsyncConnection, check: GateCheck) -> GateReport:
         run = await load_run(conn, check.coordinate, check.run_id)
-        wanted = coordinates(check.coordinate, check.specs, run.series)
+        wanted = coordinates(check.coordinate, check.gates, run.series)
         history = await baseline_values(conn, wanted, check.run_id, self.window)
-        verdict = evaluate(check.coordinate, check.specs, run.series, history, self.window)
+        verdict = evaluate(check.coordinate, check.gates, run.series, history, self.window)
         trusted = row_trust(run.trusted, verdict)
-        rows = baseline_rows(check.coordinate, check.run_id, check.specs, run.series, trusted)
+        rows = baseline_rows(check.coordinate, check.run_id, check.gates, run.series, trusted)
         if check.record and rows:
             await store_rows(conn, rows)
         return GateReport(run=run, verdict=verdict, rows=tuple(rows), baseline=trusted,

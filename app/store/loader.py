@@ -25,7 +25,7 @@ from app.domain.events import (
     restore_prompt,
     stored_facts,
 )
-from app.domain.session import SESSION_ID_RE, SessionSpec, parse_close
+from app.domain.session import SESSION_ID_RE, SessionDefinition, parse_close
 from app.domain.tree import SessionState
 from app.store.schema import events, r3_patches, sessions
 
@@ -117,7 +117,7 @@ async def fold_events(
             if log is not None:
                 log.opened_us = row.recorded_us
             if state is None:
-                state = SessionState(spec=SessionSpec.from_body(payload["session"]))
+                state = SessionState(definition=SessionDefinition.from_body(payload["session"]))
         elif row.type == TURN_RECORDED:
             assert state is not None
             if log is not None:
@@ -127,7 +127,7 @@ async def fold_events(
             parent = payload["parent"]
             parent_tokens = None if parent is None else state.nodes[parent].tokens
             prompt = restore_prompt(parent_tokens, row.prompt_lcp, row.prompt_delta)
-            facts = stored_facts(state.spec, payload, prompt, geometry.get(row.seq))
+            facts = stored_facts(state.definition, payload, prompt, geometry.get(row.seq))
             state.apply_turn(row.seq, parent, row.event_id, facts)
         elif row.type == SESSION_CLOSED and state is not None:
             if log is not None:

@@ -51,7 +51,7 @@ async def test_store_samples_equal_domain_and_full_forward(client, cfg, seed, tu
     if mode == "in_place":
         trim = min(trim, 1)  # a longer trim would drop rows already routed (409)
     config = SimConfig(session_id=f"prop-{uuid.uuid4().hex}", version=version,
-                       pause_generation_mode=mode, spec=spec, max_trim_tokens=trim)
+                       pause_generation_mode=mode, speculative=spec, max_trim_tokens=trim)
     sim, bodies, close = await play(client, config, seed, turns, max_seq_len)
     sid = config.session_id
 
@@ -83,7 +83,7 @@ async def test_rebuild_equals_incremental(client, settings):
     for seed in range(6):
         mode = ("retract", "in_place")[seed % 2]
         config = SimConfig(session_id=f"rb-{uuid.uuid4().hex}", version=("v1", "v2")[seed % 2],
-                           pause_generation_mode=mode, spec=True, max_trim_tokens=seed % 2)
+                           pause_generation_mode=mode, speculative=True, max_trim_tokens=seed % 2)
         await play(client, config, seed, 8, None if seed % 3 else 12)
         sids.append(config.session_id)
     open_only = f"rb-open-{uuid.uuid4().hex}"
