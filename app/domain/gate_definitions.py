@@ -17,7 +17,6 @@ baseline rows are `gates.py`'s. Pure: no I/O.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,8 +24,21 @@ from typing import Any
 
 from app.domain.errors import InvalidRequest
 from app.domain.jsonio import canonical
-from app.domain.metric_history import MAX_METRIC, STEP_MAX
-from app.domain.session import describe, is_int, is_text_safe, reject_unknown, require_object
+from app.domain.metric_history import (
+    STEP_MAX,
+    RunCoordinate,
+    parse_coordinate,
+    parse_metric_key,
+    parse_run_id,
+)
+from app.domain.validate import (
+    describe,
+    finite_float,
+    is_int,
+    reject_unknown,
+    require_bool,
+    require_object,
+)
 
 GATE_FIELDS = frozenset({"metric", "steps", "constraint"})
 CONSTRAINT_PARAMS = ("rel_up", "abs_floor_up", "rel_down", "abs_floor_down")
@@ -95,19 +107,12 @@ class GateDefinition:
                 "constraint": self.constraint.as_dict(), "constraint_key": self.constraint_key}
 
 
-def _finite_number(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond float64
-        return False
-
-
 def _param(value: Any, field_name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not _finite_number(value) or value < 0:
+    number = finite_float(value)
+    if number is None or number < 0:
         raise InvalidRequest(f"{field_name} must be a finite number >= 0", field=field_name,
                              expected="finite number >= 0", actual=describe(value))
-    return float(value)
+    return number
 
 
 def parse_constraint(raw: Any, field_name: str = "constraint") -> Constraint:
@@ -145,14 +150,7 @@ def parse_steps(raw: Any, field_name: str = "steps") -> str | tuple[int, ...]:
 def parse_gate_definition(raw: Any, field_name: str = "spec") -> GateDefinition:
     body = require_object(raw, field_name)
     reject_unknown(body, GATE_FIELDS, field_name)
-    metric_raw = body.get("metric")
-    if (not isinstance(metric_raw, str) or not 1 <= len(metric_raw) <= MAX_METRIC
-            or not is_text_safe(metric_raw)):
-        raise InvalidRequest(f"{field_name}.metric must be a metric key",
-                             field=f"{field_name}.metric",
-                             expected=f"UTF-8 text of 1-{MAX_METRIC} characters without NUL",
-                             actual=describe(metric_raw))
-    metric = metric_raw
+    metric = parse_metric_key(body.get("metric"), f"{field_name}.metric")
     default = GATE_DEFAULTS.get(metric)
     literals: dict[str, Any] = {}
     for name in ("steps", "constraint"):
@@ -192,3 +190,31 @@ def default_gates(metrics: Iterable[str] | None = None) -> tuple[GateDefinition,
     """The defaulted definition of every `GATE_DEFAULTS` metric (or of the given ones)."""
     names = sorted(GATE_DEFAULTS) if metrics is None else list(metrics)
     return parse_gate_definitions([{"metric": name} for name in names])
+
+
+EVALUATE_FIELDS = frozenset({"coordinate", "run_id", "specs", "record"})
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    """What `evaluate` was asked: the run, its gates and whether to record its rows."""
+
+    coordinate: RunCoordinate
+    run_id: str
+    gates: tuple[GateDefinition, ...]
+    record: bool = True
+
+
+def parse_check(raw: Any) -> GateCheck:
+    """The `POST /v1/gates/evaluate` body; `specs` omitted = every default gate."""
+    body = require_object(raw, "body")
+    reject_unknown(body, EVALUATE_FIELDS, "")
+    run_id = parse_run_id(body.get("run_id"))
+    record = require_bool(body.get("record", True), "record")
+    specs = body.get("specs")
+    return GateCheck(
+        coordinate=parse_coordinate(body.get("coordinate")),
+        run_id=run_id,
+        gates=default_gates() if specs is None else parse_gate_definitions(specs),
+        record=record,
+    )

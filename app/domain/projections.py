@@ -14,8 +14,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.domain import jsonio
+from app.domain.labels import label_text
 from app.domain.samples import Sample, SamplesResult
-from app.domain.session import SessionDefinition, label_text
+from app.domain.session import SessionDefinition
 from app.domain.specinfo import SpecInfo, sum_turns
 from app.domain.tree import Node, SessionState
 

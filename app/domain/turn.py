@@ -17,15 +17,9 @@ import numpy as np
 
 from app.domain.errors import InvalidR3, InvalidRequest
 from app.domain.r3 import decode_payload, infer_topk
-from app.domain.session import (
-    SessionDefinition,
-    describe,
-    is_int,
-    reject_unknown,
-    require_object,
-    require_text,
-)
+from app.domain.session import SessionDefinition
 from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo
+from app.domain.validate import describe, is_int, reject_unknown, require_object, require_text
 
 TURN_FIELDS = frozenset({"event_id", "parent", "record", "metadata"})
 MISMATCH_TYPES = ("special_token_count", "special_token_type", "non_assistant_text",

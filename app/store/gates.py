@@ -24,8 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.errors import InvalidRequest
-from app.domain.gate_definitions import GateDefinition, default_gates, parse_gate_definitions
+from app.domain.gate_definitions import GateCheck
 from app.domain.gates import (
     BASELINE_WINDOW,
     BaselineRow,
@@ -36,28 +35,15 @@ from app.domain.gates import (
     evaluate,
     row_trust,
 )
-from app.domain.metric_history import MAX_METRIC, RunCoordinate, parse_coordinate
-from app.domain.session import describe, is_text_safe, reject_unknown, require_object
 from app.store.db import Database
 from app.store.history import RunHistory, load_run
 from app.store.schema import gate_baselines
 
-EVALUATE_FIELDS = frozenset({"coordinate", "run_id", "specs", "record"})
 CHUNK = 500
 
 
 def coordinate_key(coordinate: GateCoordinate) -> str:
     return jsonio.fingerprint(dataclasses.asdict(coordinate))
-
-
-@dataclass(frozen=True)
-class GateCheck:
-    """What `evaluate` was asked: the run, its gates and whether to record its rows."""
-
-    coordinate: RunCoordinate
-    run_id: str
-    gates: tuple[GateDefinition, ...]
-    record: bool = True
 
 
 @dataclass(frozen=True)
@@ -81,29 +67,6 @@ class GateReport:
             "recorded": {"rows": len(self.rows), "baseline": self.baseline}
             if self.recorded else None,
         }
-
-
-def parse_check(raw: Any) -> GateCheck:
-    """The `POST /v1/gates/evaluate` body; `specs` omitted = every default gate."""
-    body = require_object(raw, "body")
-    reject_unknown(body, EVALUATE_FIELDS, "")
-    run_id = body.get("run_id")
-    if (not isinstance(run_id, str) or not 1 <= len(run_id) <= MAX_METRIC
-            or not is_text_safe(run_id)):
-        raise InvalidRequest("run_id must be a non-empty string", field="run_id",
-                             expected=f"UTF-8 text of 1-{MAX_METRIC} characters without NUL",
-                             actual=describe(run_id))
-    record = body.get("record", True)
-    if not isinstance(record, bool):
-        raise InvalidRequest("record must be a boolean", field="record", expected="boolean",
-                             actual=describe(record))
-    specs = body.get("specs")
-    return GateCheck(
-        coordinate=parse_coordinate(body.get("coordinate")),
-        run_id=run_id,
-        gates=default_gates() if specs is None else parse_gate_definitions(specs),
-        record=record,
-    )
 
 
 async def baseline_values(
@@ -160,9 +123,10 @@ class Gates:
         self.db = db
         self.window = window
 
-    async def evaluate(self, raw: Any) -> dict[str, Any]:
-        """`POST /v1/gates/evaluate`: the verdict with every coordinate judged."""
-        return (await self.check(parse_check(raw))).as_dict()
+    async def evaluate(self, check: GateCheck) -> dict[str, Any]:
+        """`POST /v1/gates/evaluate` (parsed by `parse_check`): the verdict with every
+        coordinate judged."""
+        return (await self.check(check)).as_dict()
 
     async def check(self, check: GateCheck) -> GateReport:
         if check.record:

@@ -25,8 +25,9 @@ from app.domain.events import (
     restore_prompt,
     stored_facts,
 )
-from app.domain.session import SESSION_ID_RE, SessionDefinition, parse_close
+from app.domain.session import SessionDefinition, parse_close
 from app.domain.tree import SessionState
+from app.domain.validate import SESSION_ID
 from app.store.schema import events, r3_patches, sessions
 
 
@@ -57,7 +58,7 @@ class StateCache:
 
 
 async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = False) -> Any:
-    if not SESSION_ID_RE.match(session_id):
+    if not SESSION_ID.matches(session_id):
         # No session can have such an id: unknown, and never sent to the database.
         raise UnknownSession(f"no session {session_id[:80]!r}", field="session_id",
                              expected="an opened session id ([A-Za-z0-9._:-]{1,128})",

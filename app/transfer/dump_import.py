@@ -19,7 +19,7 @@ from typing import Any
 
 from app.domain import jsonio
 from app.domain.errors import DomainError
-from app.domain.session import is_int
+from app.domain.validate import is_int
 from app.store.writes import Writer
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
