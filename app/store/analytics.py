@@ -26,6 +26,7 @@ from app.domain.queries import GROUP_BY_VALUES
 from app.domain.rollout_metrics import SampleRow, SessionRow, check_strict, rollout_metrics
 from app.domain.specinfo import SPEC_INFO_COLUMNS, SPEC_INFO_KEYS, SpecInfo
 from app.store.db import Database
+from app.store.dialect import code_point_order
 from app.store.reads import label_filter
 from app.store.schema import samples, sessions
 
@@ -46,14 +47,9 @@ spec_turns = sa.table(
 
 
 def key_order(conn: AsyncConnection, key: ColumnElement[Any]) -> list[ColumnElement[Any]]:
-    """Ascending key order, NULL first, text compared by code point on both dialects.
-
-    SQLite's default BINARY collation compares UTF-8 bytes; PostgreSQL's
-    database collation may be linguistic, so it is pinned to "C" (bytes).
-    Both equal Python's `sorted(keys, key=group_sort_key)`.
-    """
-    text = key.collate("C") if conn.dialect.name == "postgresql" else key
-    return [sa.case((key.is_(None), 0), else_=1), text]
+    """Ascending key order, NULL first, text compared by code point on both dialects:
+    Python's `sorted(keys, key=group_sort_key)`."""
+    return [sa.case((key.is_(None), 0), else_=1), code_point_order(conn, key)]
 
 
 def group_sort_key(key: str | None) -> tuple[bool, str]:

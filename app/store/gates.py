@@ -14,13 +14,11 @@ the domain's.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
@@ -35,7 +33,8 @@ from app.domain.gates import (
     evaluate,
     row_trust,
 )
-from app.store.db import Database
+from app.store.db import Database, now_us
+from app.store.dialect import upsert
 from app.store.history import RunHistory, load_run
 from app.store.schema import gate_baselines
 
@@ -100,8 +99,7 @@ async def baseline_values(
 
 
 async def store_rows(conn: AsyncConnection, rows: Sequence[BaselineRow]) -> None:
-    recorded_us = time.time_ns() // 1000
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    recorded_us = now_us()
     values = [{
         "coordinate_key": coordinate_key(row.coordinate),
         **dataclasses.asdict(row.coordinate),
@@ -111,11 +109,10 @@ async def store_rows(conn: AsyncConnection, rows: Sequence[BaselineRow]) -> None
         "recorded_us": recorded_us,
     } for row in rows]
     for start in range(0, len(values), CHUNK):
-        stmt = insert(gate_baselines).values(values[start:start + CHUNK])
-        await conn.execute(stmt.on_conflict_do_update(
-            index_elements=["coordinate_key", "run_id"],
-            set_={"value": stmt.excluded.value, "trusted": stmt.excluded.trusted},
-        ))
+        # A re-evaluated run replaces its value and trust, keeping its place in time.
+        await conn.execute(upsert(conn, gate_baselines, values[start:start + CHUNK],
+                                  index_elements=("coordinate_key", "run_id"),
+                                  update=("value", "trusted")))
 
 
 class Gates:

@@ -15,7 +15,6 @@ submission rules, the whitelist default and the merge order
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from app.domain.metric_history import (
     merge_attempts,
 )
 from app.store.analytics import Analytics
-from app.store.db import Database
+from app.store.db import Database, now_us
 from app.store.schema import metric_points, metric_submissions
 
 
@@ -161,7 +160,7 @@ class History:
             metric_submissions.insert().values(
                 run_key=key, run_id=submission.run_id, attempt=submission.attempt,
                 trusted=submission.trusted, fingerprint=fingerprint,
-                recorded_us=time.time_ns() // 1000, **submission.coordinate.as_dict(),
+                recorded_us=now_us(), **submission.coordinate.as_dict(),
             ).returning(metric_submissions.c.id)
         )).scalar_one()
         if kept:

@@ -10,6 +10,7 @@ is per process and purely an optimization; a miss folds from the log.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +26,12 @@ from app.domain.events import (
     restore_prompt,
     stored_facts,
 )
+from app.domain.r3 import Patch
 from app.domain.session import SessionDefinition, parse_close
 from app.domain.tree import SessionState
 from app.domain.validate import SESSION_ID
-from app.store.schema import events, r3_patches, sessions
+from app.store.dialect import lock_for_append
+from app.store.schema import events, patch_from_row, r3_patches, sessions
 
 
 class StateCache:
@@ -64,10 +67,8 @@ async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = Fa
                              expected="an opened session id ([A-Za-z0-9._:-]{1,128})",
                              actual=session_id[:80])
     query = sa.select(sessions).where(sessions.c.session_id == session_id)
-    if lock and conn.dialect.name == "postgresql":
-        # NO KEY UPDATE: serializes appends without blocking inserts that only
-        # reference the session row (foreign keys take KEY SHARE locks).
-        query = query.with_for_update(key_share=True)
+    if lock:
+        query = lock_for_append(conn, query)
     row = (await conn.execute(query)).mappings().first()
     if row is None:
         raise UnknownSession(f"no session {session_id!r}", field="session_id",
@@ -82,6 +83,20 @@ class FoldLog:
     opened_us: int = 0
     closed_us: int | None = None
     turns: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq → (position, us)
+
+
+async def load_patches(
+    conn: AsyncConnection, session_id: str, seqs: Iterable[int]
+) -> dict[int, Patch]:
+    """The stored R3 patches of the given turns, by seq (a turn without one is absent)."""
+    wanted = list(seqs)
+    if not wanted:
+        return {}
+    rows = await conn.execute(
+        sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
+        .where(r3_patches.c.seq.in_(wanted))
+    )
+    return {row.seq: patch_from_row(row) for row in rows}
 
 
 async def fold_events(

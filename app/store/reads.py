@@ -23,8 +23,8 @@ from app.domain.session import uses_addition_r3
 from app.store import cursor
 from app.store.db import Database
 from app.store.dialect import feed_fence
-from app.store.loader import StateCache, load_state, session_row
-from app.store.schema import events, r3_patches, session_labels, sessions
+from app.store.loader import StateCache, load_patches, load_state, session_row
+from app.store.schema import events, session_labels, sessions
 
 
 def summary(row: Any) -> dict[str, Any]:
@@ -102,15 +102,9 @@ class Reader:
                 query = query.where(events.c.position > after)
             rows = (await conn.execute(query)).mappings().all()
             patches: dict[int, Patch] = {}
-            seqs = [r["seq"] for r in rows if r["seq"] is not None]
-            if include_r3 and seqs:
-                for p in await conn.execute(
-                    sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
-                    .where(r3_patches.c.seq.in_(seqs))
-                ):
-                    patches[p.seq] = Patch(start=p.start_row, end=p.end_row,
-                                           num_layers=p.num_layers, topk=p.topk,
-                                           dtype=p.dtype, data=p.data)
+            if include_r3:
+                patches = await load_patches(
+                    conn, session_id, (r["seq"] for r in rows if r["seq"] is not None))
         return [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
                 or r["seq"] < len(state.nodes)]
 

@@ -9,7 +9,11 @@ triggers); the other tables are projections, recomputable from events.
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
+
+from app.domain.r3 import Patch
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -99,6 +103,20 @@ r3_patches = sa.Table(
     sa.Column("data", sa.LargeBinary, nullable=False),
     sa.ForeignKeyConstraint(["session_id", "seq"], ["events.session_id", "events.seq"]),
 )
+
+
+def patch_row(session_id: str, seq: int, patch: Patch) -> dict[str, Any]:
+    """The `r3_patches` row of one turn's patch."""
+    return {"session_id": session_id, "seq": seq, "start_row": patch.start,
+            "end_row": patch.end, "num_layers": patch.num_layers, "topk": patch.topk,
+            "dtype": patch.dtype, "data": patch.data}
+
+
+def patch_from_row(row: Any) -> Patch:
+    """Inverse of `patch_row`."""
+    return Patch(start=row.start_row, end=row.end_row, num_layers=row.num_layers,
+                 topk=row.topk, dtype=row.dtype, data=row.data)
+
 
 nodes = sa.Table(
     "nodes",

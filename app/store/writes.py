@@ -9,7 +9,6 @@ attach → insert → commit, and only then updates the in-process state cache.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,18 +33,21 @@ from app.domain.projections import (
     session_definition,
     session_head,
 )
-from app.domain.r3 import Patch
 from app.domain.samples import build_samples
 from app.domain.session import SessionDefinition, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import TurnBody, parse_turn
-from app.store.db import Database
-from app.store.loader import StateCache, load_state, session_row
-from app.store.schema import events, nodes, r3_patches, samples, session_labels, sessions
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
+from app.store.db import Database, now_us
+from app.store.loader import StateCache, load_patches, load_state, session_row
+from app.store.schema import (
+    events,
+    nodes,
+    patch_row,
+    r3_patches,
+    samples,
+    session_labels,
+    sessions,
+)
 
 
 @dataclass(frozen=True)
@@ -159,12 +161,8 @@ class Writer:
                 "recorded_us": recorded,
             })
             if stored.patch is not None:
-                patch = stored.patch
                 await conn.execute(r3_patches.insert().values(
-                    session_id=session_id, seq=attachment.seq, start_row=patch.start,
-                    end_row=patch.end, num_layers=patch.num_layers, topk=patch.topk,
-                    dtype=patch.dtype, data=patch.data,
-                ))
+                    **patch_row(session_id, attachment.seq, stored.patch)))
             # The cached state only takes the node once the transaction has committed.
             node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
             nrow = node_row(session_id, node, position, recorded)
@@ -190,13 +188,8 @@ class Writer:
             sa.select(events.c.payload).where(events.c.session_id == session_id)
             .where(events.c.seq == seq)
         )).one()
-        patch = (await conn.execute(
-            sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
-            .where(r3_patches.c.seq == seq)
-        )).first()
-        b64 = None if patch is None else Patch(
-            start=patch.start_row, end=patch.end_row, num_layers=patch.num_layers,
-            topk=patch.topk, dtype=patch.dtype, data=patch.data).base64()
+        patch = (await load_patches(conn, session_id, [seq])).get(seq)
+        b64 = None if patch is None else patch.base64()
         first = stored_content(jsonio.loads(event.payload), body.event_id,
                                state.nodes[seq].facts.prompt, b64)
         if not jsonio.strict_equal(first, body.content()):
