@@ -8,7 +8,7 @@ import random
 import uuid
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from app.domain.jsonio import canonical
@@ -45,6 +45,8 @@ async def play(client, config, seed, turns, max_seq_len):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cfg=configs, seed=st.integers(0, 2**32), turns=st.integers(1, 9),
        max_seq_len=st.one_of(st.none(), st.integers(4, 40)))
+# Seed 8 records turn 8 without routed experts on a sample's path: a predicted gap.
+@example(cfg=("v2", "in_place", False, 0), seed=8, turns=9, max_seq_len=None)
 async def test_store_samples_equal_domain_and_full_forward(client, cfg, seed, turns,
                                                            max_seq_len):
     version, mode, spec, trim = cfg
@@ -56,17 +58,26 @@ async def test_store_samples_equal_domain_and_full_forward(client, cfg, seed, tu
     sid = config.session_id
 
     state, _ = fold_in_memory(sim.open_body(), bodies)
-    expected = build_samples(state, parse_close(close)).to_json(arrays=True)
+    result = build_samples(state, parse_close(close))
     got = (await client.get(f"/v1/sessions/{sid}/samples")).json()
-    assert got == expected
+    assert got == result.to_json(arrays=True)
 
     for sample in got["samples"]:
         r = await client.get(f"/v1/sessions/{sid}/samples/{sample['index']}/r3")
         if sample["r3"] is None:
             assert r.status_code == 404
             continue
-        if r.status_code == 422:
-            assert r.json()["type"] == "urn:turnlog:r3-gap"
+        gap = result.sample(sample["index"]).r3_error
+        if gap is not None:
+            # The domain predicted this gap: the reply is that prediction, naming a
+            # turn of the sample's path and rows that run to the sample's last row.
+            assert r.status_code == 422, r.text
+            problem = r.json()
+            assert problem == gap.problem()
+            assert problem["type"] == "urn:turnlog:r3-gap"
+            assert problem["seq"] in sample["path"]
+            row_from, row_to = problem["rows"]
+            assert 0 <= row_from < row_to == len(sample["tokens"]) - 1
             continue
         assert r.status_code == 200, r.text
         tensor = np.load(io.BytesIO(r.content), allow_pickle=False)
