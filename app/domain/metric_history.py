@@ -193,27 +193,30 @@ def parse_point(raw: Any, field_name: str) -> MetricPoint:
     )
 
 
-def parse_submission(raw: Any) -> HistorySubmission:
-    """Validate a whole `POST /v1/metric-history` body; every point, whitelisted or not.
+def _run_attempt(body: dict[str, Any]) -> dict[str, Any]:
+    """`attempt`, `trusted`, `coordinate`, `run_id`: what a submission and a rollout
+    record share. `trusted` defaults to false: a run becomes a baseline only when
+    it says so."""
+    return {
+        "attempt": parse_attempt(body.get("attempt")),
+        "trusted": require_bool(body.get("trusted", False), "trusted"),
+        "coordinate": parse_coordinate(body.get("coordinate")),
+        "run_id": parse_run_id(body.get("run_id")),
+    }
 
-    `trusted` defaults to false: a run becomes a baseline only when it says so.
-    """
+
+def parse_submission(raw: Any) -> HistorySubmission:
+    """Validate a whole `POST /v1/metric-history` body; every point, whitelisted or not."""
     body = require_object(raw, "body")
     reject_unknown(body, SUBMISSION_FIELDS, "")
-    attempt = parse_attempt(body.get("attempt"))
-    trusted = require_bool(body.get("trusted", False), "trusted")
+    run = _run_attempt(body)
     points_raw = body.get("points")
     if not isinstance(points_raw, list):
         raise InvalidRequest("points must be a list", field="points",
                              expected="array of {metric, step, value}",
                              actual=describe(points_raw))
     return HistorySubmission(
-        coordinate=parse_coordinate(body.get("coordinate")),
-        run_id=parse_run_id(body.get("run_id")),
-        attempt=attempt,
-        trusted=trusted,
-        points=tuple(parse_point(p, f"points[{i}]") for i, p in enumerate(points_raw)),
-    )
+        **run, points=tuple(parse_point(p, f"points[{i}]") for i, p in enumerate(points_raw)))
 
 
 @dataclass(frozen=True)
@@ -238,21 +241,15 @@ class RolloutRecord:
 def parse_rollout_record(raw: Any) -> RolloutRecord:
     """The whole body, before anything is read: the sessions are the closed ones whose
     labels match `labels` (values compared as label text, so `{"rollout_id": 12}`
-    matches 12); `trusted` defaults to false as in a submission."""
+    matches 12)."""
     body = require_object(raw, "body")
     reject_unknown(body, ROLLOUT_FIELDS, "")
     labels = parse_label_filters(require_object(body.get("labels", {}), "labels"))
     if "step" not in body:
         raise InvalidRequest("step is required", field="step",
                              expected="integer >= 0", actual=describe(None))
-    return RolloutRecord(
-        coordinate=parse_coordinate(body.get("coordinate")),
-        run_id=parse_run_id(body.get("run_id")),
-        attempt=parse_attempt(body.get("attempt")),
-        trusted=require_bool(body.get("trusted", False), "trusted"),
-        step=parse_step(body["step"], "step"),
-        labels=labels,
-    )
+    return RolloutRecord(**_run_attempt(body), step=parse_step(body["step"], "step"),
+                         labels=labels)
 
 
 def keep_whitelisted(

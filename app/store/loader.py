@@ -60,6 +60,11 @@ class StateCache:
         self._states.clear()
 
 
+def _unknown(session_id: str) -> UnknownSession:
+    return UnknownSession(f"no session {session_id!r}", field="session_id",
+                          expected="an opened session id", actual=session_id)
+
+
 async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = False) -> Any:
     if not SESSION_ID.matches(session_id):
         # No session can have such an id: unknown, and never sent to the database.
@@ -71,8 +76,7 @@ async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = Fa
         query = lock_for_append(conn, query)
     row = (await conn.execute(query)).mappings().first()
     if row is None:
-        raise UnknownSession(f"no session {session_id!r}", field="session_id",
-                             expected="an opened session id", actual=session_id)
+        raise _unknown(session_id)
     return row
 
 
@@ -150,8 +154,7 @@ async def fold_events(
                 log.closed_us = row.recorded_us
             state.apply_close(parse_close(payload["close"]))
     if state is None:
-        raise UnknownSession(f"no session {session_id!r}", field="session_id",
-                             expected="an opened session id", actual=session_id)
+        raise _unknown(session_id)
     return state
 
 

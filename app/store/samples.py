@@ -13,8 +13,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.domain.assembly import R3Plan, check_slice, plan_shape, take
-from app.domain.errors import R3Gap, SessionOpen
+from app.domain.assembly import R3Plan, check_patches, plan_shape, take
+from app.domain.errors import SessionOpen
 from app.domain.r3 import Patch, npy_header
 from app.domain.samples import SamplesResult, build_samples
 from app.store.db import Database
@@ -62,13 +62,7 @@ class SampleReader:
         checked before the response starts so a broken log answers 422, not a
         truncated 200."""
         patches = await self._patches(session_id, sorted({p.seq for p in plan.slices}))
-        for piece in plan.slices:
-            patch = patches.get(piece.seq)
-            if patch is None:
-                raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
-                            field="routed_experts", expected="a stored patch", actual="none",
-                            status=422, extra={"seq": piece.seq})
-            check_slice(piece, patch, plan)
+        check_patches(plan, patches)
         return patches
 
     @staticmethod

@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from app.domain.r3 import Patch
+from app.domain.specinfo import SPEC_INFO_COLUMNS
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -26,6 +27,13 @@ NAMING_CONVENTION = {
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def spec_info_columns() -> list[sa.Column[int]]:
+    """The four SpecInfo counters (`SPEC_INFO_COLUMNS`) of a node, sample or carrier."""
+    return [sa.Column(column, sa.BigInteger, nullable=False)
+            for column in SPEC_INFO_COLUMNS.values()]
+
 
 sessions = sa.Table(
     "sessions",
@@ -50,10 +58,7 @@ sessions = sa.Table(
     sa.Column("closed_us", sa.BigInteger, nullable=True),
     sa.Column("close_fingerprint", sa.String(64), nullable=True),
     # session metrics carrier: SpecInfo over every node (guarded sums)
-    sa.Column("spec_correct", sa.BigInteger, nullable=False),
-    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
-    sa.Column("spec_verify", sa.BigInteger, nullable=False),
-    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    *spec_info_columns(),
     # samples projection, session level
     sa.Column("empty_reason", sa.String(32), nullable=True),
     sa.Column("sample_errors", sa.Text, nullable=True),
@@ -134,10 +139,7 @@ nodes = sa.Table(
     sa.Column("r3_end", sa.Integer, nullable=True),
     sa.Column("finish_reason", sa.Text, nullable=True),
     sa.Column("weight_version", sa.Text, nullable=True),
-    sa.Column("spec_correct", sa.BigInteger, nullable=False),
-    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
-    sa.Column("spec_verify", sa.BigInteger, nullable=False),
-    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    *spec_info_columns(),
     sa.Column("cached_tokens", sa.BigInteger, nullable=True),
     sa.Column("record_ts", sa.Float, nullable=True),
     sa.Column("record_hour", sa.String(20), nullable=True),
@@ -158,10 +160,7 @@ samples = sa.Table(
     sa.Column("num_tokens", sa.Integer, nullable=False),
     sa.Column("response_length", sa.Integer, nullable=False),
     sa.Column("weight_versions", sa.Text, nullable=False),
-    sa.Column("spec_correct", sa.BigInteger, nullable=False),
-    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
-    sa.Column("spec_verify", sa.BigInteger, nullable=False),
-    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    *spec_info_columns(),
     sa.Column("reward", sa.Text, nullable=True),
     sa.Column("sample_metadata", sa.Text, nullable=False),
     sa.Column("r3", sa.Text, nullable=True),
