@@ -9,10 +9,12 @@ triggers); the other tables are projections, recomputable from events.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import sqlalchemy as sa
 
+from app.domain.metric_history import RunCoordinate
 from app.domain.r3 import Patch
 from app.domain.specinfo import SPEC_INFO_COLUMNS
 
@@ -27,6 +29,11 @@ NAMING_CONVENTION = {
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def run_coordinate_columns() -> list[sa.Column[str]]:
+    """The fields of a `RunCoordinate`: runs share baselines only if all are equal."""
+    return [sa.Column(f.name, sa.Text, nullable=False) for f in dataclasses.fields(RunCoordinate)]
 
 
 def spec_info_columns() -> list[sa.Column[int]]:
@@ -177,9 +184,7 @@ metric_submissions = sa.Table(
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
     sa.Column("run_key", sa.String(64), nullable=False),
-    sa.Column("test_path", sa.Text, nullable=False),
-    sa.Column("backend", sa.Text, nullable=False),
-    sa.Column("suite", sa.Text, nullable=False),
+    *run_coordinate_columns(),
     sa.Column("run_id", sa.String(256), nullable=False),
     sa.Column("attempt", sa.Integer, nullable=False),
     sa.Column("trusted", sa.Boolean, nullable=False),
@@ -208,9 +213,7 @@ gate_baselines = sa.Table(
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
     sa.Column("coordinate_key", sa.String(64), nullable=False),
-    sa.Column("test_path", sa.Text, nullable=False),
-    sa.Column("backend", sa.Text, nullable=False),
-    sa.Column("suite", sa.Text, nullable=False),
+    *run_coordinate_columns(),
     sa.Column("metric", sa.String(256), nullable=False),
     sa.Column("steps_key", sa.Text, nullable=False),
     sa.Column("constraint_key", sa.Text, nullable=False),
