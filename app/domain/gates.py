@@ -108,7 +108,7 @@ class Verdict:
 
     @property
     def trusted(self) -> bool:
-        """Every coordinate PASS or INACTIVE; no specs is vacuously trusted."""
+        """Every coordinate PASS or INACTIVE; no gates is vacuously trusted."""
         return all(r.trusted for r in self.results)
 
     @property
@@ -200,7 +200,7 @@ def _pick(gate: GateDefinition, series: Mapping[str, Sequence[SeriesPoint]],
 
 def _judged(run: RunCoordinate, gates: Iterable[GateDefinition],
             series: Mapping[str, Sequence[SeriesPoint]]) -> dict[GateCoordinate, float]:
-    """Each coordinate whose value can be picked, once, with its value (first spec wins)."""
+    """Each coordinate whose value can be picked, once, with its value (first gate wins)."""
     judged: dict[GateCoordinate, float] = {}
     for gate in gates:
         try:
@@ -235,7 +235,7 @@ def evaluate(
 
     `baselines` gives, per coordinate, the trusted values of *earlier* runs
     newest-first (the current run not yet recorded); an unknown coordinate
-    means no history. A spec whose selection fails yields one ERROR row
+    means no history. A gate whose selection fails yields one ERROR row
     (step = the offending step, or null).
     """
     results: list[CoordinateResult] = []
@@ -271,8 +271,8 @@ def baseline_rows(
 ) -> list[BaselineRow]:
     """The rows a run contributes: one per coordinate whose value could be picked.
 
-    Specs whose selection fails contribute nothing (a missing or non-finite
-    value is never a baseline); a coordinate shared by several specs gets
+    Gates whose selection fails contribute nothing (a missing or non-finite
+    value is never a baseline); a coordinate shared by several gates gets
     one row. `trusted` is the caller's decision (see `row_trust`).
     """
     return [BaselineRow(coordinate, run_id, value, trusted)
