@@ -14,7 +14,7 @@ DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./turnlog.db"
 Scope = Literal["read", "write"]
 SCOPES: tuple[Scope, ...] = ("read", "write")
 # RFC 6750 b64token characters (no ':' or ','), long enough to be a secret.
-TOKEN_RE = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 MIN_TOKEN_CHARS = 16
 
 
@@ -32,7 +32,7 @@ def parse_api_tokens(text: str) -> dict[str, Scope]:
         where = f"TURNLOG_API_TOKENS entry {index}"
         if not sep or scope not in SCOPES:
             raise ValueError(f"{where} must be `token:read` or `token:write`")
-        if len(token) < MIN_TOKEN_CHARS or not TOKEN_RE.match(token):
+        if len(token) < MIN_TOKEN_CHARS or not TOKEN_RE.fullmatch(token):
             raise ValueError(f"{where}: a token is at least {MIN_TOKEN_CHARS} characters of "
                              "[A-Za-z0-9-._~+/] (optionally ending in '=')")
         if token in tokens:

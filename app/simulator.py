@@ -101,7 +101,7 @@ class SimConfig:
     num_layers: int | None = 2
     topk: int = 2
     num_experts: int = 16
-    spec: bool = False
+    speculative: bool = False
     max_trim_tokens: int = 0
     router_seed: int = 0
     labels: dict[str, Any] = field(default_factory=lambda: {"run_id": "sim", "rollout_id": 0})
@@ -170,7 +170,7 @@ class SessionSimulator:
             "version": c.version,
             "pause_generation_mode": c.pause_generation_mode,
             "r3": None if c.num_layers is None else {"num_layers": c.num_layers},
-            "spec": c.spec,
+            "spec": c.speculative,
             "max_trim_tokens": c.max_trim_tokens,
             "labels": c.labels,
         }
@@ -202,7 +202,7 @@ class SessionSimulator:
         return depth
 
     def _spec_counters(self, n_out: int) -> dict[str, int]:
-        if not self.config.spec:
+        if not self.config.speculative:
             return {}
         # verify 0 happens: the SpecInfo guard must then skip the whole turn.
         verify = self.rng.randint(0, max(n_out, 1))
@@ -253,7 +253,7 @@ class SessionSimulator:
         output: Sequence[int] | None = None,
         logprobs: Sequence[float] | None = None,
         weight_version: str | None = None,
-        spec: dict[str, int] | None = None,
+        spec_info: dict[str, int] | None = None,
         with_r3: bool = True,
         include_parent: bool = True,
         mismatch: list[dict[str, Any]] | None = None,
@@ -262,8 +262,8 @@ class SessionSimulator:
 
         The prompt is the parent's tokens minus `trim` trailing output tokens
         plus `new_tokens` user tokens, unless `prompt` is given (a retry, or a
-        hand-built test). `output`, `logprobs`, `weight_version` and `spec`
-        (meta_info counters) override the random ones. With
+        hand-built test). `output`, `logprobs`, `weight_version` and
+        `spec_info` (meta_info counters) override the random ones. With
         `include_parent=False` the body leaves `parent` out and the node is
         recorded under the parent docs/api.md §1.2 derives.
         """
@@ -293,7 +293,7 @@ class SessionSimulator:
             else weight_version,
             "finish_reason": {"type": finish_reason or "unknown"},
             **r3_meta,
-            **(self._spec_counters(len(out)) if spec is None else spec),
+            **(self._spec_counters(len(out)) if spec_info is None else spec_info),
         }
         body: dict[str, Any] = {
             "event_id": f"{seq:032x}",
@@ -386,13 +386,13 @@ def fold_in_memory(open_body: dict[str, Any], bodies: Iterable[dict[str, Any]],
                    max_nodes: int = 1024) -> tuple[SessionState, dict[int, Patch]]:
     """Append bodies through the real domain rules, without a database: the
     state the store would fold, and the R3 patches it would store per seq."""
-    spec = parse_open(open_body)
-    state = SessionState(spec=spec)
+    definition = parse_open(open_body)
+    state = SessionState(definition=definition)
     patches: dict[int, Patch] = {}
     for raw in bodies:
-        body = parse_turn(raw, spec)
+        body = parse_turn(raw, definition)
         attachment = state.attach(body, max_nodes)
-        stored = encode_turn(body, attachment, spec.num_layers)
+        stored = encode_turn(body, attachment, definition.num_layers)
         state.apply_turn(attachment.seq, attachment.parent, body.event_id, body.facts)
         if stored.patch is not None:
             patches[attachment.seq] = stored.patch

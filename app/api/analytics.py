@@ -13,11 +13,10 @@ from fastapi import APIRouter, Query, Request
 from app.api.deps import ServicesDep
 from app.api.problems import JSONText
 from app.api.sessions import label_filters
+from app.domain.queries import GROUP_BY_VALUES, parse_group_by
 
 router = APIRouter(prefix="/v1", tags=["analytics"])
 SPEC_PARAMS = frozenset({"group_by"})
-# Documented for clients and fuzzers; the store validates and answers 422 itself.
-GROUP_BY_VALUES = ("weight_version", "model", "run_id", "rollout_id", "hour", "day")
 ROLLOUT_PARAMS = frozenset({"strict"})
 
 
@@ -26,11 +25,12 @@ async def spec_rates(
     request: Request,
     svc: ServicesDep,
     group_by: Annotated[str | None, Query(
-        description="weight_version | model | run_id | rollout_id | hour | day",
+        description=" | ".join(GROUP_BY_VALUES),
         json_schema_extra={"enum": list(GROUP_BY_VALUES)})] = None,
 ) -> JSONText:
     """Spec-decoding sums and rates per weight_version, model, run_id, rollout_id, hour or day."""
-    return JSONText(await svc.analytics.spec(group_by, label_filters(request, SPEC_PARAMS)))
+    return JSONText(await svc.analytics.spec_rates(parse_group_by(group_by),
+                                                   label_filters(request, SPEC_PARAMS)))
 
 
 @router.get("/metrics/rollout")

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 
 from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
 from app.api.problems import JSONText
+from app.domain.queries import FEED_PAGE, parse_wait
 
 router = APIRouter(prefix="/v1", tags=["feed"])
 
@@ -20,4 +21,4 @@ async def feed(
     wait: Annotated[float | None, Blank, Query(
         description="long-poll seconds (clamped to 30)")] = None,
 ) -> JSONText:
-    return JSONText(await svc.reader.feed(after, limit, wait))
+    return JSONText(await svc.reader.feed(after, FEED_PAGE.parse(limit), parse_wait(wait)))

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from app.api.deps import BodyDep, ServicesDep
 from app.api.problems import JSONText
+from app.domain.gate_definitions import parse_check
 
 router = APIRouter(prefix="/v1/gates", tags=["gates"])
 
@@ -33,4 +34,4 @@ EVALUATE_BODY = {"requestBody": {"required": True, "content": {"application/json
 @router.post("/evaluate", openapi_extra=EVALUATE_BODY)
 async def evaluate(svc: ServicesDep, body: BodyDep) -> JSONText:
     """The verdict (`trusted` / `failed` / `error`) listing every judged coordinate."""
-    return JSONText(await svc.gates.evaluate(body))
+    return JSONText(await svc.gates.evaluate(parse_check(body)))

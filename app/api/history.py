@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from app.api.deps import BodyDep, ServicesDep
 from app.api.problems import JSONText
-from app.domain.metric_history import parse_coordinate
+from app.domain.metric_history import parse_coordinate, parse_rollout_record, parse_submission
 
 router = APIRouter(prefix="/v1/metric-history", tags=["metric history"])
 
@@ -49,7 +49,7 @@ ROLLOUT_BODY = _body({**_RUN, "step": {"type": "integer", "minimum": 0},
 @router.post("", status_code=201, openapi_extra=SUBMIT_BODY)
 async def submit(svc: ServicesDep, body: BodyDep) -> JSONText:
     """Store one attempt's points (whitelisted keys only); answers the run's merged series."""
-    reply, created = await svc.history.submit(body)
+    reply, created = await svc.history.submit(parse_submission(body))
     return JSONText(reply, status_code=201 if created else 200)
 
 
@@ -69,5 +69,6 @@ async def run_history(
 @router.post("/rollout", status_code=201, openapi_extra=ROLLOUT_BODY)
 async def record_rollout(svc: ServicesDep, body: BodyDep) -> JSONText:
     """Record `GET /v1/metrics/rollout` for the labelled sessions as the points of one step."""
-    reply, created = await svc.history.record_rollout(body, svc.analytics)
+    reply, created = await svc.history.record_rollout(parse_rollout_record(body),
+                                                     svc.analytics)
     return JSONText(reply, status_code=201 if created else 200)

@@ -12,19 +12,23 @@ from app.api.docs import OPEN_BODY, TURN_BODY
 from app.api.problems import JSONText
 from app.api.telemetry import turn_appended, turn_rejected
 from app.domain.errors import DomainError
+from app.domain.labels import LabelFilters, parse_label_filters
+from app.domain.queries import EVENTS_PAGE, SESSIONS_PAGE, parse_status
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 LIST_PARAMS = frozenset({"status", "after", "limit"})
 
 
-def label_filters(request: Request, known: frozenset[str]) -> dict[str, str]:
-    return {k: v for k, v in request.query_params.items() if k not in known}
+def label_filters(request: Request, known: frozenset[str]) -> LabelFilters:
+    """Every query parameter but the endpoint's own is a label filter."""
+    return parse_label_filters(
+        {k: v for k, v in request.query_params.items() if k not in known})
 
 
 @router.post("", status_code=201, openapi_extra=OPEN_BODY)
 async def open_session(svc: ServicesDep, body: BodyDep) -> JSONText:
-    spec, created = await svc.writer.open_session(body)
-    summary = await svc.reader.summary(spec.session_id)
+    definition, created = await svc.writer.open_session(body)
+    summary = await svc.reader.summary(definition.session_id)
     svc.reader.notify()
     return JSONText(summary, status_code=201 if created else 200)
 
@@ -37,7 +41,8 @@ async def list_sessions(
     after: OptStr = None,
     limit: OptLimit = None,
 ) -> JSONText:
-    page = await svc.reader.list_sessions(status, after, limit,
+    page = await svc.reader.list_sessions(parse_status(status), after,
+                                          SESSIONS_PAGE.parse(limit),
                                           label_filters(request, LIST_PARAMS))
     return JSONText(page)
 
@@ -70,7 +75,8 @@ async def session_events(
     limit: OptLimit = None,
     include_r3: bool = True,
 ) -> JSONText:
-    return JSONText(await svc.reader.session_events(session_id, after, limit, include_r3))
+    return JSONText(await svc.reader.session_events(session_id, after, EVENTS_PAGE.parse(limit),
+                                                          include_r3))
 
 
 @router.get("/{session_id}/state")

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import ServicesDep
 from app.domain.errors import DomainError
-from app.domain.session import describe
+from app.domain.validate import describe
 from app.metrics import CONTENT_TYPE, ApiMetrics
 from app.store.dialect import fence_lag_seconds
 from app.store.writes import Written

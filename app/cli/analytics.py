@@ -5,7 +5,7 @@ exits 0 (trusted), 1 (failed) or 2 (error: a gate could not be judged, or
 the check itself failed — bad spec file, unreachable database). It talks to
 the database directly through the store (`--database-url`, default
 TURNLOG_DATABASE_URL) or to a running server (`--url`). Rules live in
-`app/domain/gate_specs.py` and `app/domain/gates.py`; this module only parses options
+`app/domain/gate_definitions.py` and `app/domain/gates.py`; this module only parses options
 and prints.
 """
 
@@ -23,6 +23,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from app.domain.gate_definitions import parse_check
+from app.domain.labels import parse_label_filters
+from app.domain.metric_history import parse_submission
+from app.domain.queries import parse_group_by
 from app.settings import Settings, get_settings
 
 gate_cli = typer.Typer(no_args_is_help=True, help="Regression gates over the metric history.")
@@ -168,7 +172,7 @@ def gate_check(
         if url:
             report = _post(url, "/v1/gates/evaluate", body)
         else:
-            report = _with_store(database_url, lambda svc: svc.gates.evaluate(body))
+            report = _with_store(database_url, lambda svc: svc.gates.evaluate(parse_check(body)))
     except Exception as exc:  # every failure to judge is exit 2, never a traceback
         raise _fail(exc) from None
     if as_json:
@@ -192,7 +196,8 @@ def history_submit(
         if url:
             reply = _post(url, "/v1/metric-history", body)
         else:
-            reply = _with_store(database_url, lambda svc: svc.history.submit(body))[0]
+            submission = parse_submission(body)
+            reply = _with_store(database_url, lambda svc: svc.history.submit(submission))[0]
     except Exception as exc:  # reported, exit 2
         raise _fail(exc) from None
     dropped = f", dropped {', '.join(reply['dropped'])}" if reply["dropped"] else ""
@@ -222,7 +227,8 @@ def analytics_spec(
     """Speculative-decoding accept rate and length per group (sums first, then ratios)."""
     filters = _labels(label)
     try:
-        reply = _with_store(database_url, lambda svc: svc.analytics.spec(group_by, filters))
+        query = parse_group_by(group_by), parse_label_filters(filters)
+        reply = _with_store(database_url, lambda svc: svc.analytics.spec_rates(*query))
     except Exception as exc:  # reported, exit 2
         raise _fail(exc) from None
     if as_json:

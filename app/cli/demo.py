@@ -32,7 +32,7 @@ async def _play(http: httpx.AsyncClient, index: int, seed: int) -> dict[str, Any
 
     mode = ("in_place", "retract")[index % 2]
     config = SimConfig(session_id=f"demo-{uuid.uuid4().hex[:10]}", version="v2",
-                       pause_generation_mode=mode, spec=True, max_trim_tokens=index % 2,
+                       pause_generation_mode=mode, speculative=True, max_trim_tokens=index % 2,
                        labels={"run_id": "demo", "rollout_id": index})
     sim = SessionSimulator(config, random.Random(seed + index), SimRates())
     (await http.post("/v1/sessions", json=sim.open_body())).raise_for_status()

@@ -98,9 +98,10 @@ def replay(
             await db.dispose()
 
     state = _run(go())
-    spec = state.spec
-    console.print(f"[bold]{spec.session_id}[/] {spec.version} {spec.pause_generation_mode} "
-                  f"r3={spec.num_layers} spec={spec.spec} labels={spec.labels}")
+    definition = state.definition
+    console.print(f"[bold]{definition.session_id}[/] {definition.version} "
+                  f"{definition.pause_generation_mode} r3={definition.num_layers} "
+                  f"spec={definition.speculative} labels={definition.labels}")
     tree = Table(title="tree")
     for column in ("seq", "parent", "depth", "tokens", "completion", "finish", "weight",
                    "r3 rows"):

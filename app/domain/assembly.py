@@ -159,6 +159,17 @@ def check_slice(piece: PlanSlice, patch: Patch, plan: R3Plan) -> None:
                     extra={"seq": piece.seq})
 
 
+def check_patches(plan: R3Plan, patches: Mapping[int, Patch]) -> None:
+    """Every slice of the plan has a stored patch that can yield it (else `R3Gap`, 422)."""
+    for piece in plan.slices:
+        patch = patches.get(piece.seq)
+        if patch is None:
+            raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
+                        field="routed_experts", expected="a stored patch", actual="none",
+                        status=READ_GAP_STATUS, extra={"seq": piece.seq})
+        check_slice(piece, patch, plan)
+
+
 def take(piece: PlanSlice, patch: Patch, plan: R3Plan) -> np.ndarray:
     """One slice of a plan as int32 `[row_to - row_from, num_layers, topk]`.
 
@@ -170,14 +181,8 @@ def take(piece: PlanSlice, patch: Patch, plan: R3Plan) -> np.ndarray:
 
 def assemble(plan: R3Plan, patches: Mapping[int, Patch]) -> np.ndarray:
     """Apply a plan in memory: C-ordered little-endian int32 `[rows, L, topk]`."""
-    blocks: list[np.ndarray] = []
-    for piece in plan.slices:
-        patch = patches.get(piece.seq)
-        if patch is None:
-            raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
-                        field="routed_experts", expected="a stored patch", actual="none",
-                        status=READ_GAP_STATUS, extra={"seq": piece.seq})
-        blocks.append(take(piece, patch, plan))
+    check_patches(plan, patches)
+    blocks = [take(piece, patches[piece.seq], plan) for piece in plan.slices]
     if not blocks:
         return np.empty((0, plan.num_layers, plan.topk), dtype=WIRE_DTYPE)
     return np.ascontiguousarray(np.concatenate(blocks, axis=0), dtype=WIRE_DTYPE)

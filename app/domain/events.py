@@ -19,7 +19,7 @@ import numpy as np
 
 from app.domain import jsonio
 from app.domain.r3 import Patch, narrow
-from app.domain.session import SessionSpec
+from app.domain.session import SessionDefinition
 from app.domain.tree import Attachment
 from app.domain.turn import OMITTED, TurnBody, TurnFacts, parse_turn
 
@@ -40,20 +40,29 @@ class StoredTurn:
     patch: Patch | None
 
 
-def without_r3(record: dict[str, Any]) -> dict[str, Any]:
-    """Copy of `record` without `meta_info.routed_experts` (whatever its value:
-    a payload, `""` or null), as `GET …/events?include_r3=false` shows it."""
+def _with_r3(record: dict[str, Any], r3_base64: str | None) -> dict[str, Any]:
+    """Copy of `record` whose `response.choices[0].meta_info.routed_experts` is
+    `r3_base64`, or absent for None; the rest is shared, not copied."""
     out = dict(record)
     response = dict(out["response"])
     choices = list(response["choices"])
     choice = dict(choices[0])
     meta = dict(choice["meta_info"])
-    meta.pop("routed_experts", None)
+    if r3_base64 is None:
+        meta.pop("routed_experts", None)
+    else:
+        meta["routed_experts"] = r3_base64
     choice["meta_info"] = meta
     choices[0] = choice
     response["choices"] = choices
     out["response"] = response
     return out
+
+
+def without_r3(record: dict[str, Any]) -> dict[str, Any]:
+    """Copy of `record` without `meta_info.routed_experts` (whatever its value:
+    a payload, `""` or null), as `GET …/events?include_r3=false` shows it."""
+    return _with_r3(record, None)
 
 
 def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
@@ -103,21 +112,11 @@ def restore_record(
     request = dict(record["request"])
     request["input_ids"] = prompt.tolist()
     record["request"] = request
-    if r3_base64 is not None:
-        response = dict(record["response"])
-        choices = list(response["choices"])
-        choice = dict(choices[0])
-        meta = dict(choice["meta_info"])
-        meta["routed_experts"] = r3_base64
-        choice["meta_info"] = meta
-        choices[0] = choice
-        response["choices"] = choices
-        record["response"] = response
-    return record
+    return record if r3_base64 is None else _with_r3(record, r3_base64)
 
 
 def stored_facts(
-    spec: SessionSpec,
+    definition: SessionDefinition,
     payload: dict[str, Any],
     prompt: np.ndarray,
     patch_geometry: tuple[int, int] | None,
@@ -130,7 +129,7 @@ def stored_facts(
     body: dict[str, Any] = {"event_id": "stored", "record": record}
     if "metadata" in payload:
         body["metadata"] = payload["metadata"]
-    return parse_turn(body, spec, stored_r3=patch_geometry).facts
+    return parse_turn(body, definition, stored_r3=patch_geometry).facts
 
 
 def stored_content(

@@ -1,12 +1,12 @@
 """Regression gates: step selection, corridors and the run verdict.
 
 Owns the judging rules of `POST /v1/gates/evaluate` and `turnlog gate
-check`: picking the judged value(s) of a parsed `GateSpec` from a merged
+check`: picking the judged value(s) of a parsed `GateDefinition` from a merged
 series; the baseline and the corridor around it (`Constraint.corridor`); the
 per-coordinate status (PASS / FAIL / INACTIVE / ERROR), the run verdict and
 its exit code; and the baseline rows a run contributes.
 
-Refuses to own: gate specs, their defaults and keys (`gate_specs.py`),
+Refuses to own: gate definitions, their defaults and keys (`gate_definitions.py`),
 reading or writing baselines (the caller supplies the trusted values
 newest-first and stores the rows), parsing submissions
 (`metric_history.py`). Pure: no I/O.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from app.domain.gate_specs import GateSpec
+from app.domain.gate_definitions import GateDefinition
 from app.domain.metric_history import RunCoordinate, SeriesPoint, encode_value
 
 BASELINE_WINDOW = 20
@@ -77,7 +77,7 @@ def _json_number(value: float | None) -> float | str | None:
 class CoordinateResult:
     """One judged coordinate; `step` is null only for an ERROR not tied to a step."""
 
-    spec: GateSpec
+    gate: GateDefinition
     step: int | None
     at_step: int | None
     status: GateStatus
@@ -94,7 +94,7 @@ class CoordinateResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            **self.spec.as_dict(), "step": self.step, "at_step": self.at_step,
+            **self.gate.as_dict(), "step": self.step, "at_step": self.at_step,
             "status": self.status.value, "value": _json_number(self.value),
             "baseline": _json_number(self.baseline), "baseline_n": self.baseline_n,
             "lo": _json_number(self.lo), "hi": _json_number(self.hi), "detail": self.detail,
@@ -108,7 +108,7 @@ class Verdict:
 
     @property
     def trusted(self) -> bool:
-        """Every coordinate PASS or INACTIVE; no specs is vacuously trusted."""
+        """Every coordinate PASS or INACTIVE; no gates is vacuously trusted."""
         return all(r.trusted for r in self.results)
 
     @property
@@ -186,36 +186,36 @@ BaselineSource = Callable[[GateCoordinate], Sequence[float]] | Mapping[GateCoord
                                                                        Sequence[float]]
 
 
-def _coordinate(run: RunCoordinate, spec: GateSpec, step: int) -> GateCoordinate:
-    return GateCoordinate(run.test_path, run.backend, run.suite, spec.metric, spec.steps_key,
-                          spec.constraint_key, step)
+def _coordinate(run: RunCoordinate, gate: GateDefinition, step: int) -> GateCoordinate:
+    return GateCoordinate(run.test_path, run.backend, run.suite, gate.metric, gate.steps_key,
+                          gate.constraint_key, step)
 
 
-def _pick(spec: GateSpec, series: Mapping[str, Sequence[SeriesPoint]],
+def _pick(gate: GateDefinition, series: Mapping[str, Sequence[SeriesPoint]],
           ) -> list[tuple[int, int | None, float]]:
-    if spec.metric not in series:
-        raise SelectionError(f"metric {spec.metric!r} is missing from the run")
-    return select(series[spec.metric], spec.steps)
+    if gate.metric not in series:
+        raise SelectionError(f"metric {gate.metric!r} is missing from the run")
+    return select(series[gate.metric], gate.steps)
 
 
-def _judged(run: RunCoordinate, specs: Iterable[GateSpec],
+def _judged(run: RunCoordinate, gates: Iterable[GateDefinition],
             series: Mapping[str, Sequence[SeriesPoint]]) -> dict[GateCoordinate, float]:
-    """Each coordinate whose value can be picked, once, with its value (first spec wins)."""
+    """Each coordinate whose value can be picked, once, with its value (first gate wins)."""
     judged: dict[GateCoordinate, float] = {}
-    for spec in specs:
+    for gate in gates:
         try:
-            picks = _pick(spec, series)
+            picks = _pick(gate, series)
         except SelectionError:
             continue
         for step, _, value in picks:
-            judged.setdefault(_coordinate(run, spec, step), value)
+            judged.setdefault(_coordinate(run, gate, step), value)
     return judged
 
 
-def coordinates(run: RunCoordinate, specs: Iterable[GateSpec],
+def coordinates(run: RunCoordinate, gates: Iterable[GateDefinition],
                 series: Mapping[str, Sequence[SeriesPoint]]) -> list[GateCoordinate]:
     """Every coordinate the run can be judged at: what to fetch baselines for."""
-    return list(_judged(run, specs, series))
+    return list(_judged(run, gates, series))
 
 
 def _history(baselines: BaselineSource, coordinate: GateCoordinate) -> Sequence[float]:
@@ -226,7 +226,7 @@ def _history(baselines: BaselineSource, coordinate: GateCoordinate) -> Sequence[
 
 def evaluate(
     run: RunCoordinate,
-    specs: Iterable[GateSpec],
+    gates: Iterable[GateDefinition],
     series: Mapping[str, Sequence[SeriesPoint]],
     baselines: BaselineSource,
     window: int = BASELINE_WINDOW,
@@ -235,28 +235,28 @@ def evaluate(
 
     `baselines` gives, per coordinate, the trusted values of *earlier* runs
     newest-first (the current run not yet recorded); an unknown coordinate
-    means no history. A spec whose selection fails yields one ERROR row
+    means no history. A gate whose selection fails yields one ERROR row
     (step = the offending step, or null).
     """
     results: list[CoordinateResult] = []
-    for spec in specs:
+    for gate in gates:
         try:
-            picks = _pick(spec, series)
+            picks = _pick(gate, series)
         except SelectionError as err:
-            results.append(CoordinateResult(spec, err.step, err.step, GateStatus.ERROR,
+            results.append(CoordinateResult(gate, err.step, err.step, GateStatus.ERROR,
                                             err.value, detail=err.detail))
             continue
         for step, at_step, value in picks:
-            found = baseline_of(_history(baselines, _coordinate(run, spec, step)), window)
+            found = baseline_of(_history(baselines, _coordinate(run, gate, step)), window)
             if found is None:
-                results.append(CoordinateResult(spec, step, at_step, GateStatus.INACTIVE, value,
+                results.append(CoordinateResult(gate, step, at_step, GateStatus.INACTIVE, value,
                                                 detail="no trusted baseline (cold start)"))
                 continue
             ref, n = found
-            lo, hi = spec.constraint.corridor(ref)
+            lo, hi = gate.constraint.corridor(ref)
             ok = lo <= value <= hi
             results.append(CoordinateResult(
-                spec, step, at_step, GateStatus.PASS if ok else GateStatus.FAIL, value, ref, n,
+                gate, step, at_step, GateStatus.PASS if ok else GateStatus.FAIL, value, ref, n,
                 lo, hi, "within the corridor" if ok else
                 f"{value!r} outside [{lo!r}, {hi!r}] around the mean {ref!r} of {n}"))
     return Verdict(coordinate=run, results=tuple(results))
@@ -265,18 +265,18 @@ def evaluate(
 def baseline_rows(
     run: RunCoordinate,
     run_id: str,
-    specs: Iterable[GateSpec],
+    gates: Iterable[GateDefinition],
     series: Mapping[str, Sequence[SeriesPoint]],
     trusted: bool,
 ) -> list[BaselineRow]:
     """The rows a run contributes: one per coordinate whose value could be picked.
 
-    Specs whose selection fails contribute nothing (a missing or non-finite
-    value is never a baseline); a coordinate shared by several specs gets
+    Gates whose selection fails contribute nothing (a missing or non-finite
+    value is never a baseline); a coordinate shared by several gates gets
     one row. `trusted` is the caller's decision (see `row_trust`).
     """
     return [BaselineRow(coordinate, run_id, value, trusted)
-            for coordinate, value in _judged(run, specs, series).items()]
+            for coordinate, value in _judged(run, gates, series).items()]
 
 
 def row_trust(submitted: bool, verdict: Verdict) -> bool:

@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.domain.errors import InvalidRequest
-from app.domain.session import describe, is_int, is_text_safe, reject_unknown, require_object
+from app.domain.labels import LabelFilters, parse_label_filters
+from app.domain.validate import (
+    as_float,
+    describe,
+    is_int,
+    reject_unknown,
+    require_bool,
+    require_object,
+    require_text,
+)
 
 DEFAULT_METRIC_KEYS: frozenset[str] = frozenset({
     "train/grad_norm",
@@ -36,9 +45,9 @@ DEFAULT_METRIC_KEYS: frozenset[str] = frozenset({
 NON_FINITE: Mapping[str, float] = {"NaN": math.nan, "Infinity": math.inf,
                                    "-Infinity": -math.inf}
 SUBMISSION_FIELDS = frozenset({"coordinate", "run_id", "attempt", "trusted", "points"})
+ROLLOUT_FIELDS = frozenset({"coordinate", "run_id", "attempt", "trusted", "step", "labels"})
 COORDINATE_FIELDS = frozenset({"test_path", "backend", "suite"})
 POINT_FIELDS = frozenset({"metric", "step", "value"})
-MAX_TEXT = 1024
 MAX_METRIC = 256
 STEP_MAX = (1 << 63) - 1
 ATTEMPT_MAX = (1 << 31) - 1
@@ -110,16 +119,14 @@ def decode_value(raw: Any, field_name: str = "value") -> float:
 
     Booleans are not numbers here, although Python makes them ints.
     """
-    if isinstance(raw, str):
-        if raw in NON_FINITE:
-            return NON_FINITE[raw]
-    elif isinstance(raw, int | float) and not isinstance(raw, bool):
-        try:
-            return float(raw)
-        except OverflowError:
-            raise InvalidRequest(f"{field_name} is out of the float64 range", field=field_name,
-                                 expected="a float64 number", actual="integer too large") \
-                from None
+    if isinstance(raw, str) and raw in NON_FINITE:
+        return NON_FINITE[raw]
+    number = as_float(raw)
+    if number is not None:
+        return number
+    if is_int(raw):
+        raise InvalidRequest(f"{field_name} is out of the float64 range", field=field_name,
+                             expected="a float64 number", actual="integer too large")
     raise InvalidRequest(
         f"{field_name} must be a number or one of \"NaN\", \"Infinity\", \"-Infinity\"",
         field=field_name,
@@ -133,13 +140,13 @@ def encode_series(series: Sequence[SeriesPoint]) -> list[list[Any]]:
     return [[step, encode_value(value)] for step, value in series]
 
 
-def _text(value: Any, field_name: str, limit: int = MAX_TEXT) -> str:
-    # Stored as database text: no NUL or lone surrogate (PostgreSQL refuses both).
-    if not isinstance(value, str) or not 1 <= len(value) <= limit or not is_text_safe(value):
-        raise InvalidRequest(f"{field_name} must be a non-empty string", field=field_name,
-                             expected=f"UTF-8 text of 1-{limit} characters without NUL",
-                             actual=describe(value))
-    return value
+def parse_metric_key(value: Any, field_name: str = "metric") -> str:
+    """A metric key: exact text, never normalized."""
+    return require_text(value, field_name, MAX_METRIC, min_len=1)
+
+
+def parse_run_id(value: Any, field_name: str = "run_id") -> str:
+    return require_text(value, field_name, MAX_METRIC, min_len=1)
 
 
 def parse_step(value: Any, field_name: str) -> Step:
@@ -153,13 +160,20 @@ def parse_step(value: Any, field_name: str) -> Step:
     return int(value)
 
 
+def parse_attempt(value: Any) -> int:
+    if not is_int(value) or not 0 <= value <= ATTEMPT_MAX:
+        raise InvalidRequest("attempt must be a non-negative integer", field="attempt",
+                             expected=f"integer in [0, {ATTEMPT_MAX}]", actual=describe(value))
+    return int(value)
+
+
 def parse_coordinate(raw: Any, field_name: str = "coordinate") -> RunCoordinate:
     body = require_object(raw, field_name)
     reject_unknown(body, COORDINATE_FIELDS, field_name)
     return RunCoordinate(
-        test_path=_text(body.get("test_path"), f"{field_name}.test_path"),
-        backend=_text(body.get("backend"), f"{field_name}.backend"),
-        suite=_text(body.get("suite"), f"{field_name}.suite"),
+        test_path=require_text(body.get("test_path"), f"{field_name}.test_path", min_len=1),
+        backend=require_text(body.get("backend"), f"{field_name}.backend", min_len=1),
+        suite=require_text(body.get("suite"), f"{field_name}.suite", min_len=1),
     )
 
 
@@ -173,39 +187,69 @@ def parse_point(raw: Any, field_name: str) -> MetricPoint:
         raise InvalidRequest(f"{field_name}.value is required", field=f"{field_name}.value",
                              expected='number | "NaN" | "Infinity" | "-Infinity"', actual=None)
     return MetricPoint(
-        metric=_text(body.get("metric"), f"{field_name}.metric", MAX_METRIC),
+        metric=parse_metric_key(body.get("metric"), f"{field_name}.metric"),
         step=parse_step(body["step"], f"{field_name}.step"),
         value=decode_value(body["value"], f"{field_name}.value"),
     )
 
 
-def parse_submission(raw: Any) -> HistorySubmission:
-    """Validate a whole `POST /v1/metric-history` body; every point, whitelisted or not.
+def _run_attempt(body: dict[str, Any]) -> dict[str, Any]:
+    """`attempt`, `trusted`, `coordinate`, `run_id`: what a submission and a rollout
+    record share. `trusted` defaults to false: a run becomes a baseline only when
+    it says so."""
+    return {
+        "attempt": parse_attempt(body.get("attempt")),
+        "trusted": require_bool(body.get("trusted", False), "trusted"),
+        "coordinate": parse_coordinate(body.get("coordinate")),
+        "run_id": parse_run_id(body.get("run_id")),
+    }
 
-    `trusted` defaults to false: a run becomes a baseline only when it says so.
-    """
+
+def parse_submission(raw: Any) -> HistorySubmission:
+    """Validate a whole `POST /v1/metric-history` body; every point, whitelisted or not."""
     body = require_object(raw, "body")
     reject_unknown(body, SUBMISSION_FIELDS, "")
-    attempt = body.get("attempt")
-    if not is_int(attempt) or not 0 <= attempt <= ATTEMPT_MAX:
-        raise InvalidRequest("attempt must be a non-negative integer", field="attempt",
-                             expected=f"integer in [0, {ATTEMPT_MAX}]", actual=describe(attempt))
-    trusted = body.get("trusted", False)
-    if not isinstance(trusted, bool):
-        raise InvalidRequest("trusted must be a boolean", field="trusted", expected="boolean",
-                             actual=describe(trusted))
+    run = _run_attempt(body)
     points_raw = body.get("points")
     if not isinstance(points_raw, list):
         raise InvalidRequest("points must be a list", field="points",
                              expected="array of {metric, step, value}",
                              actual=describe(points_raw))
     return HistorySubmission(
-        coordinate=parse_coordinate(body.get("coordinate")),
-        run_id=_text(body.get("run_id"), "run_id", MAX_METRIC),
-        attempt=int(attempt),
-        trusted=trusted,
-        points=tuple(parse_point(p, f"points[{i}]") for i, p in enumerate(points_raw)),
-    )
+        **run, points=tuple(parse_point(p, f"points[{i}]") for i, p in enumerate(points_raw)))
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    """`POST /v1/metric-history/rollout`: whose rollout metrics, recorded as which step."""
+
+    coordinate: RunCoordinate
+    run_id: str
+    attempt: int
+    trusted: bool
+    step: Step
+    labels: LabelFilters
+
+    def submission(self, metrics: Mapping[str, Any],
+                   keys: Iterable[str] = DEFAULT_METRIC_KEYS) -> HistorySubmission:
+        """The rollout's whitelisted numeric `metrics` as this run's points at `step`."""
+        return HistorySubmission(coordinate=self.coordinate, run_id=self.run_id,
+                                 attempt=self.attempt, trusted=self.trusted,
+                                 points=rollout_points(metrics, self.step, keys))
+
+
+def parse_rollout_record(raw: Any) -> RolloutRecord:
+    """The whole body, before anything is read: the sessions are the closed ones whose
+    labels match `labels` (values compared as label text, so `{"rollout_id": 12}`
+    matches 12)."""
+    body = require_object(raw, "body")
+    reject_unknown(body, ROLLOUT_FIELDS, "")
+    labels = parse_label_filters(require_object(body.get("labels", {}), "labels"))
+    if "step" not in body:
+        raise InvalidRequest("step is required", field="step",
+                             expected="integer >= 0", actual=describe(None))
+    return RolloutRecord(**_run_attempt(body), step=parse_step(body["step"], "step"),
+                         labels=labels)
 
 
 def keep_whitelisted(
@@ -236,7 +280,7 @@ def merge_attempts(attempts: Iterable[Mapping[str, Sequence[SeriesPoint]]]) -> d
 
 
 def rollout_points(
-    metrics: Mapping[str, Any], step: int, keys: Iterable[str] = DEFAULT_METRIC_KEYS
+    metrics: Mapping[str, Any], step: Step, keys: Iterable[str] = DEFAULT_METRIC_KEYS
 ) -> tuple[MetricPoint, ...]:
     """A rollout's metrics (e.g. `rollout_metrics(...)`) as points of one step.
 

@@ -14,9 +14,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.domain import jsonio
+from app.domain.labels import label_text
 from app.domain.samples import Sample, SamplesResult
-from app.domain.session import SessionSpec, label_text
-from app.domain.specinfo import sum_turns
+from app.domain.session import SessionDefinition
+from app.domain.specinfo import SpecInfo, sum_turns
 from app.domain.tree import Node, SessionState
 
 
@@ -43,7 +44,6 @@ def iso_us(us: int) -> str:
 def node_row(session_id: str, node: Node, position: int, recorded_us: int) -> dict[str, Any]:
     facts = node.facts
     span = node.r3_span
-    spec = facts.spec
     ts = facts.timestamp
     return {
         "session_id": session_id,
@@ -58,10 +58,7 @@ def node_row(session_id: str, node: Node, position: int, recorded_us: int) -> di
         "r3_end": None if span is None else span[1],
         "finish_reason": facts.finish_reason,
         "weight_version": weight_version_text(facts.weight_version),
-        "spec_correct": spec.correct,
-        "spec_proposed": spec.proposed,
-        "spec_verify": spec.verify,
-        "spec_completion": spec.completion,
+        **facts.spec_info.columns(),
         "cached_tokens": facts.cached_tokens,
         "record_ts": ts,
         "record_hour": None if ts is None else hour_key(ts),
@@ -77,7 +74,7 @@ def session_head(state: SessionState, pending: Node | None = None) -> dict[str, 
     `pending` is a node about to be added: the head as it will be after it.
     """
     all_nodes = state.nodes if pending is None else [*state.nodes, pending]
-    carrier = sum_turns(node.facts.spec for node in all_nodes)
+    carrier = sum_turns(node.facts.spec_info for node in all_nodes)
     topk = state.topk
     if topk is None and pending is not None:
         topk = pending.facts.topk
@@ -86,10 +83,7 @@ def session_head(state: SessionState, pending: Node | None = None) -> dict[str, 
         "num_nodes": len(all_nodes),
         "active_leaf": all_nodes[-1].seq if all_nodes else None,
         "topk": topk,
-        "spec_correct": carrier.spec_num_correct_drafts,
-        "spec_proposed": carrier.spec_num_proposed_drafts,
-        "spec_verify": carrier.spec_verify_ct,
-        "spec_completion": carrier.completion_tokens,
+        **carrier.columns(),
     }
 
 
@@ -116,7 +110,6 @@ def checksum(rows: Iterable[Mapping[str, Any]]) -> str:
 
 
 def sample_row(session_id: str, sample: Sample) -> dict[str, Any]:
-    spec = sample.spec_info
     return {
         "session_id": session_id,
         "sample_index": sample.index,
@@ -126,10 +119,7 @@ def sample_row(session_id: str, sample: Sample) -> dict[str, Any]:
         "num_tokens": len(sample.tokens),
         "response_length": sample.response_length,
         "weight_versions": jsonio.dumps(sample.weight_versions),
-        "spec_correct": spec["spec_num_correct_drafts"],
-        "spec_proposed": spec["spec_num_proposed_drafts"],
-        "spec_verify": spec["spec_verify_ct"],
-        "spec_completion": spec["completion_tokens"],
+        **SpecInfo.from_dict(sample.spec_info).columns(),
         "reward": None if sample.reward is None else jsonio.dumps(sample.reward),
         "sample_metadata": jsonio.dumps(sample.metadata),
         "r3": None if sample.r3 is None else jsonio.dumps(sample.r3),
@@ -149,24 +139,24 @@ def closed_head(state: SessionState, result: SamplesResult, closed_us: int) -> d
     return head
 
 
-def session_definition(spec: SessionSpec, created_us: int) -> dict[str, Any]:
+def session_definition(definition: SessionDefinition, created_us: int) -> dict[str, Any]:
     """The immutable part of a `sessions` row: the open body, normalized."""
     return {
-        "session_id": spec.session_id,
-        "version": spec.version,
-        "pause_generation_mode": spec.pause_generation_mode,
-        "num_layers": spec.num_layers,
-        "spec": spec.spec,
-        "max_trim_tokens": spec.max_trim_tokens,
-        "labels": jsonio.dumps(spec.labels),
-        "open_fingerprint": jsonio.fingerprint(spec.body()),
+        "session_id": definition.session_id,
+        "version": definition.version,
+        "pause_generation_mode": definition.pause_generation_mode,
+        "num_layers": definition.num_layers,
+        "spec": definition.speculative,
+        "max_trim_tokens": definition.max_trim_tokens,
+        "labels": jsonio.dumps(definition.labels),
+        "open_fingerprint": jsonio.fingerprint(definition.body()),
         "created_us": created_us,
     }
 
 
-def label_rows(spec: SessionSpec) -> list[dict[str, Any]]:
-    return [{"session_id": spec.session_id, "key": key, "value_text": label_text(value)}
-            for key, value in spec.labels.items()]
+def label_rows(definition: SessionDefinition) -> list[dict[str, Any]]:
+    return [{"session_id": definition.session_id, "key": key, "value_text": label_text(value)}
+            for key, value in definition.labels.items()]
 
 
 def project_session(
@@ -181,8 +171,8 @@ def project_session(
     """
     from app.domain.samples import build_samples
 
-    sid = state.spec.session_id
-    row = session_definition(state.spec, opened_us)
+    sid = state.definition.session_id
+    row = session_definition(state.definition, opened_us)
     sample_rows: list[dict[str, Any]] = []
     if state.close is not None and closed_us is not None:
         result = build_samples(state, state.close)
@@ -194,7 +184,7 @@ def project_session(
                     "sample_errors": None})
     return {
         "sessions": [row],
-        "session_labels": label_rows(state.spec),
+        "session_labels": label_rows(state.definition),
         "nodes": [node_row(sid, node, *turns[node.seq]) for node in state.nodes],
         "samples": sample_rows,
     }

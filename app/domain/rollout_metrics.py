@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.domain.errors import StrictTito
-from app.domain.specinfo import SpecInfo
+from app.domain.specinfo import SpecInfo, ratio
 from app.domain.turn import MISMATCH_TYPES
 
 TITO_PREFIX = "rollout/tito_session_mismatch_rate"
@@ -52,11 +52,6 @@ class SessionRow:
     version: str
     samples: Sequence[SampleRow] = field(default_factory=tuple)
     carrier: SpecInfo | None = None
-
-
-def ratio(numerator: int, denominator: int) -> float:
-    """A fraction of samples as float64 division of the counts; 0.0 when there are none."""
-    return float(numerator) / float(denominator) if denominator else 0.0
 
 
 def tito_key(version: str, mismatch_type: str | None = None) -> str:

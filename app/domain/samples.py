@@ -22,7 +22,7 @@ from typing import Any
 from app.domain.assembly import R3Plan, plan_r3
 from app.domain.errors import Alignment, R3Gap, UnknownSample
 from app.domain.samples_merge import MergedPath, merge_path
-from app.domain.session import CloseSpec
+from app.domain.session import SessionClose
 from app.domain.specinfo import session_carrier, sum_turns
 from app.domain.tree import Node, SessionState
 
@@ -118,7 +118,7 @@ def pick_leaves(state: SessionState) -> list[Node]:
     """The leaves that become samples, in sample order."""
     if not state.nodes:
         return []
-    if state.spec.version == "v1":
+    if state.definition.version == "v1":
         # The most recently committed node never has children (they would be
         # newer), so it is a leaf; earlier branches were rolled back.
         return [state.nodes[-1]]
@@ -143,14 +143,14 @@ def _owners(merged: list[MergedPath]) -> dict[int, int]:
 
 def _r3(state: SessionState, item: MergedPath
         ) -> tuple[dict[str, Any] | None, R3Plan | None, R3Gap | None]:
-    num_layers = state.spec.num_layers
+    num_layers = state.definition.num_layers
     if num_layers is None:
         return None, None, None
     # topk is unknown only when every R3 payload so far had zero rows.
     topk = state.topk or 0
     rows = int(item.tokens.size) - 1
     try:
-        plan = plan_r3(item.turns, rows, addition=state.spec.use_addition_r3,
+        plan = plan_r3(item.turns, rows, addition=state.definition.use_addition_r3,
                        num_layers=num_layers, topk=topk)
     except R3Gap as gap:
         return {"shape": [rows, num_layers, topk], "dtype": "int32"}, None, gap
@@ -159,7 +159,7 @@ def _r3(state: SessionState, item: MergedPath
     return {"shape": [plan.rows, num_layers, topk], "dtype": "int32"}, plan, None
 
 
-def _sample(state: SessionState, close: CloseSpec, index: int, item: MergedPath,
+def _sample(state: SessionState, close: SessionClose, index: int, item: MergedPath,
             owners: dict[int, int] | None) -> Sample:
     owned = [owners is None or owners[node.seq] == item.leaf for node in item.turns]
     leaf = state.node(item.leaf)
@@ -180,7 +180,7 @@ def _sample(state: SessionState, close: CloseSpec, index: int, item: MergedPath,
         # A turn that sent no weight_version has none to report (as in miles).
         weight_versions=[node.facts.weight_version for node in item.turns
                          if node.facts.weight_version is not None],
-        spec_info=sum_turns(node.facts.spec for node in item.turns).as_dict(),
+        spec_info=sum_turns(node.facts.spec_info for node in item.turns).as_dict(),
         reward=close.reward,
         metadata=metadata,
         r3=r3,
@@ -189,9 +189,9 @@ def _sample(state: SessionState, close: CloseSpec, index: int, item: MergedPath,
     )
 
 
-def build_samples(state: SessionState, close: CloseSpec) -> SamplesResult:
+def build_samples(state: SessionState, close: SessionClose) -> SamplesResult:
     """The whole projection of a closed session; alignment failures never block it."""
-    sid, version = state.spec.session_id, state.spec.version
+    sid, version = state.definition.session_id, state.definition.version
     carrier = session_carrier(state)
     if not state.nodes:
         return SamplesResult(sid, version, [], [], NO_TURNS, carrier)
@@ -199,7 +199,8 @@ def build_samples(state: SessionState, close: CloseSpec) -> SamplesResult:
     errors: list[dict[str, Any]] = []
     for leaf in pick_leaves(state):
         try:
-            item = merge_path(state.path(leaf.seq), max_trim_tokens=state.spec.max_trim_tokens,
+            item = merge_path(state.path(leaf.seq),
+                              max_trim_tokens=state.definition.max_trim_tokens,
                               max_seq_len=close.max_seq_len)
         except Alignment as exc:
             errors.append({"leaf": leaf.seq, "type": exc.slug, "detail": exc.detail})

@@ -8,15 +8,21 @@ compared against. Pure: no I/O, no clock except the id generator.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any
 
 from app.domain.errors import InvalidRequest
+from app.domain.labels import parse_labels
+from app.domain.validate import (
+    SESSION_ID,
+    describe,
+    is_int,
+    reject_unknown,
+    require_bool,
+    require_object,
+)
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 OPEN_FIELDS = frozenset(
     {"session_id", "version", "pause_generation_mode", "r3", "spec", "max_trim_tokens", "labels"}
 )
@@ -25,101 +31,8 @@ MAX_LAYERS = 4096
 MAX_TRIM = 1 << 20
 
 
-def is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def describe(value: Any) -> Any:
-    """A short `actual` for problem bodies: scalars as-is, containers by type."""
-    if value is None or isinstance(value, bool | int | float):
-        return value
-    if isinstance(value, str):
-        return value if len(value) <= 80 else value[:77] + "..."
-    return _type_name(value)
-
-
-def require_object(value: Any, field_name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise InvalidRequest(
-            f"{field_name} must be a JSON object",
-            field=field_name,
-            expected="object",
-            actual=_type_name(value),
-        )
-    return value
-
-
-def reject_unknown(body: dict[str, Any], allowed: frozenset[str], where: str) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        name = unknown[0] if not where else f"{where}.{unknown[0]}"
-        raise InvalidRequest(
-            f"unknown field {name!r}",
-            field=name,
-            expected=f"one of {sorted(allowed)}",
-            actual=unknown[0],
-        )
-
-
-TEXT_MAX = 1024
-
-
-def is_text_safe(value: str) -> bool:
-    """Storable as database text on every backend: no NUL, encodable as UTF-8."""
-    if "\x00" in value:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def require_text(value: str, field_name: str, max_len: int = TEXT_MAX) -> str:
-    if len(value) > max_len or not is_text_safe(value):
-        raise InvalidRequest(
-            f"{field_name} must be text of at most {max_len} characters without NUL or "
-            "unpaired surrogates",
-            field=field_name, expected=f"UTF-8 text, at most {max_len} characters",
-            actual=describe(value),
-        )
-    return value
-
-
 def validate_session_id(value: Any, field_name: str = "session_id") -> str:
-    if not isinstance(value, str) or not SESSION_ID_RE.match(value):
-        raise InvalidRequest(
-            "session id must be 1-128 characters of [A-Za-z0-9._:-]",
-            field=field_name,
-            expected="[A-Za-z0-9._:-]{1,128}",
-            actual=describe(value),
-        )
-    return value
-
-
-def label_text(value: Any) -> str:
-    """A label value as filters see it: JSON text, strings without quotes."""
-    from app.domain.jsonio import canonical
-
-    return value if isinstance(value, str) else canonical(value)
+    return SESSION_ID.require(value, field_name, "session id")
 
 
 def uses_addition_r3(pause_generation_mode: str) -> bool:
@@ -128,12 +41,12 @@ def uses_addition_r3(pause_generation_mode: str) -> bool:
 
 
 @dataclass(frozen=True)
-class SessionSpec:
+class SessionDefinition:
     session_id: str
     version: str
     pause_generation_mode: str
     num_layers: int | None
-    spec: bool
+    speculative: bool  # wire name `spec`: the session runs speculative decoding
     max_trim_tokens: int
     labels: dict[str, Any] = field(default_factory=dict)
 
@@ -152,13 +65,13 @@ class SessionSpec:
             "version": self.version,
             "pause_generation_mode": self.pause_generation_mode,
             "r3": None if self.num_layers is None else {"num_layers": self.num_layers},
-            "spec": self.spec,
+            "spec": self.speculative,
             "max_trim_tokens": self.max_trim_tokens,
             "labels": self.labels,
         }
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> SessionSpec:
+    def from_body(cls, body: dict[str, Any]) -> SessionDefinition:
         """Rebuild from a stored, already normalized body."""
         r3 = body.get("r3")
         return cls(
@@ -166,13 +79,13 @@ class SessionSpec:
             version=body["version"],
             pause_generation_mode=body["pause_generation_mode"],
             num_layers=None if r3 is None else int(r3["num_layers"]),
-            spec=bool(body["spec"]),
+            speculative=bool(body["spec"]),
             max_trim_tokens=int(body["max_trim_tokens"]),
             labels=dict(body.get("labels") or {}),
         )
 
 
-def parse_open(raw: Any) -> SessionSpec:
+def parse_open(raw: Any) -> SessionDefinition:
     body = require_object(raw, "body")
     reject_unknown(body, OPEN_FIELDS, "")
 
@@ -214,11 +127,8 @@ def parse_open(raw: Any) -> SessionSpec:
                                  actual=describe(layers))
         num_layers = layers
 
-    spec = body.get("spec")
-    spec = False if spec is None else spec
-    if not isinstance(spec, bool):
-        raise InvalidRequest("spec must be a boolean", field="spec", expected="boolean",
-                             actual=describe(spec))
+    speculative = body.get("spec")
+    speculative = False if speculative is None else require_bool(speculative, "spec")
 
     trim = body.get("max_trim_tokens")
     trim = 0 if trim is None else trim
@@ -227,28 +137,21 @@ def parse_open(raw: Any) -> SessionSpec:
                              field="max_trim_tokens", expected=f"integer in [0, {MAX_TRIM}]",
                              actual=describe(trim))
 
-    labels_raw = body.get("labels")
-    labels = {} if labels_raw is None else require_object(labels_raw, "labels")
-    for key, value in labels.items():
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidRequest("label names must be 1-64 characters of [A-Za-z0-9._:-]",
-                                 field=f"labels.{key}", expected="[A-Za-z0-9._:-]{1,64}",
-                                 actual=describe(key))
-        require_text(label_text(value), f"labels.{key}")
+    labels = parse_labels(body.get("labels"))
 
-    return SessionSpec(
+    return SessionDefinition(
         session_id=session_id,
         version=version,
         pause_generation_mode=mode,
         num_layers=num_layers,
-        spec=spec,
+        speculative=speculative,
         max_trim_tokens=trim,
         labels=labels,
     )
 
 
 @dataclass(frozen=True)
-class CloseSpec:
+class SessionClose:
     max_seq_len: int | None
     metadata: dict[str, Any]
 
@@ -260,7 +163,7 @@ class CloseSpec:
         return self.metadata.get("reward")
 
 
-def parse_close(raw: Any) -> CloseSpec:
+def parse_close(raw: Any) -> SessionClose:
     body = require_object(raw, "body")
     reject_unknown(body, CLOSE_FIELDS, "")
     max_seq_len = body.get("max_seq_len")
@@ -270,4 +173,4 @@ def parse_close(raw: Any) -> CloseSpec:
                              actual=describe(max_seq_len))
     metadata = body.get("metadata")
     metadata = {} if metadata is None else require_object(metadata, "metadata")
-    return CloseSpec(max_seq_len=max_seq_len, metadata=metadata)
+    return SessionClose(max_seq_len=max_seq_len, metadata=metadata)

@@ -24,7 +24,7 @@ from app.domain.errors import (
     UnknownParent,
     UnstablePrefix,
 )
-from app.domain.session import CloseSpec, SessionSpec
+from app.domain.session import SessionClose, SessionDefinition
 from app.domain.turn import OMITTED, TurnBody, TurnFacts
 
 
@@ -80,10 +80,10 @@ class Attachment:
 
 @dataclass
 class SessionState:
-    spec: SessionSpec
+    definition: SessionDefinition
     nodes: list[Node] = field(default_factory=list)
     topk: int | None = None
-    close: CloseSpec | None = None
+    close: SessionClose | None = None
     event_ids: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -137,14 +137,14 @@ class SessionState:
     def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
         return self.add_node(self.new_node(seq, parent, event_id, facts))
 
-    def apply_close(self, close: CloseSpec) -> None:
+    def apply_close(self, close: SessionClose) -> None:
         self.close = close
 
     # -- attach ---------------------------------------------------------------
 
     def derive_parent(self, prompt: np.ndarray) -> int | None:
         """Deepest node whose tokens prefix `prompt` (up to the trim); ties → highest seq."""
-        trim = self.spec.max_trim_tokens
+        trim = self.definition.max_trim_tokens
         best: Node | None = None
         for node in self.nodes:
             need = node.num_tokens - trim
@@ -190,7 +190,7 @@ class SessionState:
             )
         parent_tokens = np.empty(0, np.int64) if parent_node is None else parent_node.tokens
         prefix = lcp(parent_tokens, facts.prompt)
-        if self.spec.use_addition_r3 and facts.returns_r3:
+        if self.definition.use_addition_r3 and facts.returns_r3:
             start = facts.r3_start or 0
             expected = max(parent_tokens.size - 1, 0)
             if start != expected:
@@ -234,12 +234,12 @@ class SessionState:
                                 expected=f"a seq below {len(self.nodes)}", actual=leaf)
         target = self.active_leaf if leaf is None else leaf
         tokens: list[int] = [] if target is None else self.nodes[target].tokens.tolist()
-        addition = self.spec.use_addition_r3
+        addition = self.definition.use_addition_r3
         next_start = None
         if addition:
             next_start = max(len(tokens) - 1, 0)
         covered = None
-        if self.spec.has_r3:
+        if self.definition.has_r3:
             covered = 0 if target is None else self.covered_rows(target)
         return {
             "status": "closed" if self.closed else "open",

@@ -17,20 +17,13 @@ import numpy as np
 
 from app.domain.errors import InvalidR3, InvalidRequest
 from app.domain.r3 import decode_payload, infer_topk
-from app.domain.session import (
-    SessionSpec,
-    describe,
-    is_int,
-    reject_unknown,
-    require_object,
-    require_text,
-)
+from app.domain.session import SessionDefinition
+from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo
+from app.domain.validate import describe, is_int, reject_unknown, require_object, require_text
 
 TURN_FIELDS = frozenset({"event_id", "parent", "record", "metadata"})
 MISMATCH_TYPES = ("special_token_count", "special_token_type", "non_assistant_text",
                   "assistant_text")
-SPEC_FIELDS = ("spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_verify_ct",
-               "completion_tokens")
 LEGACY_SPEC_FIELDS = {
     "spec_num_correct_drafts": "spec_accept_token_num",
     "spec_num_proposed_drafts": "spec_draft_token_num",
@@ -46,24 +39,6 @@ META = "record.response.choices[0].meta_info"
 
 
 @dataclass(frozen=True)
-class SpecCounters:
-    """SpecInfo of one turn as read (legacy names resolved), before the guard."""
-
-    correct: int = 0
-    proposed: int = 0
-    verify: int = 0
-    completion: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "spec_num_correct_drafts": self.correct,
-            "spec_num_proposed_drafts": self.proposed,
-            "spec_verify_ct": self.verify,
-            "completion_tokens": self.completion,
-        }
-
-
-@dataclass(frozen=True)
 class TurnFacts:
     """Everything derived from one record, independent of where it attaches."""
 
@@ -76,7 +51,7 @@ class TurnFacts:
     r3_start: int | None
     r3_values: np.ndarray | None
     topk: int | None
-    spec: SpecCounters
+    spec_info: SpecInfo
     cached_tokens: int | None
     timestamp: float | None
     mismatch: list[Any] | None = field(default=None)
@@ -206,10 +181,11 @@ def _counter(meta: dict[str, Any], name: str) -> int | None:
     return int(value)
 
 
-def read_spec(meta: dict[str, Any], output_len: int) -> SpecCounters:
-    """SpecInfo counters of one turn: canonical names first, then legacy ones."""
+def read_spec_info(meta: dict[str, Any], output_len: int) -> SpecInfo:
+    """SpecInfo counters of one turn (before the guard): canonical names first,
+    then legacy ones."""
     values: dict[str, int] = {}
-    for canonical_name in SPEC_FIELDS:
+    for canonical_name in SPEC_INFO_KEYS:
         value = _counter(meta, canonical_name)
         legacy = LEGACY_SPEC_FIELDS.get(canonical_name)
         if value is None and legacy is not None:
@@ -217,12 +193,7 @@ def read_spec(meta: dict[str, Any], output_len: int) -> SpecCounters:
         if value is None:
             value = output_len if canonical_name == "completion_tokens" else 0
         values[canonical_name] = value
-    return SpecCounters(
-        correct=values["spec_num_correct_drafts"],
-        proposed=values["spec_num_proposed_drafts"],
-        verify=values["spec_verify_ct"],
-        completion=values["completion_tokens"],
-    )
+    return SpecInfo.from_dict(values)
 
 
 def _mismatch(metadata: dict[str, Any] | None) -> list[Any] | None:
@@ -242,7 +213,7 @@ def _mismatch(metadata: dict[str, Any] | None) -> list[Any] | None:
 
 
 def _r3(
-    spec: SessionSpec,
+    definition: SessionDefinition,
     request: dict[str, Any],
     meta: dict[str, Any],
     num_tokens: int,
@@ -262,11 +233,11 @@ def _r3(
                             field=payload_field, expected="absent, null or \"\"",
                             actual="a payload")
         return False, None, None, None
-    if spec.num_layers is None:
+    if definition.num_layers is None:
         raise InvalidR3("turn carries routed experts but the session was opened without r3",
                         field="record.request.return_routed_experts",
                         expected="false (open the session with r3.num_layers)", actual=True)
-    if spec.use_addition_r3:
+    if definition.use_addition_r3:
         if not is_int(start_raw) or start_raw < 0:
             raise _invalid("routed_experts_start_len is required in addition (in_place) mode",
                            start_field, "non-negative integer", start_raw)
@@ -297,11 +268,13 @@ def _r3(
         raise InvalidR3("routed_experts payload sent for a turn with zero rows",
                         field=payload_field, expected="absent, null or \"\"",
                         actual=f"{values.size} int32 values")
-    topk = infer_topk(values.size, rows, spec.num_layers, payload_field)
+    topk = infer_topk(values.size, rows, definition.num_layers, payload_field)
     return True, start, values, topk
 
 
-def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = None) -> TurnBody:
+def parse_turn(
+    raw: Any, definition: SessionDefinition, stored_r3: tuple[int, int] | None = None
+) -> TurnBody:
     """Validate a turn body against the session definition.
 
     `stored_r3` = `(start, topk)` when re-reading a stored turn whose payload was
@@ -359,7 +332,7 @@ def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = 
         raise _invalid("timestamp must be seconds since the epoch",
                        "record.timestamp", f"number in [0, {TIMESTAMP_MAX})", timestamp)
 
-    returns_r3, r3_start, r3_values, topk = _r3(spec, request, meta,
+    returns_r3, r3_start, r3_values, topk = _r3(definition, request, meta,
                                                 int(prompt.size + output.size), stored_r3)
     facts = TurnFacts(
         prompt=prompt,
@@ -371,7 +344,7 @@ def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = 
         r3_start=r3_start,
         r3_values=r3_values,
         topk=topk,
-        spec=read_spec(meta, int(output.size)),
+        spec_info=read_spec_info(meta, int(output.size)),
         cached_tokens=_counter(meta, "cached_tokens"),
         timestamp=None if timestamp is None else float(timestamp),
         mismatch=_mismatch(metadata),

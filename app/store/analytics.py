@@ -21,59 +21,44 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
 
 from app.domain import jsonio
-from app.domain.errors import InvalidRequest
+from app.domain.labels import LabelFilters
+from app.domain.queries import GROUP_BY_VALUES
 from app.domain.rollout_metrics import SampleRow, SessionRow, check_strict, rollout_metrics
-from app.domain.session import describe
-from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo
+from app.domain.specinfo import SPEC_INFO_COLUMNS, SPEC_INFO_KEYS, SpecInfo
 from app.store.db import Database
+from app.store.dialect import code_point_order
 from app.store.reads import label_filter
 from app.store.schema import samples, sessions
 
-# `group_by` value → column of the `spec_turns` view.
-GROUP_BY: Mapping[str, str] = {
-    "weight_version": "weight_version",
-    "model": "model",
-    "run_id": "run_id",
-    "rollout_id": "rollout_id",
+# `group_by` value (`GROUP_BY_VALUES`) → column of the `spec_turns` view.
+GROUP_COLUMN: Mapping[str, str] = {
+    **{value: value for value in GROUP_BY_VALUES},
     "hour": "record_hour",
     "day": "record_day",
 }
+assert tuple(GROUP_COLUMN) == GROUP_BY_VALUES
 
 spec_turns = sa.table(
     "spec_turns",
     sa.column("session_id", sa.String),
-    *(sa.column(column, sa.Text) for column in GROUP_BY.values()),
+    *(sa.column(column, sa.Text) for column in GROUP_COLUMN.values()),
     *(sa.column(key, sa.BigInteger) for key in SPEC_INFO_KEYS),
 )
 
 
-def parse_group_by(value: str | None) -> str:
-    if value not in GROUP_BY:
-        raise InvalidRequest(f"group_by must be one of {', '.join(GROUP_BY)}",
-                             field="group_by", expected=" | ".join(GROUP_BY),
-                             actual=describe(value))
-    assert value is not None
-    return value
-
-
 def key_order(conn: AsyncConnection, key: ColumnElement[Any]) -> list[ColumnElement[Any]]:
-    """Ascending key order, NULL first, text compared by code point on both dialects.
-
-    SQLite's default BINARY collation compares UTF-8 bytes; PostgreSQL's
-    database collation may be linguistic, so it is pinned to "C" (bytes).
-    Both equal Python's `sorted(keys, key=group_sort_key)`.
-    """
-    text = key.collate("C") if conn.dialect.name == "postgresql" else key
-    return [sa.case((key.is_(None), 0), else_=1), text]
+    """Ascending key order, NULL first, text compared by code point on both dialects:
+    Python's `sorted(keys, key=group_sort_key)`."""
+    return [sa.case((key.is_(None), 0), else_=1), code_point_order(conn, key)]
 
 
 def group_sort_key(key: str | None) -> tuple[bool, str]:
     return (key is not None, key or "")
 
 
-def spec_group_query(group_by: str, filters: Mapping[str, str]) -> sa.Select[Any]:
+def spec_group_query(group_by: str, filters: LabelFilters) -> sa.Select[Any]:
     """The grouped SUM/COUNT over `spec_turns`; `filters` match session labels as text."""
-    key = spec_turns.c[GROUP_BY[group_by]]
+    key = spec_turns.c[GROUP_COLUMN[group_by]]
     query = sa.select(
         key.label("key"),
         sa.func.count(sa.distinct(spec_turns.c.session_id)).label("sessions"),
@@ -84,7 +69,7 @@ def spec_group_query(group_by: str, filters: Mapping[str, str]) -> sa.Select[Any
 
 
 def spec_group(row: Any) -> dict[str, Any]:
-    info = SpecInfo(**{name: int(row[name]) for name in SPEC_INFO_KEYS})
+    info = SpecInfo.from_dict(row)
     return {
         "key": row["key"],
         "sessions": int(row["sessions"]),
@@ -99,23 +84,21 @@ class Analytics:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def spec(self, group_by: str | None, filters: Mapping[str, str]) -> dict[str, Any]:
-        """`GET /v1/analytics/spec`: one group per key over every recorded turn."""
-        column = parse_group_by(group_by)
-        query = spec_group_query(column, filters)
+    async def spec_rates(self, group_by: str, filters: LabelFilters) -> dict[str, Any]:
+        """`GET /v1/analytics/spec`: one group per parsed `group_by` key over every turn."""
+        query = spec_group_query(group_by, filters)
         async with self.db.read() as conn:
-            key = spec_turns.c[GROUP_BY[column]]
+            key = spec_turns.c[GROUP_COLUMN[group_by]]
             rows = (await conn.execute(query.order_by(*key_order(conn, key)))).mappings().all()
         return {"groups": [spec_group(row) for row in rows]}
 
-    async def rollout_sessions(self, filters: Mapping[str, str]) -> list[SessionRow]:
+    async def rollout_sessions(self, filters: LabelFilters) -> list[SessionRow]:
         """The closed sessions matching `filters`, with their carriers and sample rows."""
         clauses = [sessions.c.status == "closed", *label_filter(filters)]
         async with self.db.read() as conn:
             heads = (await conn.execute(
                 sa.select(sessions.c.session_id, sessions.c.version, sessions.c.spec,
-                          sessions.c.spec_correct, sessions.c.spec_proposed,
-                          sessions.c.spec_verify, sessions.c.spec_completion)
+                          *(sessions.c[column] for column in SPEC_INFO_COLUMNS.values()))
                 .where(*clauses).order_by(sessions.c.id)
             )).all()
             sample_rows = (await conn.execute(
@@ -136,14 +119,12 @@ class Analytics:
                 session_id=head.session_id,
                 version=head.version,
                 samples=tuple(by_session.get(head.session_id, ())),
-                carrier=SpecInfo(int(head.spec_correct), int(head.spec_proposed),
-                                 int(head.spec_verify), int(head.spec_completion))
-                if head.spec else None,
+                carrier=SpecInfo.from_columns(head._mapping) if head.spec else None,
             )
             for head in heads
         ]
 
-    async def rollout(self, filters: Mapping[str, str], strict: bool = False
+    async def rollout(self, filters: LabelFilters, strict: bool = False
                       ) -> dict[str, float | int]:
         """`GET /v1/metrics/rollout`; with `strict`, a non-zero strict TITO rate is 409."""
         metrics = rollout_metrics(await self.rollout_sessions(filters))

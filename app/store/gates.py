@@ -1,6 +1,6 @@
 """Regression gates against the metric history: `POST /v1/gates/evaluate`, `turnlog gate check`.
 
-Owns the I/O around `app/domain/gates.py` (specs parsed by `gate_specs.py`):
+Owns the I/O around `app/domain/gates.py` (gates parsed by `gate_definitions.py`):
 reading a run's merged series, fetching per coordinate the most recent
 trusted baseline values of *other* runs (newest first, at most the window),
 and storing the rows the run contributes (`baseline_rows`, trusted per
@@ -14,18 +14,15 @@ the domain's.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.errors import InvalidRequest
-from app.domain.gate_specs import GateSpec, default_specs, parse_gate_specs
+from app.domain.gate_definitions import GateCheck
 from app.domain.gates import (
     BASELINE_WINDOW,
     BaselineRow,
@@ -36,28 +33,16 @@ from app.domain.gates import (
     evaluate,
     row_trust,
 )
-from app.domain.metric_history import MAX_METRIC, RunCoordinate, parse_coordinate
-from app.domain.session import describe, is_text_safe, reject_unknown, require_object
-from app.store.db import Database
+from app.store.db import Database, now_us
+from app.store.dialect import upsert
 from app.store.history import RunHistory, load_run
 from app.store.schema import gate_baselines
 
-EVALUATE_FIELDS = frozenset({"coordinate", "run_id", "specs", "record"})
 CHUNK = 500
 
 
 def coordinate_key(coordinate: GateCoordinate) -> str:
     return jsonio.fingerprint(dataclasses.asdict(coordinate))
-
-
-@dataclass(frozen=True)
-class GateCheck:
-    """What `evaluate` was asked: the run, its specs and whether to record its rows."""
-
-    coordinate: RunCoordinate
-    run_id: str
-    specs: tuple[GateSpec, ...]
-    record: bool = True
 
 
 @dataclass(frozen=True)
@@ -81,29 +66,6 @@ class GateReport:
             "recorded": {"rows": len(self.rows), "baseline": self.baseline}
             if self.recorded else None,
         }
-
-
-def parse_check(raw: Any) -> GateCheck:
-    """The `POST /v1/gates/evaluate` body; `specs` omitted = every default gate."""
-    body = require_object(raw, "body")
-    reject_unknown(body, EVALUATE_FIELDS, "")
-    run_id = body.get("run_id")
-    if (not isinstance(run_id, str) or not 1 <= len(run_id) <= MAX_METRIC
-            or not is_text_safe(run_id)):
-        raise InvalidRequest("run_id must be a non-empty string", field="run_id",
-                             expected=f"UTF-8 text of 1-{MAX_METRIC} characters without NUL",
-                             actual=describe(run_id))
-    record = body.get("record", True)
-    if not isinstance(record, bool):
-        raise InvalidRequest("record must be a boolean", field="record", expected="boolean",
-                             actual=describe(record))
-    specs = body.get("specs")
-    return GateCheck(
-        coordinate=parse_coordinate(body.get("coordinate")),
-        run_id=run_id,
-        specs=default_specs() if specs is None else parse_gate_specs(specs),
-        record=record,
-    )
 
 
 async def baseline_values(
@@ -137,8 +99,7 @@ async def baseline_values(
 
 
 async def store_rows(conn: AsyncConnection, rows: Sequence[BaselineRow]) -> None:
-    recorded_us = time.time_ns() // 1000
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    recorded_us = now_us()
     values = [{
         "coordinate_key": coordinate_key(row.coordinate),
         **dataclasses.asdict(row.coordinate),
@@ -148,11 +109,10 @@ async def store_rows(conn: AsyncConnection, rows: Sequence[BaselineRow]) -> None
         "recorded_us": recorded_us,
     } for row in rows]
     for start in range(0, len(values), CHUNK):
-        stmt = insert(gate_baselines).values(values[start:start + CHUNK])
-        await conn.execute(stmt.on_conflict_do_update(
-            index_elements=["coordinate_key", "run_id"],
-            set_={"value": stmt.excluded.value, "trusted": stmt.excluded.trusted},
-        ))
+        # A re-evaluated run replaces its value and trust, keeping its place in time.
+        await conn.execute(upsert(conn, gate_baselines, values[start:start + CHUNK],
+                                  index_elements=("coordinate_key", "run_id"),
+                                  update=("value", "trusted")))
 
 
 class Gates:
@@ -160,9 +120,10 @@ class Gates:
         self.db = db
         self.window = window
 
-    async def evaluate(self, raw: Any) -> dict[str, Any]:
-        """`POST /v1/gates/evaluate`: the verdict with every coordinate judged."""
-        return (await self.check(parse_check(raw))).as_dict()
+    async def evaluate(self, check: GateCheck) -> dict[str, Any]:
+        """`POST /v1/gates/evaluate` (parsed by `parse_check`): the verdict with every
+        coordinate judged."""
+        return (await self.check(check)).as_dict()
 
     async def check(self, check: GateCheck) -> GateReport:
         if check.record:
@@ -173,11 +134,11 @@ class Gates:
 
     async def _judge(self, conn: AsyncConnection, check: GateCheck) -> GateReport:
         run = await load_run(conn, check.coordinate, check.run_id)
-        wanted = coordinates(check.coordinate, check.specs, run.series)
+        wanted = coordinates(check.coordinate, check.gates, run.series)
         history = await baseline_values(conn, wanted, check.run_id, self.window)
-        verdict = evaluate(check.coordinate, check.specs, run.series, history, self.window)
+        verdict = evaluate(check.coordinate, check.gates, run.series, history, self.window)
         trusted = row_trust(run.trusted, verdict)
-        rows = baseline_rows(check.coordinate, check.run_id, check.specs, run.series, trusted)
+        rows = baseline_rows(check.coordinate, check.run_id, check.gates, run.series, trusted)
         if check.record and rows:
             await store_rows(conn, rows)
         return GateReport(run=run, verdict=verdict, rows=tuple(rows), baseline=trusted,

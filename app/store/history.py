@@ -15,7 +15,6 @@ submission rules, the whitelist default and the merge order
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,27 +24,22 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.errors import InvalidRequest
 from app.domain.metric_history import (
     DEFAULT_METRIC_KEYS,
     NON_FINITE,
     HistorySubmission,
     MetricPoint,
+    RolloutRecord,
     RunCoordinate,
     Series,
     encode_series,
     encode_value,
     keep_whitelisted,
     merge_attempts,
-    parse_submission,
-    rollout_points,
 )
-from app.domain.session import describe, label_text, reject_unknown, require_object
 from app.store.analytics import Analytics
-from app.store.db import Database
+from app.store.db import Database, now_us
 from app.store.schema import metric_points, metric_submissions
-
-ROLLOUT_FIELDS = frozenset({"coordinate", "run_id", "attempt", "trusted", "step", "labels"})
 
 
 def metric_keys(configured: str) -> frozenset[str]:
@@ -133,11 +127,9 @@ class History:
         self.db = db
         self.keys = frozenset(keys)
 
-    async def submit(self, raw: Any) -> tuple[dict[str, Any], bool]:
-        """`POST /v1/metric-history`: the run's merged history after this submission."""
-        return await self.store(parse_submission(raw))
-
-    async def store(self, submission: HistorySubmission) -> tuple[dict[str, Any], bool]:
+    async def submit(self, submission: HistorySubmission) -> tuple[dict[str, Any], bool]:
+        """`POST /v1/metric-history` (parsed by `parse_submission`): the run's merged
+        history after this submission."""
         kept = keep_whitelisted(submission.points, self.keys)
         key = run_key(submission.coordinate, submission.run_id)
         fingerprint = jsonio.fingerprint(submission.body())
@@ -168,7 +160,7 @@ class History:
             metric_submissions.insert().values(
                 run_key=key, run_id=submission.run_id, attempt=submission.attempt,
                 trusted=submission.trusted, fingerprint=fingerprint,
-                recorded_us=time.time_ns() // 1000, **submission.coordinate.as_dict(),
+                recorded_us=now_us(), **submission.coordinate.as_dict(),
             ).returning(metric_submissions.c.id)
         )).scalar_one()
         if kept:
@@ -180,24 +172,11 @@ class History:
         async with self.db.read() as conn:
             return await load_run(conn, coordinate, run_id)
 
-    async def record_rollout(self, raw: Any, analytics: Analytics) -> tuple[dict[str, Any], bool]:
-        """`POST /v1/metric-history/rollout`: a rollout's metrics as the points of one step.
-
-        The sessions are the closed ones whose labels match `labels` (values
-        compared as label text, so `{"rollout_id": 12}` matches 12); the
-        whitelisted numeric metrics become points at `step`.
-        """
-        body = require_object(raw, "body")
-        reject_unknown(body, ROLLOUT_FIELDS, "")
-        labels = require_object(body.get("labels", {}), "labels")
-        metrics = await analytics.rollout({k: label_text(v) for k, v in labels.items()})
-        if "step" not in body:
-            raise InvalidRequest("step is required", field="step",
-                                 expected="integer >= 0", actual=describe(None))
-        points = rollout_points(metrics, body["step"], self.keys)
-        submission = parse_submission({
-            **{k: body[k] for k in ("coordinate", "run_id", "attempt", "trusted") if k in body},
-            "points": [point.as_dict() for point in points],
-        })
-        reply, created = await self.store(submission)
+    async def record_rollout(self, record: RolloutRecord,
+                             analytics: Analytics) -> tuple[dict[str, Any], bool]:
+        """`POST /v1/metric-history/rollout` (parsed by `parse_rollout_record`): the
+        rollout metrics of the sessions `record.labels` selects, as the points of
+        one step."""
+        metrics = await analytics.rollout(record.labels)
+        reply, created = await self.submit(record.submission(metrics, self.keys))
         return {**reply, "metrics": metrics}, created

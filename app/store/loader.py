@@ -10,6 +10,7 @@ is per process and purely an optimization; a miss folds from the log.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,12 @@ from app.domain.events import (
     restore_prompt,
     stored_facts,
 )
-from app.domain.session import SESSION_ID_RE, SessionSpec, parse_close
+from app.domain.r3 import Patch
+from app.domain.session import SessionDefinition, parse_close
 from app.domain.tree import SessionState
-from app.store.schema import events, r3_patches, sessions
+from app.domain.validate import SESSION_ID
+from app.store.dialect import lock_for_append
+from app.store.schema import events, patch_from_row, r3_patches, sessions
 
 
 class StateCache:
@@ -56,21 +60,23 @@ class StateCache:
         self._states.clear()
 
 
+def _unknown(session_id: str) -> UnknownSession:
+    return UnknownSession(f"no session {session_id!r}", field="session_id",
+                          expected="an opened session id", actual=session_id)
+
+
 async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = False) -> Any:
-    if not SESSION_ID_RE.match(session_id):
+    if not SESSION_ID.matches(session_id):
         # No session can have such an id: unknown, and never sent to the database.
         raise UnknownSession(f"no session {session_id[:80]!r}", field="session_id",
                              expected="an opened session id ([A-Za-z0-9._:-]{1,128})",
                              actual=session_id[:80])
     query = sa.select(sessions).where(sessions.c.session_id == session_id)
-    if lock and conn.dialect.name == "postgresql":
-        # NO KEY UPDATE: serializes appends without blocking inserts that only
-        # reference the session row (foreign keys take KEY SHARE locks).
-        query = query.with_for_update(key_share=True)
+    if lock:
+        query = lock_for_append(conn, query)
     row = (await conn.execute(query)).mappings().first()
     if row is None:
-        raise UnknownSession(f"no session {session_id!r}", field="session_id",
-                             expected="an opened session id", actual=session_id)
+        raise _unknown(session_id)
     return row
 
 
@@ -81,6 +87,20 @@ class FoldLog:
     opened_us: int = 0
     closed_us: int | None = None
     turns: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq → (position, us)
+
+
+async def load_patches(
+    conn: AsyncConnection, session_id: str, seqs: Iterable[int]
+) -> dict[int, Patch]:
+    """The stored R3 patches of the given turns, by seq (a turn without one is absent)."""
+    wanted = list(seqs)
+    if not wanted:
+        return {}
+    rows = await conn.execute(
+        sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
+        .where(r3_patches.c.seq.in_(wanted))
+    )
+    return {row.seq: patch_from_row(row) for row in rows}
 
 
 async def fold_events(
@@ -117,7 +137,7 @@ async def fold_events(
             if log is not None:
                 log.opened_us = row.recorded_us
             if state is None:
-                state = SessionState(spec=SessionSpec.from_body(payload["session"]))
+                state = SessionState(definition=SessionDefinition.from_body(payload["session"]))
         elif row.type == TURN_RECORDED:
             assert state is not None
             if log is not None:
@@ -127,15 +147,14 @@ async def fold_events(
             parent = payload["parent"]
             parent_tokens = None if parent is None else state.nodes[parent].tokens
             prompt = restore_prompt(parent_tokens, row.prompt_lcp, row.prompt_delta)
-            facts = stored_facts(state.spec, payload, prompt, geometry.get(row.seq))
+            facts = stored_facts(state.definition, payload, prompt, geometry.get(row.seq))
             state.apply_turn(row.seq, parent, row.event_id, facts)
         elif row.type == SESSION_CLOSED and state is not None:
             if log is not None:
                 log.closed_us = row.recorded_us
             state.apply_close(parse_close(payload["close"]))
     if state is None:
-        raise UnknownSession(f"no session {session_id!r}", field="session_id",
-                             expected="an opened session id", actual=session_id)
+        raise _unknown(session_id)
     return state
 
 

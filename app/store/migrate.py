@@ -19,7 +19,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
 from alembic import command
-from app.store.db import normalize_url
+from app.store.dialect import normalize_url
 
 SCRIPTS = Path(__file__).resolve().parent / "migrations"
 _lock = threading.Lock()

@@ -10,25 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
 
 from app.domain import jsonio
-from app.domain.errors import InvalidRequest
 from app.domain.events import TURN_RECORDED, restore_record, without_r3
+from app.domain.labels import LabelFilters
 from app.domain.projections import iso_us, tree_entry
 from app.domain.r3 import Patch
-from app.domain.session import LABEL_KEY_RE, describe, require_text, uses_addition_r3
+from app.domain.session import uses_addition_r3
 from app.store import cursor
 from app.store.db import Database
 from app.store.dialect import feed_fence
-from app.store.loader import StateCache, load_state, session_row
-from app.store.schema import events, r3_patches, session_labels, sessions
-
-MAX_FEED_LIMIT = 1000
-MAX_WAIT = 30.0
+from app.store.loader import StateCache, load_patches, load_state, session_row
+from app.store.schema import events, session_labels, sessions
 
 
 def summary(row: Any) -> dict[str, Any]:
@@ -51,34 +47,16 @@ def summary(row: Any) -> dict[str, Any]:
     }
 
 
-def check_limit(limit: int | None, default: int, maximum: int) -> int:
-    """A page size: absent → default; above the maximum → the maximum ("at most")."""
-    if limit is None:
-        return default
-    if limit < 1:
-        raise InvalidRequest(f"limit must be between 1 and {maximum}", field="limit",
-                             expected=f"integer in [1, {maximum}]", actual=limit)
-    return min(limit, maximum)
-
-
 def label_filter(
-    filters: Mapping[str, str],
+    filters: LabelFilters,
     session_id: sa.ColumnElement[Any] = sessions.c.session_id,
 ) -> list[sa.ColumnElement[bool]]:
     """EXISTS clauses, one per filter, correlated to `session_id` (any table's column)."""
-    clauses: list[sa.ColumnElement[bool]] = []
-    for key, value in filters.items():
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidRequest("label filter names are 1-64 characters of [A-Za-z0-9._:-]",
-                                 field=key, expected="[A-Za-z0-9._:-]{1,64}",
-                                 actual=describe(key))
-        require_text(value, key)
-        clauses.append(sa.exists().where(
-            session_labels.c.session_id == session_id,
-            session_labels.c.key == key,
-            session_labels.c.value_text == value,
-        ))
-    return clauses
+    return [sa.exists().where(
+        session_labels.c.session_id == session_id,
+        session_labels.c.key == key,
+        session_labels.c.value_text == value,
+    ) for key, value in filters]
 
 
 class Reader:
@@ -112,9 +90,9 @@ class Reader:
         return state.resume(leaf)
 
     async def session_events(
-        self, session_id: str, after: int | None, limit: int | None, include_r3: bool
+        self, session_id: str, after: int | None, limit: int, include_r3: bool
     ) -> list[dict[str, Any]]:
-        limit = check_limit(limit, 1000, 100_000)
+        """Events after position `after`, at most `limit` (a parsed `EVENTS_PAGE`)."""
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
             state = await load_state(conn, self.cache, row)
@@ -124,15 +102,9 @@ class Reader:
                 query = query.where(events.c.position > after)
             rows = (await conn.execute(query)).mappings().all()
             patches: dict[int, Patch] = {}
-            seqs = [r["seq"] for r in rows if r["seq"] is not None]
-            if include_r3 and seqs:
-                for p in await conn.execute(
-                    sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
-                    .where(r3_patches.c.seq.in_(seqs))
-                ):
-                    patches[p.seq] = Patch(start=p.start_row, end=p.end_row,
-                                           num_layers=p.num_layers, topk=p.topk,
-                                           dtype=p.dtype, data=p.data)
+            if include_r3:
+                patches = await load_patches(
+                    conn, session_id, (r["seq"] for r in rows if r["seq"] is not None))
         return [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
                 or r["seq"] < len(state.nodes)]
 
@@ -162,16 +134,11 @@ class Reader:
         return out
 
     async def list_sessions(
-        self, status: str | None, after: str | None, limit: int | None,
-        filters: Mapping[str, str],
+        self, status: str | None, after: str | None, limit: int, filters: LabelFilters,
     ) -> dict[str, Any]:
         """Sessions in the order their opens committed, behind the feed's fence, so a
         tailing reader never skips an open that committed late."""
-        limit = check_limit(limit, 100, 1000)
         start = cursor.decode(after, 2)
-        if status not in (None, "open", "closed"):
-            raise InvalidRequest("status must be open or closed", field="status",
-                                 expected='"open" | "closed"', actual=describe(status))
         query = (sa.select(sessions)
                  .where(sa.tuple_(sessions.c.xid, sessions.c.id) > sa.tuple_(*start))
                  .where(*label_filter(filters))
@@ -204,13 +171,10 @@ class Reader:
             return list(await conn.execute(query))
 
     async def feed(
-        self, after: str | None, limit: int | None, wait: float | None
+        self, after: str | None, limit: int, wait: float | None
     ) -> dict[str, Any]:
-        limit = check_limit(limit, 100, MAX_FEED_LIMIT)
-        if wait is not None and not wait >= 0:  # NaN fails this too
-            raise InvalidRequest(f"wait must be between 0 and {MAX_WAIT} seconds", field="wait",
-                                 expected=f"number in [0, {MAX_WAIT}]", actual=wait)
-        wait = None if wait is None else min(wait, MAX_WAIT)
+        """At most `limit` events after the cursor, waiting up to `wait` seconds for one
+        (both parsed: `FEED_PAGE`, `parse_wait`)."""
         start = cursor.decode(after, 2)
         deadline = time.monotonic() + (wait or 0.0)
         while True:

@@ -13,15 +13,12 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-import sqlalchemy as sa
-
-from app.domain.assembly import R3Plan, check_slice, plan_shape, take
-from app.domain.errors import R3Gap, SessionOpen
+from app.domain.assembly import R3Plan, check_patches, plan_shape, take
+from app.domain.errors import SessionOpen
 from app.domain.r3 import Patch, npy_header
 from app.domain.samples import SamplesResult, build_samples
 from app.store.db import Database
-from app.store.loader import StateCache, load_state, session_row
-from app.store.schema import r3_patches
+from app.store.loader import StateCache, load_patches, load_state, session_row
 
 
 class SampleReader:
@@ -58,26 +55,14 @@ class SampleReader:
 
     async def _patches(self, session_id: str, seqs: list[int]) -> dict[int, Patch]:
         async with self.db.read() as conn:
-            rows = await conn.execute(
-                sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
-                .where(r3_patches.c.seq.in_(seqs))
-            )
-            return {row.seq: Patch(start=row.start_row, end=row.end_row,
-                                   num_layers=row.num_layers, topk=row.topk, dtype=row.dtype,
-                                   data=row.data) for row in rows}
+            return await load_patches(conn, session_id, seqs)
 
     async def read_patches(self, session_id: str, plan: R3Plan) -> dict[int, Patch]:
         """The plan's patches, narrowed as stored (a quarter of the tensor for uint8),
         checked before the response starts so a broken log answers 422, not a
         truncated 200."""
         patches = await self._patches(session_id, sorted({p.seq for p in plan.slices}))
-        for piece in plan.slices:
-            patch = patches.get(piece.seq)
-            if patch is None:
-                raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
-                            field="routed_experts", expected="a stored patch", actual="none",
-                            status=422, extra={"seq": piece.seq})
-            check_slice(piece, patch, plan)
+        check_patches(plan, patches)
         return patches
 
     @staticmethod

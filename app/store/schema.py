@@ -9,7 +9,14 @@ triggers); the other tables are projections, recomputable from events.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import sqlalchemy as sa
+
+from app.domain.metric_history import RunCoordinate
+from app.domain.r3 import Patch
+from app.domain.specinfo import SPEC_INFO_COLUMNS
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -22,6 +29,18 @@ NAMING_CONVENTION = {
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def run_coordinate_columns() -> list[sa.Column[str]]:
+    """The fields of a `RunCoordinate`: runs share baselines only if all are equal."""
+    return [sa.Column(f.name, sa.Text, nullable=False) for f in dataclasses.fields(RunCoordinate)]
+
+
+def spec_info_columns() -> list[sa.Column[int]]:
+    """The four SpecInfo counters (`SPEC_INFO_COLUMNS`) of a node, sample or carrier."""
+    return [sa.Column(column, sa.BigInteger, nullable=False)
+            for column in SPEC_INFO_COLUMNS.values()]
+
 
 sessions = sa.Table(
     "sessions",
@@ -46,10 +65,7 @@ sessions = sa.Table(
     sa.Column("closed_us", sa.BigInteger, nullable=True),
     sa.Column("close_fingerprint", sa.String(64), nullable=True),
     # session metrics carrier: SpecInfo over every node (guarded sums)
-    sa.Column("spec_correct", sa.BigInteger, nullable=False),
-    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
-    sa.Column("spec_verify", sa.BigInteger, nullable=False),
-    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    *spec_info_columns(),
     # samples projection, session level
     sa.Column("empty_reason", sa.String(32), nullable=True),
     sa.Column("sample_errors", sa.Text, nullable=True),
@@ -100,6 +116,20 @@ r3_patches = sa.Table(
     sa.ForeignKeyConstraint(["session_id", "seq"], ["events.session_id", "events.seq"]),
 )
 
+
+def patch_row(session_id: str, seq: int, patch: Patch) -> dict[str, Any]:
+    """The `r3_patches` row of one turn's patch."""
+    return {"session_id": session_id, "seq": seq, "start_row": patch.start,
+            "end_row": patch.end, "num_layers": patch.num_layers, "topk": patch.topk,
+            "dtype": patch.dtype, "data": patch.data}
+
+
+def patch_from_row(row: Any) -> Patch:
+    """Inverse of `patch_row`."""
+    return Patch(start=row.start_row, end=row.end_row, num_layers=row.num_layers,
+                 topk=row.topk, dtype=row.dtype, data=row.data)
+
+
 nodes = sa.Table(
     "nodes",
     metadata,
@@ -116,10 +146,7 @@ nodes = sa.Table(
     sa.Column("r3_end", sa.Integer, nullable=True),
     sa.Column("finish_reason", sa.Text, nullable=True),
     sa.Column("weight_version", sa.Text, nullable=True),
-    sa.Column("spec_correct", sa.BigInteger, nullable=False),
-    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
-    sa.Column("spec_verify", sa.BigInteger, nullable=False),
-    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    *spec_info_columns(),
     sa.Column("cached_tokens", sa.BigInteger, nullable=True),
     sa.Column("record_ts", sa.Float, nullable=True),
     sa.Column("record_hour", sa.String(20), nullable=True),
@@ -140,10 +167,7 @@ samples = sa.Table(
     sa.Column("num_tokens", sa.Integer, nullable=False),
     sa.Column("response_length", sa.Integer, nullable=False),
     sa.Column("weight_versions", sa.Text, nullable=False),
-    sa.Column("spec_correct", sa.BigInteger, nullable=False),
-    sa.Column("spec_proposed", sa.BigInteger, nullable=False),
-    sa.Column("spec_verify", sa.BigInteger, nullable=False),
-    sa.Column("spec_completion", sa.BigInteger, nullable=False),
+    *spec_info_columns(),
     sa.Column("reward", sa.Text, nullable=True),
     sa.Column("sample_metadata", sa.Text, nullable=False),
     sa.Column("r3", sa.Text, nullable=True),
@@ -160,9 +184,7 @@ metric_submissions = sa.Table(
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
     sa.Column("run_key", sa.String(64), nullable=False),
-    sa.Column("test_path", sa.Text, nullable=False),
-    sa.Column("backend", sa.Text, nullable=False),
-    sa.Column("suite", sa.Text, nullable=False),
+    *run_coordinate_columns(),
     sa.Column("run_id", sa.String(256), nullable=False),
     sa.Column("attempt", sa.Integer, nullable=False),
     sa.Column("trusted", sa.Boolean, nullable=False),
@@ -191,9 +213,7 @@ gate_baselines = sa.Table(
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
     sa.Column("coordinate_key", sa.String(64), nullable=False),
-    sa.Column("test_path", sa.Text, nullable=False),
-    sa.Column("backend", sa.Text, nullable=False),
-    sa.Column("suite", sa.Text, nullable=False),
+    *run_coordinate_columns(),
     sa.Column("metric", sa.String(256), nullable=False),
     sa.Column("steps_key", sa.Text, nullable=False),
     sa.Column("constraint_key", sa.Text, nullable=False),

@@ -9,7 +9,6 @@ attach → insert → commit, and only then updates the in-process state cache.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,18 +33,21 @@ from app.domain.projections import (
     session_definition,
     session_head,
 )
-from app.domain.r3 import Patch
 from app.domain.samples import build_samples
-from app.domain.session import SessionSpec, parse_close, parse_open
+from app.domain.session import SessionDefinition, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import TurnBody, parse_turn
-from app.store.db import Database
-from app.store.loader import StateCache, load_state, session_row
-from app.store.schema import events, nodes, r3_patches, samples, session_labels, sessions
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
+from app.store.db import Database, now_us
+from app.store.loader import StateCache, load_patches, load_state, session_row
+from app.store.schema import (
+    events,
+    nodes,
+    patch_row,
+    r3_patches,
+    samples,
+    session_labels,
+    sessions,
+)
 
 
 @dataclass(frozen=True)
@@ -84,59 +86,61 @@ class Writer:
         self.cache = cache
         self.max_nodes = max_nodes
 
-    async def open_session(self, raw: Any) -> tuple[SessionSpec, bool]:
-        spec = parse_open(raw)
-        fingerprint = jsonio.fingerprint(spec.body())
+    async def open_session(self, raw: Any) -> tuple[SessionDefinition, bool]:
+        definition = parse_open(raw)
+        fingerprint = jsonio.fingerprint(definition.body())
         try:
             async with self.db.write() as conn:
                 existing = (await conn.execute(
                     sa.select(sessions.c.open_fingerprint)
-                    .where(sessions.c.session_id == spec.session_id)
+                    .where(sessions.c.session_id == definition.session_id)
                 )).first()
                 if existing is not None:
-                    return spec, self._same_open(existing.open_fingerprint, fingerprint, spec)
-                await self._insert_session(conn, spec)
+                    return definition, self._same_open(existing.open_fingerprint, fingerprint,
+                                                       definition)
+                await self._insert_session(conn, definition)
         except IntegrityError:
             # A concurrent open of the same id won the race: answer as a repeat.
             async with self.db.read() as conn:
-                row = await session_row(conn, spec.session_id)
-            return spec, self._same_open(row["open_fingerprint"], fingerprint, spec)
-        return spec, True
+                row = await session_row(conn, definition.session_id)
+            return definition, self._same_open(row["open_fingerprint"], fingerprint, definition)
+        return definition, True
 
     @staticmethod
-    def _same_open(stored: str, fingerprint: str, spec: SessionSpec) -> bool:
+    def _same_open(stored: str, fingerprint: str, definition: SessionDefinition) -> bool:
         if stored != fingerprint:
             raise SessionConflict(
-                f"session {spec.session_id!r} exists with another definition",
+                f"session {definition.session_id!r} exists with another definition",
                 field="body", expected="the body the session was opened with",
                 actual="a different body",
             )
         return False
 
-    async def _insert_session(self, conn: AsyncConnection, spec: SessionSpec) -> None:
+    async def _insert_session(self, conn: AsyncConnection, definition: SessionDefinition) -> None:
         recorded = now_us()
         await conn.execute(sessions.insert().values(
-            **session_definition(spec, recorded), **session_head(SessionState(spec=spec))))
-        if spec.labels:
-            await conn.execute(session_labels.insert(), label_rows(spec))
+            **session_definition(definition, recorded),
+            **session_head(SessionState(definition=definition))))
+        if definition.labels:
+            await conn.execute(session_labels.insert(), label_rows(definition))
         await _insert_event(conn, {
-            "session_id": spec.session_id,
+            "session_id": definition.session_id,
             "type": SESSION_OPENED,
-            "payload": jsonio.dumps({"session": spec.body()}),
+            "payload": jsonio.dumps({"session": definition.body()}),
             "recorded_us": recorded,
         })
 
-    async def _spec(self, session_id: str) -> SessionSpec:
+    async def _definition(self, session_id: str) -> SessionDefinition:
         cached = self.cache.get(session_id)
         if cached is not None:
-            return cached.spec
+            return cached.definition
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
-            return (await load_state(conn, self.cache, row)).spec
+            return (await load_state(conn, self.cache, row)).definition
 
     async def append_turn(self, session_id: str, raw: Any) -> Written:
-        spec = await self._spec(session_id)
-        body = parse_turn(raw, spec)
+        definition = await self._definition(session_id)
+        body = parse_turn(raw, definition)
         async with self.db.write() as conn:
             row = await session_row(conn, session_id, lock=True)
             state = await load_state(conn, self.cache, row)
@@ -144,7 +148,7 @@ class Writer:
             if seen is not None:
                 return Written(await self._repeat(conn, state, seen, body), created=False)
             attachment = state.attach(body, self.max_nodes)
-            stored = encode_turn(body, attachment, spec.num_layers)
+            stored = encode_turn(body, attachment, definition.num_layers)
             recorded = now_us()
             position = await _insert_event(conn, {
                 "session_id": session_id,
@@ -157,12 +161,8 @@ class Writer:
                 "recorded_us": recorded,
             })
             if stored.patch is not None:
-                patch = stored.patch
                 await conn.execute(r3_patches.insert().values(
-                    session_id=session_id, seq=attachment.seq, start_row=patch.start,
-                    end_row=patch.end, num_layers=patch.num_layers, topk=patch.topk,
-                    dtype=patch.dtype, data=patch.data,
-                ))
+                    **patch_row(session_id, attachment.seq, stored.patch)))
             # The cached state only takes the node once the transaction has committed.
             node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
             nrow = node_row(session_id, node, position, recorded)
@@ -183,18 +183,13 @@ class Writer:
 
         Compared against the log itself, so the append path pays nothing for it.
         """
-        session_id = state.spec.session_id
+        session_id = state.definition.session_id
         event = (await conn.execute(
             sa.select(events.c.payload).where(events.c.session_id == session_id)
             .where(events.c.seq == seq)
         )).one()
-        patch = (await conn.execute(
-            sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
-            .where(r3_patches.c.seq == seq)
-        )).first()
-        b64 = None if patch is None else Patch(
-            start=patch.start_row, end=patch.end_row, num_layers=patch.num_layers,
-            topk=patch.topk, dtype=patch.dtype, data=patch.data).base64()
+        patch = (await load_patches(conn, session_id, [seq])).get(seq)
+        b64 = None if patch is None else patch.base64()
         first = stored_content(jsonio.loads(event.payload), body.event_id,
                                state.nodes[seq].facts.prompt, b64)
         if not jsonio.strict_equal(first, body.content()):
@@ -223,7 +218,8 @@ class Writer:
                     )
                 return False
             state = await load_state(conn, self.cache, row)
-            closed = SessionState(spec=state.spec, nodes=state.nodes, topk=state.topk,
+            closed = SessionState(definition=state.definition, nodes=state.nodes,
+                                  topk=state.topk,
                                   close=close, event_ids=state.event_ids)
             result = build_samples(closed, close)
             recorded = now_us()

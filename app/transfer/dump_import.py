@@ -19,7 +19,7 @@ from typing import Any
 
 from app.domain import jsonio
 from app.domain.errors import DomainError
-from app.domain.session import is_int
+from app.domain.validate import is_int
 from app.store.writes import Writer
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -195,13 +195,13 @@ def open_body(dump: Dump, options: ImportOptions) -> dict[str, Any]:
                         "the dump's metadata (num_layers) or with --num-layers",
                         "metadata.num_layers", "a positive integer", None)
     trim = dump.metadata.get("max_trim_tokens", options.max_trim_tokens)
-    spec = any(_speculative(r) for r in dump.records)
+    speculative = any(_speculative(r) for r in dump.records)
     return {
         "session_id": dump.session_id,
         "version": "v1",
         "pause_generation_mode": "in_place" if addition else "retract",
         "r3": None if layers is None else {"num_layers": layers},
-        "spec": spec,
+        "spec": speculative,
         "max_trim_tokens": trim,
         "labels": dict(options.labels),
     }
@@ -228,7 +228,7 @@ async def import_dump(writer: Writer, dump: Dump, options: ImportOptions,
     """Open the dump's session (or find it identical) and append every record once."""
     sid = dump.session_id
     try:
-        _spec, created = await writer.open_session(open_body(dump, options))
+        _definition, created = await writer.open_session(open_body(dump, options))
     except DumpError as exc:
         report.failures.append(Failure(dump.source, sid, None, exc.problem))
         return

@@ -30,6 +30,8 @@ from typing import IO, Any
 import numpy as np
 
 from app.domain.errors import DomainError
+from app.domain.labels import parse_label_filters
+from app.domain.queries import SESSIONS_PAGE
 from app.domain.samples import Sample, SamplesResult
 from app.services import Services
 
@@ -139,10 +141,12 @@ async def closed_sessions(svc: Services, filters: dict[str, str]) -> list[dict[s
     """Summaries of every closed session matching the label filters, in open order."""
     out: list[dict[str, Any]] = []
     after: str | None = None
+    labels = parse_label_filters(filters)
+    limit = SESSIONS_PAGE.maximum
     while True:
-        page = await svc.reader.list_sessions("closed", after, 1000, filters)
+        page = await svc.reader.list_sessions("closed", after, limit, labels)
         out.extend(page["sessions"])
-        if len(page["sessions"]) < 1000:
+        if len(page["sessions"]) < limit:
             return out
         after = page["next"]
 

@@ -142,7 +142,7 @@ class Played:
 def simulator(session_id: str, index: int, seed: int) -> SessionSimulator:
     version, mode = MODES[index % len(MODES)]
     config = SimConfig(session_id=session_id, version=version, pause_generation_mode=mode,
-                       spec=True, max_trim_tokens=index % 2,
+                       speculative=True, max_trim_tokens=index % 2,
                        labels={"run_id": "crash", "rollout_id": index})
     return SessionSimulator(config, random.Random(seed), SimRates(omit_parent=0.3))
 

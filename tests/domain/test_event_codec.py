@@ -32,19 +32,19 @@ def sessions(draw):
     layers = draw(st.integers(1, 3))
     topk = draw(st.integers(1, 3))
     mode = draw(st.sampled_from(["retract", "in_place"]))
-    spec = parse_open({"session_id": "p", "version": "v2", "pause_generation_mode": mode,
+    definition = parse_open({"session_id": "p", "version": "v2", "pause_generation_mode": mode,
                        "r3": {"num_layers": layers}})
-    return spec, topk
+    return definition, topk
 
 
-def body_for(draw, spec, topk, prompt, output, start):
+def body_for(draw, definition, topk, prompt, output, start):
     rows = len(prompt) + len(output) - 1 - start
-    values = draw(st.lists(int32, min_size=rows * spec.num_layers * topk,
-                           max_size=rows * spec.num_layers * topk))
+    values = draw(st.lists(int32, min_size=rows * definition.num_layers * topk,
+                           max_size=rows * definition.num_layers * topk))
     payload = base64.b64encode(np.asarray(values, "<i4").tobytes()).decode() if rows else ""
     request = {"input_ids": prompt, "return_routed_experts": True,
                "extra": draw(json_value)}
-    if spec.use_addition_r3:
+    if definition.use_addition_r3:
         request["routed_experts_start_len"] = start
     meta = {"output_token_logprobs": [[draw(st.floats(-50, 0)), t] for t in output],
             "routed_experts": payload, "anything": draw(json_value)}
@@ -57,21 +57,21 @@ def body_for(draw, spec, topk, prompt, output, start):
 @settings(max_examples=150, deadline=None)
 @given(st.data(), sessions(), tokens, tokens, st.lists(st.integers(0, 2**31 - 1), max_size=6))
 def test_two_turn_records_round_trip(data, session, prompt0, out1, extra):
-    spec, topk = session
-    state = SessionState(spec=spec)
+    definition, topk = session
+    state = SessionState(definition=definition)
     draw = data.draw
     out0 = draw(st.lists(st.integers(0, 2**31 - 1), max_size=5))
-    body0 = body_for(draw, spec, topk, prompt0, out0, 0)
+    body0 = body_for(draw, definition, topk, prompt0, out0, 0)
     parent_tokens = prompt0 + out0
     prompt1 = parent_tokens + extra
-    start1 = len(parent_tokens) - 1 if spec.use_addition_r3 else 0
-    body1 = body_for(draw, spec, topk, prompt1, out1, start1)
+    start1 = len(parent_tokens) - 1 if definition.use_addition_r3 else 0
+    body1 = body_for(draw, definition, topk, prompt1, out1, start1)
     body1["event_id"] = "f"
     for i, raw in enumerate((body0, body1)):
         sent = jsonio.loads(jsonio.dumps(raw))  # what the server receives
-        turn = parse_turn(sent, spec)
+        turn = parse_turn(sent, definition)
         attachment = state.attach(turn, 1024)
-        stored = encode_turn(turn, attachment, spec.num_layers)
+        stored = encode_turn(turn, attachment, definition.num_layers)
         payload = jsonio.loads(stored.payload)
         parent = payload["parent"]
         ptoks = None if parent is None else state.nodes[parent].tokens
@@ -79,7 +79,7 @@ def test_two_turn_records_round_trip(data, session, prompt0, out1, extra):
         b64 = None if stored.patch is None else stored.patch.base64()
         assert restore_record(payload, prompt, b64) == sent["record"]
         geometry = None if stored.patch is None else (stored.patch.start, stored.patch.topk)
-        facts = stored_facts(spec, payload, prompt, geometry)
+        facts = stored_facts(definition, payload, prompt, geometry)
         assert np.array_equal(facts.tokens, turn.facts.tokens)
         state.apply_turn(i, attachment.parent, turn.event_id, facts)
     # the TITO delta keeps the second prompt's shared prefix out of the log

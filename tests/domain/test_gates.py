@@ -10,14 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.domain.errors import InvalidRequest
-from app.domain.gate_specs import (
+from app.domain.gate_definitions import (
     GATE_DEFAULTS,
     Constraint,
-    GateSpec,
-    default_specs,
+    GateDefinition,
+    default_gates,
     parse_constraint,
-    parse_gate_spec,
-    parse_gate_specs,
+    parse_gate_definition,
+    parse_gate_definitions,
 )
 from app.domain.gates import (
     BaselineRow,
@@ -40,20 +40,20 @@ V2_TEXT = "rollout/tito_session_mismatch_rate/v2/assistant_text"
 TIGHT = {"rel_up": 0.1, "rel_down": 0.1}
 
 
-def spec(metric: str = "train/ppo_kl", steps: Any = "all",
-         constraint: Any = None) -> GateSpec:
-    return parse_gate_spec({"metric": metric, "steps": steps,
+def gate(metric: str = "train/ppo_kl", steps: Any = "all",
+         constraint: Any = None) -> GateDefinition:
+    return parse_gate_definition({"metric": metric, "steps": steps,
                             "constraint": TIGHT if constraint is None else constraint})
 
 
-def coord(s: GateSpec, step: int, run: RunCoordinate = RUN) -> GateCoordinate:
+def coord(s: GateDefinition, step: int, run: RunCoordinate = RUN) -> GateCoordinate:
     return GateCoordinate(run.test_path, run.backend, run.suite, s.metric, s.steps_key,
                           s.constraint_key, step)
 
 
 def rejected_field(raw: Any) -> str | None:
     with pytest.raises(InvalidRequest) as info:
-        parse_gate_specs(raw)
+        parse_gate_definitions(raw)
     return info.value.field
 
 
@@ -78,7 +78,7 @@ def test_gate_defaults_are_the_table_of_the_issue() -> None:
 
 
 def test_an_omitted_steps_and_constraint_come_from_the_defaults() -> None:
-    s = parse_gate_spec({"metric": V1_TEXT})
+    s = parse_gate_definition({"metric": V1_TEXT})
     assert s.steps == "last"
     assert s.constraint == Constraint(rel_up=1.0, abs_floor_up=0.1, rel_down=1.0)
     assert s.steps_key == '"last"'
@@ -86,22 +86,22 @@ def test_an_omitted_steps_and_constraint_come_from_the_defaults() -> None:
 
 
 def test_a_written_literal_wins_over_the_default() -> None:
-    s = parse_gate_spec({"metric": "train/grad_norm", "steps": [3, 1]})
+    s = parse_gate_definition({"metric": "train/grad_norm", "steps": [3, 1]})
     assert s.steps == (3, 1)
     assert s.constraint == Constraint(0.5, 0.1, 0.8, 0.1)
 
 
 def test_keys_are_canonical_json_of_the_literal_as_written() -> None:
-    s = parse_gate_spec({"metric": "m", "steps": [5, 0],
+    s = parse_gate_definition({"metric": "m", "steps": [5, 0],
                          "constraint": {"rel_down": 1, "abs_floor_up": 0.5}})
     assert s.steps_key == "[5,0]"
     assert s.constraint_key == '{"abs_floor_up":0.5,"rel_down":1}'
 
 
 def test_an_integer_and_a_float_literal_are_different_coordinates() -> None:
-    a = parse_gate_spec({"metric": "m", "steps": "all", "constraint": {"rel_up": 1,
+    a = parse_gate_definition({"metric": "m", "steps": "all", "constraint": {"rel_up": 1,
                                                                         "rel_down": 1}})
-    b = parse_gate_spec({"metric": "m", "steps": "all", "constraint": {"rel_up": 1.0,
+    b = parse_gate_definition({"metric": "m", "steps": "all", "constraint": {"rel_up": 1.0,
                                                                         "rel_down": 1.0}})
     assert a.constraint == b.constraint
     assert a.constraint_key != b.constraint_key
@@ -160,13 +160,13 @@ def test_constraint_parameters_are_finite_non_negative_numbers(value: Any) -> No
 
 
 def test_a_repeated_spec_is_kept_once() -> None:
-    specs = parse_gate_specs([{"metric": "train/ppo_kl"}, {"metric": "train/ppo_kl"},
+    specs = parse_gate_definitions([{"metric": "train/ppo_kl"}, {"metric": "train/ppo_kl"},
                               {"metric": "train/ppo_kl", "steps": "last"}])
     assert [s.steps for s in specs] == ["all", "last"]
 
 
-def test_default_specs_cover_every_default_metric() -> None:
-    assert sorted(s.metric for s in default_specs()) == sorted(GATE_DEFAULTS)
+def test_default_gates_cover_every_default_metric() -> None:
+    assert sorted(s.metric for s in default_gates()) == sorted(GATE_DEFAULTS)
 
 
 # --- selection -----------------------------------------------------------------------
@@ -266,13 +266,13 @@ def test_values_older_than_the_window_never_move_the_baseline(newest: list[float
 
 
 def test_a_coordinate_without_history_is_inactive_and_trusted() -> None:
-    verdict = evaluate(RUN, [spec()], {"train/ppo_kl": [(0, 0.1)]}, {})
+    verdict = evaluate(RUN, [gate()], {"train/ppo_kl": [(0, 0.1)]}, {})
     assert [r.status for r in verdict.results] == [GateStatus.INACTIVE]
     assert verdict.trusted and verdict.exit_code == 0
 
 
 def test_a_value_inside_the_corridor_passes() -> None:
-    s = spec()
+    s = gate()
     verdict = evaluate(RUN, [s], {"train/ppo_kl": [(0, 1.05)]}, {coord(s, 0): [1.0]})
     (result,) = verdict.results
     assert (result.status, result.baseline, result.baseline_n) == (GateStatus.PASS, 1.0, 1)
@@ -281,7 +281,7 @@ def test_a_value_inside_the_corridor_passes() -> None:
 
 
 def test_a_value_outside_the_corridor_fails_the_run() -> None:
-    s = spec()
+    s = gate()
     verdict = evaluate(RUN, [s], {"train/ppo_kl": [(0, 1.05), (1, 5.0)]},
                        {coord(s, 0): [1.0], coord(s, 1): [1.0]})
     assert [r.status for r in verdict.results] == [GateStatus.PASS, GateStatus.FAIL]
@@ -289,7 +289,7 @@ def test_a_value_outside_the_corridor_fails_the_run() -> None:
 
 
 def test_a_missing_metric_is_an_error() -> None:
-    verdict = evaluate(RUN, [spec()], {}, {})
+    verdict = evaluate(RUN, [gate()], {}, {})
     (result,) = verdict.results
     assert result.status == GateStatus.ERROR and result.step is None
     assert "missing" in result.detail
@@ -297,14 +297,14 @@ def test_a_missing_metric_is_an_error() -> None:
 
 
 def test_a_selection_error_is_an_error_naming_the_step() -> None:
-    verdict = evaluate(RUN, [spec(steps=[0, 3])], {"train/ppo_kl": [(0, 1.0)]}, {})
+    verdict = evaluate(RUN, [gate(steps=[0, 3])], {"train/ppo_kl": [(0, 1.0)]}, {})
     (result,) = verdict.results
     assert (result.status, result.step) == (GateStatus.ERROR, 3)
 
 
 def test_an_error_outranks_a_failure_in_the_exit_code() -> None:
-    s = spec()
-    verdict = evaluate(RUN, [s, spec("train/grad_norm")], {"train/ppo_kl": [(0, 9.0)]},
+    s = gate()
+    verdict = evaluate(RUN, [s, gate("train/grad_norm")], {"train/ppo_kl": [(0, 9.0)]},
                        {coord(s, 0): [1.0]})
     assert {r.status for r in verdict.results} == {GateStatus.FAIL, GateStatus.ERROR}
     assert verdict.exit_code == 2 and verdict.outcome == "error"
@@ -316,9 +316,9 @@ def test_no_specs_is_vacuously_trusted() -> None:
 
 
 def test_history_is_looked_up_at_exactly_the_same_coordinate() -> None:
-    s = spec()
+    s = gate()
     other_suite = RunCoordinate(RUN.test_path, RUN.backend, "stage-b")
-    other_rule = spec(constraint={"rel_up": 0.2, "rel_down": 0.1})
+    other_rule = gate(constraint={"rel_up": 0.2, "rel_down": 0.1})
     history = {coord(s, 0, other_suite): [1.0], coord(other_rule, 0): [1.0],
                coord(s, 1): [1.0]}
     verdict = evaluate(RUN, [s], {"train/ppo_kl": [(0, 9.0)]}, history)
@@ -326,14 +326,14 @@ def test_history_is_looked_up_at_exactly_the_same_coordinate() -> None:
 
 
 def test_last_is_judged_at_step_minus_one_whatever_step_it_landed_on() -> None:
-    s = spec(V2_TEXT, steps="last")
+    s = gate(V2_TEXT, steps="last")
     verdict = evaluate(RUN, [s], {V2_TEXT: [(0, 0.5), (9, 0.2)]}, {coord(s, -1): [0.2]})
     (result,) = verdict.results
     assert (result.step, result.at_step, result.status) == (-1, 9, GateStatus.PASS)
 
 
 def test_baselines_may_be_a_callable_given_each_coordinate() -> None:
-    s = spec()
+    s = gate()
     asked: list[GateCoordinate] = []
 
     def history(c: GateCoordinate) -> list[float]:
@@ -345,8 +345,8 @@ def test_baselines_may_be_a_callable_given_each_coordinate() -> None:
 
 
 def test_the_verdict_lists_every_coordinate_as_strict_json() -> None:
-    s = spec()
-    verdict = evaluate(RUN, [s, spec(V1_TEXT, steps=[0])],
+    s = gate()
+    verdict = evaluate(RUN, [s, gate(V1_TEXT, steps=[0])],
                        {"train/ppo_kl": [(0, 1.0)], V1_TEXT: [(0, math.nan)]},
                        {coord(s, 0): [1.0]})
     body = verdict.as_dict()
@@ -363,7 +363,7 @@ def test_the_verdict_lists_every_coordinate_as_strict_json() -> None:
 
 
 def test_a_run_contributes_one_row_per_pickable_coordinate() -> None:
-    s, broken = spec(), spec("train/grad_norm")
+    s, broken = gate(), gate("train/grad_norm")
     rows = baseline_rows(RUN, "run-7", [s, broken, s], {"train/ppo_kl": [(0, 1.0), (1, 2.0)]},
                          trusted=True)
     assert rows == [BaselineRow(coord(s, 0), "run-7", 1.0, True),
@@ -371,20 +371,20 @@ def test_a_run_contributes_one_row_per_pickable_coordinate() -> None:
 
 
 def test_a_non_finite_value_never_becomes_a_baseline_row() -> None:
-    rows = baseline_rows(RUN, "r", [spec(steps="last")], {"train/ppo_kl": [(0, math.inf)]},
+    rows = baseline_rows(RUN, "r", [gate(steps="last")], {"train/ppo_kl": [(0, math.inf)]},
                          trusted=True)
     assert rows == []
 
 
 def test_the_coordinates_to_fetch_are_those_of_the_rows() -> None:
-    s = spec()
+    s = gate()
     series = {"train/ppo_kl": [(0, 1.0), (1, 2.0)]}
     assert coordinates(RUN, [s], series) == [r.coordinate for r in
                                              baseline_rows(RUN, "r", [s], series, False)]
 
 
 def test_rows_count_as_baseline_only_for_a_trusted_run_that_passed() -> None:
-    s = spec()
+    s = gate()
     passed = evaluate(RUN, [s], {"train/ppo_kl": [(0, 1.0)]}, {})
     failed = evaluate(RUN, [s], {"train/ppo_kl": [(0, 9.0)]}, {coord(s, 0): [1.0]})
     assert row_trust(True, passed) and not row_trust(False, passed)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from app.domain.assembly import assemble
 from app.domain.r3 import Patch
 from app.domain.samples import SamplesResult, build_samples
-from app.domain.session import CloseSpec
+from app.domain.session import SessionClose
 from app.domain.tree import SessionState
 from app.simulator import SessionSimulator, SimConfig, SimNode, SimRates, fold_in_memory, route
 
@@ -46,7 +46,7 @@ def played(draw: st.DrawFn, no_r3: float = 0.0) -> Played:
         version=draw(st.sampled_from(["v1", "v2"])),
         pause_generation_mode=draw(st.sampled_from(["retract", "in_place"])),
         num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS,
-        spec=True, max_trim_tokens=draw(st.integers(0, 2)),
+        speculative=True, max_trim_tokens=draw(st.integers(0, 2)),
         router_seed=draw(st.integers(0, 3)),
     )
     rates = SimRates(no_r3=no_r3, omit_parent=draw(st.sampled_from([0.0, 0.5])),
@@ -57,7 +57,7 @@ def played(draw: st.DrawFn, no_r3: float = 0.0) -> Played:
     bodies = sim.random_session(draw(st.integers(1, 12)))
     max_seq_len = draw(st.none() | st.integers(1, 60))
     state, patches = fold_in_memory(sim.open_body(), bodies)
-    result = build_samples(state, CloseSpec(max_seq_len, {"reward": 1.0}))
+    result = build_samples(state, SessionClose(max_seq_len, {"reward": 1.0}))
     return Played(sim, bodies, state, patches, result, max_seq_len)
 
 

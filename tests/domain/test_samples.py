@@ -15,7 +15,7 @@ import pytest
 from app.domain.errors import Alignment, R3Gap, UnknownSample
 from app.domain.samples import SamplesResult, build_samples
 from app.domain.samples_merge import align
-from app.domain.session import CloseSpec
+from app.domain.session import SessionClose
 from app.domain.tree import SessionState
 from app.simulator import SessionSimulator, SimConfig, fold_in_memory
 
@@ -23,9 +23,9 @@ P0 = [1, 2, 3]
 
 
 def session(version: str = "v2", *, mode: str = "retract", r3: bool = False,
-            trim: int = 0, spec: bool = False) -> SessionSimulator:
+            trim: int = 0, speculative: bool = False) -> SessionSimulator:
     config = SimConfig(session_id="s", version=version, pause_generation_mode=mode,
-                       num_layers=2 if r3 else None, spec=spec, max_trim_tokens=trim)
+                       num_layers=2 if r3 else None, speculative=speculative, max_trim_tokens=trim)
     return SessionSimulator(config, random.Random(0))
 
 
@@ -35,7 +35,7 @@ def fold(sim: SessionSimulator, bodies: list[dict[str, Any]]) -> SessionState:
 
 def samples(sim: SessionSimulator, bodies: list[dict[str, Any]], max_seq_len: int | None = None,
             metadata: dict[str, Any] | None = None) -> SamplesResult:
-    return build_samples(fold(sim, bodies), CloseSpec(max_seq_len, metadata or {}))
+    return build_samples(fold(sim, bodies), SessionClose(max_seq_len, metadata or {}))
 
 
 def leaves(result: SamplesResult) -> list[int]:
@@ -253,7 +253,7 @@ def test_merging_stops_after_the_first_turn_that_is_not_completed() -> None:
               sim.turn(0, finish_reason="abort", weight_version="2"),
               sim.turn(1, weight_version="3")]
     state = fold(sim, bodies)
-    (sample,) = build_samples(state, CloseSpec(None, {})).samples
+    (sample,) = build_samples(state, SessionClose(None, {})).samples
     assert sample.turns == [0, 1] and sample.path == [0, 1, 2]
     assert sample.tokens == state.nodes[1].tokens.tolist()
     assert sample.status == "aborted"
@@ -338,19 +338,19 @@ def test_tito_mismatch_of_a_leaf_cut_by_truncation_still_applies() -> None:
 
 def test_samples_sum_their_kept_turns_while_the_carrier_counts_every_node_once() -> None:
     """miles' count_every_tree_node_once: shared nodes once, retries and cut turns too."""
-    sim = session(spec=True)
+    sim = session(speculative=True)
 
     def spec(correct: int, proposed: int, verify: int) -> dict[str, int]:
         return {"spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed,
                 "spec_verify_ct": verify}
 
     bodies = [
-        sim.turn(None, prompt=P0, output_tokens=1, spec=spec(4, 10, 1)),        # 0 shared
-        sim.turn(0, new_tokens=1, output_tokens=1, spec=spec(50, 50, 1)),       # 1 retried
-        sim.turn(0, new_tokens=1, output_tokens=1, spec=spec(5, 10, 1)),        # 2
-        sim.turn(2, new_tokens=1, output_tokens=5, spec=spec(9, 9, 0)),         # 3 guarded
-        sim.turn(0, new_tokens=1, output_tokens=1, spec=spec(5, 10, 1)),        # 4
-        sim.turn(None, prompt=[7] * 20, output_tokens=2, spec=spec(40, 50, 2)),  # 5 cut away
+        sim.turn(None, prompt=P0, output_tokens=1, spec_info=spec(4, 10, 1)),        # 0 shared
+        sim.turn(0, new_tokens=1, output_tokens=1, spec_info=spec(50, 50, 1)),       # 1 retried
+        sim.turn(0, new_tokens=1, output_tokens=1, spec_info=spec(5, 10, 1)),        # 2
+        sim.turn(2, new_tokens=1, output_tokens=5, spec_info=spec(9, 9, 0)),         # 3 guarded
+        sim.turn(0, new_tokens=1, output_tokens=1, spec_info=spec(5, 10, 1)),        # 4
+        sim.turn(None, prompt=[7] * 20, output_tokens=2, spec_info=spec(40, 50, 2)),  # 5 cut away
     ]
     result = samples(sim, bodies, max_seq_len=12)
     assert leaves(result) == [3, 4]

@@ -6,27 +6,25 @@ import random
 
 import numpy as np
 
-from app.domain.specinfo import SpecInfo, contributes, session_carrier, sum_turns
-from app.domain.turn import SpecCounters
+from app.domain.specinfo import SpecInfo, session_carrier, sum_turns
 from app.simulator import SessionSimulator, SimConfig, fold_in_memory
 
 
-def counters(correct: int, proposed: int, verify: int, completion: int) -> SpecCounters:
-    return SpecCounters(correct=correct, proposed=proposed, verify=verify, completion=completion)
+def counters(correct: int, proposed: int, verify: int, completion: int) -> SpecInfo:
+    return SpecInfo(spec_num_correct_drafts=correct, spec_num_proposed_drafts=proposed,
+                    spec_verify_ct=verify, completion_tokens=completion)
 
 
 def test_a_turn_with_verify_steps_adds_all_four_counters() -> None:
-    info = SpecInfo()
-    info.add_turn(counters(3, 5, 2, 7))
+    info = sum_turns([counters(3, 5, 2, 7)])
     assert info.as_dict() == {"spec_num_correct_drafts": 3, "spec_num_proposed_drafts": 5,
                               "spec_verify_ct": 2, "completion_tokens": 7}
 
 
 def test_a_turn_without_verify_steps_adds_nothing_at_all() -> None:
-    info = SpecInfo()
-    info.add_turn(counters(3, 5, 0, 7))
+    info = sum_turns([counters(3, 5, 0, 7)])
     assert info == SpecInfo()
-    assert not contributes(counters(3, 5, 0, 7))
+    assert not counters(3, 5, 0, 7).contributes
 
 
 def test_rates_divide_the_sums_never_average_the_ratios() -> None:
@@ -63,30 +61,30 @@ def test_from_dict_reads_back_as_dict() -> None:
     assert SpecInfo.from_dict(info.as_dict()) == info
 
 
-def _session(spec: bool) -> SessionSimulator:
-    config = SimConfig(session_id="carrier", spec=spec, num_layers=None)
+def _session(speculative: bool) -> SessionSimulator:
+    config = SimConfig(session_id="carrier", speculative=speculative, num_layers=None)
     return SessionSimulator(config, random.Random(0))
 
 
 def test_carrier_is_none_without_spec() -> None:
-    sim = _session(spec=False)
-    state, _ = fold_in_memory(sim.open_body(), [sim.turn(None, spec={"spec_verify_ct": 1})])
+    sim = _session(speculative=False)
+    state, _ = fold_in_memory(sim.open_body(), [sim.turn(None, spec_info={"spec_verify_ct": 1})])
     assert session_carrier(state) is None
 
 
 def test_carrier_counts_every_node_once_retries_and_branches_included() -> None:
-    sim = _session(spec=True)
-    spec = [
+    sim = _session(speculative=True)
+    counters = [
         {"spec_verify_ct": 1, "spec_num_correct_drafts": 4, "spec_num_proposed_drafts": 10},
         {"spec_verify_ct": 2, "spec_num_correct_drafts": 50, "spec_num_proposed_drafts": 60},
         {"spec_verify_ct": 1, "spec_num_correct_drafts": 5, "spec_num_proposed_drafts": 10},
         {"spec_verify_ct": 0, "spec_num_correct_drafts": 99, "spec_num_proposed_drafts": 99},
     ]
     bodies = [
-        sim.turn(None, output_tokens=1, spec=spec[0]),
-        sim.turn(0, output_tokens=2, spec=spec[1]),  # retried below: no sample keeps it
-        sim.turn(0, output_tokens=1, spec=spec[2]),
-        sim.turn(2, output_tokens=5, spec=spec[3]),  # guard: adds nothing
+        sim.turn(None, output_tokens=1, spec_info=counters[0]),
+        sim.turn(0, output_tokens=2, spec_info=counters[1]),  # retried below: no sample keeps it
+        sim.turn(0, output_tokens=1, spec_info=counters[2]),
+        sim.turn(2, output_tokens=5, spec_info=counters[3]),  # guard: adds nothing
     ]
     state, _ = fold_in_memory(sim.open_body(), bodies)
     assert session_carrier(state) == {

@@ -30,7 +30,7 @@ from app.domain.rollout_metrics import (
     tito_key,
 )
 from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo, sum_turns
-from app.domain.turn import MISMATCH_TYPES, SpecCounters
+from app.domain.turn import MISMATCH_TYPES
 from tests.factory import open_body, turn
 
 GROUPS = {"weight_version": "weight_version", "model": "model", "run_id": "run_id",
@@ -180,8 +180,8 @@ class Example:
 
 def counters_of(t):
     verify, correct, proposed = t["spec"] or (0, 0, 0)
-    return SpecCounters(correct=correct, proposed=proposed, verify=verify,
-                        completion=t["output"])
+    return SpecInfo(spec_num_correct_drafts=correct, spec_num_proposed_drafts=proposed,
+                    spec_verify_ct=verify, completion_tokens=t["output"])
 
 
 def expected_groups(ex, group_by):

@@ -1,12 +1,13 @@
-"""Gate specs: `{metric, steps, constraint}` parsed, defaulted and keyed.
+"""Gate definitions (the wire's "gate specs"): `{metric, steps, constraint}`
+parsed, defaulted and keyed.
 
-Owns the spec half of `POST /v1/gates/evaluate` and `turnlog gate check`:
-the `GATE_DEFAULTS` table filling what a spec omits, parsing and validating
+Owns the definition half of `POST /v1/gates/evaluate` and `turnlog gate
+check`: the `GATE_DEFAULTS` table filling what a definition omits, parsing and validating
 steps and constraints, the normalized `Constraint` (and the band it spans
 around a reference), and the canonical `steps_key` / `constraint_key`.
 
 The keys are canonical JSON of the literals *as written* (or of the
-`GATE_DEFAULTS` literal a spec relied on), never of the normalized form, so
+`GATE_DEFAULTS` literal a definition relied on), never of the normalized form, so
 `{"rel_up": 1}` and `{"rel_up": 1.0}` are different coordinates and a code
 change to normalization can never silently re-key a history.
 
@@ -16,7 +17,6 @@ baseline rows are `gates.py`'s. Pure: no I/O.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -24,10 +24,23 @@ from typing import Any
 
 from app.domain.errors import InvalidRequest
 from app.domain.jsonio import canonical
-from app.domain.metric_history import MAX_METRIC, STEP_MAX
-from app.domain.session import describe, is_int, is_text_safe, reject_unknown, require_object
+from app.domain.metric_history import (
+    STEP_MAX,
+    RunCoordinate,
+    parse_coordinate,
+    parse_metric_key,
+    parse_run_id,
+)
+from app.domain.validate import (
+    describe,
+    finite_float,
+    is_int,
+    reject_unknown,
+    require_bool,
+    require_object,
+)
 
-SPEC_FIELDS = frozenset({"metric", "steps", "constraint"})
+GATE_FIELDS = frozenset({"metric", "steps", "constraint"})
 CONSTRAINT_PARAMS = ("rel_up", "abs_floor_up", "rel_down", "abs_floor_down")
 
 
@@ -44,7 +57,7 @@ def _default(steps: str, **constraint: float) -> GateDefault:
 _TRAIN_KL = _default("all", rel_up=0.5, abs_floor_up=0.02, rel_down=0.8, abs_floor_down=0.02)
 _TITO_TEXT = _default("last", rel_up=1.0, abs_floor_up=0.1, rel_down=1.0)
 
-# Editing a literal here re-keys every spec relying on it: its baselines cold-start.
+# Editing a literal here re-keys every gate relying on it: its baselines cold-start.
 GATE_DEFAULTS: Mapping[str, GateDefault] = MappingProxyType({
     "train/grad_norm": _default("all", rel_up=0.5, abs_floor_up=0.1, rel_down=0.8,
                                 abs_floor_down=0.1),
@@ -78,7 +91,7 @@ class Constraint:
 
 
 @dataclass(frozen=True)
-class GateSpec:
+class GateDefinition:
     metric: str
     steps: str | tuple[int, ...]
     constraint: Constraint
@@ -94,19 +107,12 @@ class GateSpec:
                 "constraint": self.constraint.as_dict(), "constraint_key": self.constraint_key}
 
 
-def _finite_number(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond float64
-        return False
-
-
 def _param(value: Any, field_name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not _finite_number(value) or value < 0:
+    number = finite_float(value)
+    if number is None or number < 0:
         raise InvalidRequest(f"{field_name} must be a finite number >= 0", field=field_name,
                              expected="finite number >= 0", actual=describe(value))
-    return float(value)
+    return number
 
 
 def parse_constraint(raw: Any, field_name: str = "constraint") -> Constraint:
@@ -141,17 +147,10 @@ def parse_steps(raw: Any, field_name: str = "steps") -> str | tuple[int, ...]:
     return tuple(raw)
 
 
-def parse_gate_spec(raw: Any, field_name: str = "spec") -> GateSpec:
+def parse_gate_definition(raw: Any, field_name: str = "spec") -> GateDefinition:
     body = require_object(raw, field_name)
-    reject_unknown(body, SPEC_FIELDS, field_name)
-    metric_raw = body.get("metric")
-    if (not isinstance(metric_raw, str) or not 1 <= len(metric_raw) <= MAX_METRIC
-            or not is_text_safe(metric_raw)):
-        raise InvalidRequest(f"{field_name}.metric must be a metric key",
-                             field=f"{field_name}.metric",
-                             expected=f"UTF-8 text of 1-{MAX_METRIC} characters without NUL",
-                             actual=describe(metric_raw))
-    metric = metric_raw
+    reject_unknown(body, GATE_FIELDS, field_name)
+    metric = parse_metric_key(body.get("metric"), f"{field_name}.metric")
     default = GATE_DEFAULTS.get(metric)
     literals: dict[str, Any] = {}
     for name in ("steps", "constraint"):
@@ -164,7 +163,7 @@ def parse_gate_spec(raw: Any, field_name: str = "spec") -> GateSpec:
                                  field=f"{field_name}.{name}",
                                  expected=f"{name}, or a metric among {sorted(GATE_DEFAULTS)}",
                                  actual=None)
-    return GateSpec(
+    return GateDefinition(
         metric=metric,
         steps=parse_steps(literals["steps"], f"{field_name}.steps"),
         constraint=parse_constraint(literals["constraint"], f"{field_name}.constraint"),
@@ -173,20 +172,49 @@ def parse_gate_spec(raw: Any, field_name: str = "spec") -> GateSpec:
     )
 
 
-def parse_gate_specs(raw: Any, field_name: str = "specs") -> tuple[GateSpec, ...]:
-    """A list of specs; a repeat of an earlier (metric, steps_key, constraint_key) is dropped."""
+def parse_gate_definitions(raw: Any, field_name: str = "specs") -> tuple[GateDefinition, ...]:
+    """A list of definitions; a repeat of an earlier (metric, steps_key, constraint_key) is
+    dropped."""
     if not isinstance(raw, list):
         raise InvalidRequest(f"{field_name} must be a list of gate specs", field=field_name,
                              expected="array of {metric, steps?, constraint?}",
                              actual=describe(raw))
-    specs: dict[tuple[str, str, str], GateSpec] = {}
+    gates: dict[tuple[str, str, str], GateDefinition] = {}
     for i, item in enumerate(raw):
-        spec = parse_gate_spec(item, f"{field_name}[{i}]")
-        specs.setdefault((spec.metric, spec.steps_key, spec.constraint_key), spec)
-    return tuple(specs.values())
+        gate = parse_gate_definition(item, f"{field_name}[{i}]")
+        gates.setdefault((gate.metric, gate.steps_key, gate.constraint_key), gate)
+    return tuple(gates.values())
 
 
-def default_specs(metrics: Iterable[str] | None = None) -> tuple[GateSpec, ...]:
-    """The defaulted spec of every `GATE_DEFAULTS` metric (or of the given ones)."""
+def default_gates(metrics: Iterable[str] | None = None) -> tuple[GateDefinition, ...]:
+    """The defaulted definition of every `GATE_DEFAULTS` metric (or of the given ones)."""
     names = sorted(GATE_DEFAULTS) if metrics is None else list(metrics)
-    return parse_gate_specs([{"metric": name} for name in names])
+    return parse_gate_definitions([{"metric": name} for name in names])
+
+
+EVALUATE_FIELDS = frozenset({"coordinate", "run_id", "specs", "record"})
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    """What `evaluate` was asked: the run, its gates and whether to record its rows."""
+
+    coordinate: RunCoordinate
+    run_id: str
+    gates: tuple[GateDefinition, ...]
+    record: bool = True
+
+
+def parse_check(raw: Any) -> GateCheck:
+    """The `POST /v1/gates/evaluate` body; `specs` omitted = every default gate."""
+    body = require_object(raw, "body")
+    reject_unknown(body, EVALUATE_FIELDS, "")
+    run_id = parse_run_id(body.get("run_id"))
+    record = require_bool(body.get("record", True), "record")
+    specs = body.get("specs")
+    return GateCheck(
+        coordinate=parse_coordinate(body.get("coordinate")),
+        run_id=run_id,
+        gates=default_gates() if specs is None else parse_gate_definitions(specs),
+        record=record,
+    )
