@@ -29,6 +29,8 @@ from app.domain.errors import (
     UnknownSample,
     UnknownSession,
 )
+from app.domain.labels import parse_label_filters
+from app.domain.queries import EVENTS_PAGE, SESSIONS_PAGE
 from app.services import Services, build_services
 from app.settings import Settings
 from tests.factory import open_body, r3_b64, turn
@@ -72,7 +74,7 @@ async def feed_tail(store: Services) -> str:
 
 
 async def event_count(store: Services, sid: str) -> int:
-    return len(await store.reader.session_events(sid, None, None, True))
+    return len(await store.reader.session_events(sid, None, EVENTS_PAGE.default, True))
 
 
 # --- open ---------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ async def test_an_unknown_session_is_refused_by_every_call(store, session_id):
         store.writer.close_session(session_id, {}),
         store.reader.session(session_id),
         store.reader.state(session_id, None),
-        store.reader.session_events(session_id, None, None, True),
+        store.reader.session_events(session_id, None, EVENTS_PAGE.default, True),
         store.samples.samples(session_id, arrays=True),
     ]
     for call in calls:
@@ -169,13 +171,13 @@ async def test_events_read_back_exactly_as_appended_from_any_store(stores, sid):
               turn([1, 2, 3, 4, 5, 6], [7], r3=r3_b64(2, L, K, seed=2), start=4)]
     for body in bodies:
         await writer.writer.append_turn(sid, body)
-    events = await reader.reader.session_events(sid, None, None, True)
+    events = await reader.reader.session_events(sid, None, EVENTS_PAGE.default, True)
     assert [e["type"] for e in events] == ["session_opened", "turn_recorded", "turn_recorded"]
     for event, body in zip(events[1:], bodies, strict=True):
         assert event["event_id"] == body["event_id"]
         assert event["record"] == body["record"]  # R3 base64 byte-identical included
         assert event["metadata"] == body.get("metadata")
-    without = await reader.reader.session_events(sid, None, None, False)
+    without = await reader.reader.session_events(sid, None, EVENTS_PAGE.default, False)
     assert all("routed_experts" not in e["record"]["response"]["choices"][0]["meta_info"]
                for e in without[1:])
     after_first = await reader.reader.session_events(sid, events[1]["position"], 1, True)
@@ -270,9 +272,10 @@ async def test_the_session_list_pages_by_label_and_status(store):
     for name in ("a", "b", "c"):
         await opened(store, f"{run}-{name}", labels={"run_id": run})
     await store.writer.close_session(f"{run}-b", {})
-    first = await store.reader.list_sessions(None, None, 2, {"run_id": run})
-    rest = await store.reader.list_sessions(None, first["next"], 2, {"run_id": run})
+    labels = parse_label_filters({"run_id": run})
+    first = await store.reader.list_sessions(None, None, 2, labels)
+    rest = await store.reader.list_sessions(None, first["next"], 2, labels)
     assert [s["session_id"] for s in first["sessions"] + rest["sessions"]] == [
         f"{run}-a", f"{run}-b", f"{run}-c"]
-    closed = await store.reader.list_sessions("closed", None, None, {"run_id": run})
+    closed = await store.reader.list_sessions("closed", None, SESSIONS_PAGE.default, labels)
     assert [s["session_id"] for s in closed["sessions"]] == [f"{run}-b"]
