@@ -25,9 +25,12 @@ from app.settings import Settings
 
 
 def normalize_url(url: str) -> str:
-    """Accept plain `postgresql://` / `sqlite://` URLs and pick the async drivers."""
+    """Accept plain `postgres://`, `postgresql://` and `sqlite://` URLs and pick the
+    async drivers (`postgres://` is what Heroku-style environments hand out)."""
     parsed = make_url(url)
     backend = parsed.get_backend_name()
+    if backend == "postgres":
+        parsed, backend = parsed.set(drivername="postgresql+asyncpg"), "postgresql"
     if backend == "postgresql" and parsed.drivername != "postgresql+asyncpg":
         parsed = parsed.set(drivername="postgresql+asyncpg")
     elif backend == "sqlite" and parsed.drivername != "sqlite+aiosqlite":

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
 from app.domain.errors import InvalidRequest
@@ -79,6 +80,19 @@ def label_filter(
             session_labels.c.value_text == value,
         ))
     return clauses
+
+
+async def sessions_with_prefix(conn: AsyncConnection, prefix: str, limit: int) -> list[str]:
+    """Session ids starting with `prefix` (the exact id first), at most `limit` of them:
+    how a person's abbreviated id (the demo prints suffixes) becomes a session."""
+    # substr, not LIKE: SQLite's LIKE ignores case, and `_`/`%` would need escaping.
+    exact = (await conn.execute(sa.select(sessions.c.session_id)
+                                .where(sessions.c.session_id == prefix))).scalars().all()
+    rows = (await conn.execute(
+        sa.select(sessions.c.session_id)
+        .where(sa.func.substr(sessions.c.session_id, 1, len(prefix)) == prefix)
+        .order_by(sessions.c.session_id).limit(limit))).scalars().all()
+    return list(dict.fromkeys([*exact, *rows]))
 
 
 class Reader:
