@@ -22,6 +22,9 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append({"args": a, **kw}))
     monkeypatch.setattr(app.logs, "configure_logging", lambda *a, **kw: None)
+    from app.store import migrate
+
+    migrate.upgrade(f"sqlite:///{tmp_path}/serve.db")  # serve --no-migrate needs a schema
     monkeypatch.setenv("TURNLOG_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
     monkeypatch.delenv("TURNLOG_API_TOKENS", raising=False)
     monkeypatch.delenv("TURNLOG_HOST", raising=False)
@@ -93,7 +96,7 @@ def test_the_served_factory_configures_logging(monkeypatch):
     import app.main
 
     calls = []
-    monkeypatch.setattr(app.logs, "configure_logging", lambda: calls.append(1))
+    monkeypatch.setattr(app.logs, "configure_logging", lambda *a: calls.append(a))
     monkeypatch.setattr(app.main, "create_app", lambda: "the app")
     assert app.main.create_served_app() == "the app"
-    assert calls == [1]
+    assert calls == [("info", "auto")]

@@ -135,6 +135,9 @@ def gate_check(
         raise CliError(f"cannot read --spec {spec}: {exc}") from None
     if specs is not None:
         body["specs"] = specs
+    from app.store.gates import parse_check
+
+    parse_check(body)  # a bad spec is reported before anything is asked of the store
 
     def no_such_run(history: dict[str, Any]) -> None:
         # Judging a run nobody submitted would list every metric as missing.
