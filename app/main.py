@@ -43,6 +43,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.services = svc
+    # A trailing slash answers a problem naming the route, never a bodiless 307
+    # that a POST client does not follow.
+    app.router.redirect_slashes = False
     problems.install(app)
     # Added innermost first: metrics see every answer, auth refuses before the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
