@@ -247,7 +247,8 @@ def describe_failure(exc: BaseException) -> str:
         if not errors:
             return f"invalid settings: {exc}"
         field = ".".join(str(p) for p in errors[0]["loc"]) or "settings"
-        return f"invalid setting {field}: {errors[0]['msg']}"
+        # Settings come from TURNLOG_* variables (or the flag that sets one).
+        return f"invalid setting TURNLOG_{field.upper()}: {errors[0]['msg']}"
     if isinstance(exc, ArgumentError):
         return "invalid database URL: expected postgresql://USER:PW@HOST/DB or sqlite:///FILE"
     if isinstance(exc, DBAPIError):
