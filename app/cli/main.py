@@ -51,7 +51,8 @@ def _global(
              "[env: TURNLOG_LOG_FORMAT]")] = None,
     log_level: Annotated[str | None, typer.Option(
         "--log-level", metavar="debug|info|warning|error",
-        help="Log level (env TURNLOG_LOG_LEVEL; default info for serve, warning otherwise)")] = None,
+        help="Log level (env TURNLOG_LOG_LEVEL; default info for serve, warning otherwise)",
+    )] = None,
 ) -> None:
     import app.logs
 
