@@ -489,3 +489,25 @@ def test_log_format_auto_is_json_without_a_terminal_and_readable_with_console(ca
 def test_a_bad_log_format_is_one_line():
     line = one_error_line(run("--log-format", "xml", "sessions"))
     assert "TURNLOG_LOG_FORMAT" in line and "'auto', 'json' or 'console'" in line
+
+
+def test_the_readme_client_script_runs_without_a_terminal(secured_server):
+    import os
+    import sys
+
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "client.py"),
+                             secured_server], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TURNLOG_TOKEN": TOKEN}, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0].startswith("opened ")
+    assert out[1:3] == ["turn seq 0 (parent None)", "turn seq 1 (parent 0)"]
+    assert any(line.startswith("R3 tensor (") for line in out)
+    assert out[-1] == "feed events of this session: 4"
+
+
+def test_migrate_current_prints_json(db_url):
+    result = run("migrate", "current", "--json", "--database-url", db_url)
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["current"] == body["head"] and body["head"]

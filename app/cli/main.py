@@ -143,6 +143,7 @@ def migrate(
     action: Annotated[MigrateAction, typer.Argument()] = MigrateAction.upgrade,
     revision: Annotated[str | None, typer.Argument(help="Target revision")] = None,
     database_url: DatabaseUrl = None,
+    as_json: common.AsJson = False,
 ) -> None:
     """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
     from app.store import migrate as migrations
@@ -157,7 +158,11 @@ def migrate(
         if action is MigrateAction.downgrade:
             migrations.downgrade(url, revision or "-1")
             err().print(f"downgraded {mask(url)} to {revision or '-1'}")
-    typer.echo(f"current: {migrations.current(url)} (head: {migrations.head_revision()})")
+    current, head = migrations.current(url), migrations.head_revision()
+    if as_json:
+        common.echo_json({"current": current, "head": head})
+    else:
+        typer.echo(f"current: {current} (head: {head})")
 
 
 def _exists(url: str) -> None:
