@@ -8,6 +8,7 @@ progress to stderr.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated, Any
 
 import typer
@@ -136,8 +137,9 @@ def replay(
     print_tree(tree)
     console.print("state (what a restarted session server resumes from):")
     for key, value in resume.items():
-        shown = f"{len(value)} tokens" if key == "checkpoint_token_ids" else value
-        console.print(f"  {key}: {escape(str(shown))}", soft_wrap=True)
+        shown = (f"{len(value)} tokens" if key == "checkpoint_token_ids"
+                 else value if isinstance(value, str) else json.dumps(value))
+        console.print(f"  {key}: {escape(shown)}", soft_wrap=True)
     if result is None:
         console.print("open: no samples until it is closed")
         return
