@@ -1,6 +1,7 @@
 """`turnlog serve`: no non-loopback bind without API tokens unless `--insecure`; bad token
 settings stop it at startup; JSON logging is configured and uvicorn told to keep it."""
 
+import socket
 from typing import Any
 
 import pytest
@@ -28,6 +29,10 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any
     monkeypatch.setenv("TURNLOG_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
     monkeypatch.delenv("TURNLOG_API_TOKENS", raising=False)
     monkeypatch.delenv("TURNLOG_HOST", raising=False)
+    # serve checks the port is free before it starts: not 8000, which may be taken here.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("TURNLOG_PORT", str(probe.getsockname()[1]))
     get_settings.cache_clear()
     yield calls
     get_settings.cache_clear()

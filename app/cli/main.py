@@ -72,15 +72,25 @@ def _global(
         raise CliError(str(exc)) from None
 
 
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why uvicorn could not bind `host:port`, found before anything is migrated."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host}: {exc}"
+    family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
+            probe.bind(address)
+        except OSError as exc:
+            import errno
+
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {port} on {host} is already in use: stop the other server "
+                        "or pick another with --port")
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 @cli.command()
@@ -118,9 +128,9 @@ def serve(
                            "set TURNLOG_API_TOKENS or pass --insecure")
         common.warn(f"serving on {bind} without API tokens (--insecure)")
     # Before anything is created or migrated: is the port ours to take?
-    if not _port_free(bind, port):
-        raise CliError(f"port {port} on {bind} is already in use: stop the other server "
-                       "or pick another with --port")
+    problem = _cannot_listen(bind, port)
+    if problem is not None:
+        raise CliError(problem)
     if migrate and settings.migrate_on_start:
         check_database(url, creating=True)
         migrations.upgrade(url)
