@@ -40,8 +40,10 @@ TOKEN = "w-0123456789abcdef-token"
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ("TURNLOG_DATABASE_URL", "TURNLOG_API_TOKENS", "TURNLOG_TOKEN",
                  "TURNLOG_LOG_FORMAT", "TURNLOG_LOG_LEVEL", "TURNLOG_DEBUG",
-                 "TURNLOG_METRIC_KEYS"):
-        monkeypatch.delenv(name, raising=False)
+                 "TURNLOG_METRIC_KEYS", "TURNLOG_PORT"):
+        # set first, so the teardown also removes what a command (serve) exported
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
@@ -452,6 +454,10 @@ async def test_tail_follows_the_feed(client, db_url):
             if json.loads(line)["session_id"] == sid]
     assert [(e["type"], e["seq"]) for e in mine] == [
         ("session_opened", None), ("turn_recorded", 0), ("turn_recorded", 1)]
+    # Without --from-start, tail starts at the end: nothing old is printed.
+    result = await asyncio.to_thread(run, "tail", "--until-idle", "--wait", "0",
+                                     "--database-url", db_url)
+    assert result.exit_code == 0 and result.stdout == ""
     cursor = result.stderr.split("--after ")[1].split()[0]
     # From the cursor on, only what came after it.
     await client.post(f"/v1/sessions/{sid}/close", json={"metadata": {}})
@@ -488,6 +494,8 @@ def test_log_format_auto_is_json_without_a_terminal_and_readable_with_console(ca
 
 def test_a_bad_log_format_is_one_line():
     line = one_error_line(run("--log-format", "xml", "sessions"))
+    assert "log format must be one of auto, json, console" in line
+    line = one_error_line(run("--log-format", "xml", "serve"))  # via the environment
     assert "TURNLOG_LOG_FORMAT" in line and "'auto', 'json' or 'console'" in line
 
 

@@ -157,11 +157,7 @@ def tail(
 
     async def go(svc: Any) -> None:
         if cursor[0] is None and not from_start:
-            while True:  # skip to the end: `tail -f`, not `cat`
-                page = await svc.reader.feed(cursor[0], PAGE, None)
-                cursor[0] = page["next"]
-                if len(page["events"]) < PAGE:
-                    break
+            cursor[0] = await svc.reader.feed_end()  # `tail -f`, not `cat`
         while True:
             page = await svc.reader.feed(cursor[0], PAGE, wait)
             for event in page["events"]:

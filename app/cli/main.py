@@ -57,17 +57,18 @@ def _global(
     import app.logs
 
     common.set_debug(debug)
-    # The flags win over the environment, also in `serve`'s worker processes.
-    if log_format:
-        os.environ["TURNLOG_LOG_FORMAT"] = log_format
-    if log_level:
-        os.environ["TURNLOG_LOG_LEVEL"] = log_level.lower()
-    if log_format or log_level:
+    if ctx.invoked_subcommand == "serve":
+        # uvicorn's worker processes read their logging settings from the environment.
+        if log_format:
+            os.environ["TURNLOG_LOG_FORMAT"] = log_format
+        if log_level:
+            os.environ["TURNLOG_LOG_LEVEL"] = log_level.lower()
         get_settings.cache_clear()
     settings = get_settings()
     default_level = "info" if ctx.invoked_subcommand == "serve" else "warning"
     try:
-        app.logs.configure_logging(settings.log_level or default_level, settings.log_format)
+        app.logs.configure_logging(log_level or settings.log_level or default_level,
+                                   log_format or settings.log_format)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

@@ -217,6 +217,17 @@ class Reader:
                 query = query.where(fence)
             return list(await conn.execute(query))
 
+    async def feed_end(self) -> str:
+        """The cursor after the last event a reader can see now (`tail` starts there)."""
+        async with self.db.read() as conn:
+            query = (sa.select(events.c.xid, events.c.position)
+                     .order_by(events.c.xid.desc(), events.c.position.desc()).limit(1))
+            fence = feed_fence(conn)
+            if fence is not None:
+                query = query.where(fence)
+            last = (await conn.execute(query)).first()
+        return cursor.encode(*(last if last is not None else cursor.decode(None, 2)))
+
     async def feed(
         self, after: str | None, limit: int | None, wait: float | None
     ) -> dict[str, Any]:
