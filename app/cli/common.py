@@ -198,7 +198,7 @@ async def resolve_session(db: Any, prefix: str) -> str:
     if prefix in matches or len(matches) == 1:
         return prefix if prefix in matches else matches[0]
     if not matches:
-        raise CliError(f"no session {prefix!r} (nor one whose id starts so)")
+        raise CliError(f"no session {prefix!r} (and no session id starts with it)")
     shown = ", ".join(matches[:5]) + (", …" if len(matches) > 5 else "")
     raise CliError(f"session prefix {prefix!r} is ambiguous: {shown}")
 
