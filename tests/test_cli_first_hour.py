@@ -50,7 +50,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def run(*args: str) -> Any:
-    return CliRunner().invoke(cli, list(args))
+    return CliRunner().invoke(cli, list(args), prog_name="turnlog")
 
 
 def one_error_line(result: Any, in_process_server: bool = False) -> str:
@@ -519,3 +519,14 @@ def test_migrate_current_prints_json(db_url):
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout)
     assert body["current"] == body["head"] and body["head"]
+
+
+@pytest.mark.parametrize("args, text", [
+    (["sessions", "--stat", "closed"], "No such option: --stat"),
+    (["sessions", "--label", "foo"], "'foo' is not KEY=VALUE"),
+    (["gate", "check", "--run-id", "x"], "Missing option '--test-path'"),
+])
+def test_a_usage_error_is_one_line_naming_the_help(args, text):
+    command = " ".join(["turnlog", *args[:2 if args[0] == "gate" else 1]])
+    line = one_error_line(run(*args))
+    assert text in line and f"(see `{command} --help`)" in line

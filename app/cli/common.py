@@ -281,8 +281,14 @@ class TurnlogGroup(typer.core.TyperGroup):
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, typer.TyperException):
-            raise  # exit codes and usage errors: typer reports them itself
+        except (typer.Exit, typer.Abort):
+            raise
+        except typer.TyperException as exc:  # a usage error: one line too, naming the help
+            message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+            where = getattr(exc, "ctx", None)
+            hint = "" if where is None else f" (see `{where.command_path} --help`)"
+            err().print(f"[bold red]error:[/] {escape(message)}{escape(hint)}", soft_wrap=True)
+            raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         except Exception as exc:
