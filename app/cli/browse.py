@@ -3,7 +3,8 @@
 They read the database directly through the store's readers (the same
 answers as `GET /v1/sessions`, `GET /v1/sessions/{id}` and `GET /v1/events`),
 after `check_database`. A session id may be given as a unique prefix.
-Readable text on stdout, or `--json`.
+Readable text on stdout, or `--json`. Refuses: writing anything, and any rule
+(the readers and the domain own what a summary or a tree is).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Both read the database directly (checked first: never created, must be
 migrated). Results go to stdout (a table, readable text or `--json`);
-progress to stderr.
+progress to stderr. Refuses: the rebuild and fold themselves (`app.store`,
+`app.domain`).
 """
 
 from __future__ import annotations
