@@ -169,7 +169,8 @@ def check_database(url: str, *, creating: bool = False) -> None:
     current = migrate.current(url)
     head = migrate.head_revision()
     if current is None:
-        raise CliError(f"not migrated: run `turnlog migrate` (database {mask(url)})")
+        where = mask(url) if path is None else str(path)
+        raise CliError(f"not migrated: run `turnlog migrate` (database {where})")
     if current != head:
         raise CliError(f"schema at revision {current}, this turnlog expects {head}: "
                        "run `turnlog migrate`")
