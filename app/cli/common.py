@@ -76,13 +76,9 @@ def err() -> Console:
     return _console(sys.stderr)
 
 
-def is_tty() -> bool:
-    return sys.stdout.isatty()
-
-
-def table(title: str | None = None, *, stream: IO[str] | None = None) -> Table:
+def table(title: str | None = None) -> Table:
     """A results table: boxed on a terminal, plain aligned columns without one."""
-    tty = (stream or sys.stdout).isatty()
+    tty = sys.stdout.isatty()
     return Table(title=None if title is None else escape(title),
                  box=box.SIMPLE_HEAD if tty else None, title_justify="left",
                  show_edge=tty, pad_edge=False)
