@@ -3,7 +3,8 @@
 #   make run  [HOST=0.0.0.0] [PORT=9000]   migrate ./turnlog.db to head and serve the API
 #   make test [PYTEST_ARGS='-k foo -x']    pytest, then ruff and mypy (any failure fails)
 #   make lint                              ruff + mypy only
-#   make clean                             remove the venv, install stamp and turnlog.db*
+#   make clean                             remove the venv and install stamp (never data)
+#   make delete-local-db CONFIRM=yes       delete ./turnlog.db* — the event log itself
 
 PYTHON ?= python3
 VENV   := .venv
@@ -17,7 +18,7 @@ RUN_ARGS := $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := test
-.PHONY: venv install run test lint clean
+.PHONY: venv install run test lint clean delete-local-db
 
 venv: $(BIN)/pip
 
@@ -44,5 +45,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# A clean target never deletes data: turnlog.db is the event log.
 clean:
-	rm -rf $(VENV) $(STAMP) turnlog.db turnlog.db-*
+	rm -rf $(VENV) $(STAMP)
+
+delete-local-db:
+	@test "$(CONFIRM)" = yes || { echo "this deletes ./turnlog.db (the event log): run 'make delete-local-db CONFIRM=yes'"; exit 2; }
+	rm -f turnlog.db turnlog.db-wal turnlog.db-shm

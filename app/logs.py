@@ -1,10 +1,13 @@
-"""Structured logs: one JSON object per line on stderr, for turnlog's and uvicorn's records.
+"""Structured logs on stderr, for turnlog's and uvicorn's records: readable lines on a
+terminal, one JSON object per line otherwise (`TURNLOG_LOG_FORMAT` / `--log-format`
+= auto | json | console), at `TURNLOG_LOG_LEVEL` / `--log-level`.
 
 structlog renders turnlog's own events; the standard library's records
 (uvicorn's error and access logs, SQLAlchemy, alembic) go through the same
 processor chain via `ProcessorFormatter`, so a log shipper sees one format.
-`turnlog serve` calls `configure_logging` before uvicorn starts (and hands
-uvicorn `log_config=None` so it keeps this configuration). Tests never call
+Every `turnlog` command calls `configure_logging` first (`serve` also hands
+uvicorn `log_config=None` so it keeps this configuration); stdout stays for
+results. Tests never call
 it: structlog's defaults and `structlog.testing.capture_logs` suffice there.
 """
 
@@ -12,14 +15,38 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 from structlog.types import Processor
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record comes (a test runner swaps it)."""
 
-def configure_logging(level: str = "info") -> None:
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """Route every log record to stderr, rendered as `fmt` (auto: console on a TTY)."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
+    if level.lower() not in LOG_LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, not {level!r}")
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer: Processor = (structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+                           if console else structlog.processors.JSONRenderer())
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
@@ -37,15 +64,17 @@ def configure_logging(level: str = "info") -> None:
         foreign_pre_chain=shared,
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            *([] if console else [structlog.processors.format_exc_info]),
+            renderer,
         ],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper())
+    # alembic announces every plugin it loads at INFO; its migration steps stay visible.
+    logging.getLogger("alembic.runtime.plugins").setLevel("WARNING")
     for name in UVICORN_LOGGERS:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers = []

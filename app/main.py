@@ -43,6 +43,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.services = svc
+    # A trailing slash answers a problem naming the route, never a bodiless 307
+    # that a POST client does not follow.
+    app.router.redirect_slashes = False
     problems.install(app)
     # Added innermost first: metrics see every answer, auth refuses before the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -54,8 +57,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def create_served_app() -> FastAPI:
-    """The factory `turnlog serve` gives uvicorn: JSON logs in every worker process first."""
-    from app.logs import configure_logging
+    """The factory `turnlog serve` gives uvicorn: logging set up in every worker process
+    first (TURNLOG_LOG_FORMAT / TURNLOG_LOG_LEVEL, which `turnlog serve` passes on)."""
+    from app import logs
 
-    configure_logging()
+    settings = get_settings()
+    logs.configure_logging(settings.log_level or "info", settings.log_format)
     return create_app()

@@ -33,8 +33,10 @@ class ApiMetrics:
             registry=self.registry)
         self.fence_lag = Gauge(
             "turnlog_feed_fence_lag_seconds",
-            "Age of the oldest running transaction holding the feed fence back "
-            "(PostgreSQL; 0 on SQLite; NaN if the database could not be asked)",
+            "How long the feed fence holds committed events back: the wait of the oldest "
+            "event behind it, or the age of the oldest running transaction visible to this "
+            "role if larger (PostgreSQL, no extra grant needed; 0 on SQLite; NaN if the "
+            "database could not be asked)",
             registry=self.registry)
 
     def render(self) -> bytes:

@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     migrate_on_start: bool = True
     # Metric-history whitelist, comma-separated; empty = DEFAULT_METRIC_KEYS.
     metric_keys: str = ""
+    # Logs on stderr: auto = readable on a terminal, JSON lines otherwise.
+    log_format: Literal["auto", "json", "console"] = "auto"
+    # None: `info` for `turnlog serve`, `warning` for the other commands.
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
 
     @field_validator("api_tokens")
     @classmethod

@@ -78,13 +78,15 @@ async def test_import_twice_adds_nothing(client, db_url, tmp_path):
                                         "--json")
     assert code == 0, output
     assert first == {"sessions": 1, "sessions_new": 1, "sessions_present": 0,
-                     "turns_imported": 5, "turns_present": 0, "closed": 0, "failures": []}
+                     "turns_imported": 5, "turns_present": 0, "closed": 0, "left_open": [],
+                     "failures": []}
 
     code, again, output = await run_cli("import", str(path), "--database-url", db_url,
                                         "--json")
     assert code == 0, output
     assert again == {"sessions": 1, "sessions_new": 0, "sessions_present": 1,
-                     "turns_imported": 0, "turns_present": 5, "closed": 0, "failures": []}
+                     "turns_imported": 0, "turns_present": 5, "closed": 0, "left_open": [],
+                     "failures": []}
 
     sid = dump["session_id"]
     summary = (await client.get(f"/v1/sessions/{sid}")).json()

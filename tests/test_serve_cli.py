@@ -1,6 +1,7 @@
 """`turnlog serve`: no non-loopback bind without API tokens unless `--insecure`; bad token
 settings stop it at startup; JSON logging is configured and uvicorn told to keep it."""
 
+import socket
 from typing import Any
 
 import pytest
@@ -22,9 +23,16 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append({"args": a, **kw}))
     monkeypatch.setattr(app.logs, "configure_logging", lambda *a, **kw: None)
+    from app.store import migrate
+
+    migrate.upgrade(f"sqlite:///{tmp_path}/serve.db")  # serve --no-migrate needs a schema
     monkeypatch.setenv("TURNLOG_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
     monkeypatch.delenv("TURNLOG_API_TOKENS", raising=False)
     monkeypatch.delenv("TURNLOG_HOST", raising=False)
+    # serve checks the port is free before it starts: not 8000, which may be taken here.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("TURNLOG_PORT", str(probe.getsockname()[1]))
     get_settings.cache_clear()
     yield calls
     get_settings.cache_clear()
@@ -93,7 +101,7 @@ def test_the_served_factory_configures_logging(monkeypatch):
     import app.main
 
     calls = []
-    monkeypatch.setattr(app.logs, "configure_logging", lambda: calls.append(1))
+    monkeypatch.setattr(app.logs, "configure_logging", lambda *a: calls.append(a))
     monkeypatch.setattr(app.main, "create_app", lambda: "the app")
     assert app.main.create_served_app() == "the app"
-    assert calls == [1]
+    assert calls == [("info", "auto")]

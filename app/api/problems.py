@@ -64,19 +64,19 @@ def install(app: FastAPI) -> None:
             "status": 422,
             "detail": f"{field}: {first.get('msg')}",
             "field": field,
-            "expected": first.get("type"),
+            "expected": _expected(first),
             "actual": _short(first.get("input")),
         })
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONText:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONText:
         slug = {404: "not-found", 405: "method-not-allowed", 413: "too-large"}.get(
             exc.status_code, "http-error")
         return problem_response({
             "type": f"urn:turnlog:{slug}",
             "title": str(exc.detail),
             "status": exc.status_code,
-            "detail": str(exc.detail),
+            "detail": _routing_detail(app, request, exc),
         }, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(DBAPIError)
@@ -108,6 +108,42 @@ def install(app: FastAPI) -> None:
 def database_unavailable(exc: DBAPIError) -> bool:
     """A lost or refused database connection (retryable), not a bad statement."""
     return bool(exc.connection_invalidated) or isinstance(exc, OperationalError | InterfaceError)
+
+
+# pydantic's error codes name its parser, not what the client should send.
+_EXPECTED = {"int_parsing": "integer", "int_type": "integer", "float_parsing": "number",
+             "float_type": "number", "bool_parsing": "boolean", "bool_type": "boolean",
+             "string_type": "string", "missing": "a value (required)",
+             "greater_than_equal": "integer >= {ge}", "greater_than": "number > {gt}",
+             "less_than": "number < {lt}", "less_than_equal": "number <= {le}"}
+
+
+def _expected(error: Any) -> Any:
+    code = error.get("type")
+    template = _EXPECTED.get(code)
+    if template is None:
+        return code
+    try:
+        return template.format(**(error.get("ctx") or {}))
+    except (KeyError, IndexError):
+        return code
+
+
+def _routing_detail(app: FastAPI, request: Request, exc: StarletteHTTPException) -> str:
+    """A routing 404/405 names the method and path (and the slash-less route, if any)."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 405:
+        return f"{method} is not allowed on {path}"
+    if exc.status_code != 404 or exc.detail != "Not Found":
+        return str(exc.detail)
+    if path.endswith("/") and path != "/":
+        from starlette.routing import Match
+
+        scope = {**request.scope, "path": path.rstrip("/")}
+        if any(route.matches(scope)[0] is not Match.NONE for route in app.router.routes):
+            return (f"no route {method} {path}: drop the trailing slash "
+                    f"({method} {path.rstrip('/')})")
+    return f"no route {method} {path} (the routes are listed at /docs)"
 
 
 def _short(value: Any) -> Any:

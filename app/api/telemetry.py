@@ -20,6 +20,7 @@ from app.api.deps import ServicesDep
 from app.domain.errors import DomainError
 from app.domain.validate import describe
 from app.metrics import CONTENT_TYPE, ApiMetrics
+from app.store.db import now_us
 from app.store.dialect import fence_lag_seconds
 from app.store.writes import Written
 
@@ -64,7 +65,7 @@ async def metrics(svc: ServicesDep) -> Response:
     """Prometheus text format."""
     try:
         async with asyncio.timeout(SCRAPE_DB_TIMEOUT), svc.db.read() as conn:
-            lag = await fence_lag_seconds(conn)
+            lag = await fence_lag_seconds(conn, now_us())
     except Exception as exc:  # a scrape must answer, and quickly, even when the database does not
         log.warning("fence lag unavailable", error=repr(exc))
         lag = float("nan")

@@ -14,85 +14,49 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from app.domain.gate_definitions import parse_check
-from app.domain.labels import parse_label_filters
-from app.domain.metric_history import parse_submission
-from app.domain.queries import parse_group_by
-from app.settings import Settings, get_settings
+from app.cli.common import (
+    AsJson,
+    CliError,
+    DatabaseUrl,
+    Labels,
+    ServerUrl,
+    Token,
+    check_database,
+    echo_json,
+    out,
+    parse_labels,
+    resolve_url,
+    table,
+    warn,
+    with_services,
+)
 
 gate_cli = typer.Typer(no_args_is_help=True, help="Regression gates over the metric history.")
 history_cli = typer.Typer(no_args_is_help=True, help="CI metric history.")
 analytics_cli = typer.Typer(no_args_is_help=True, help="Speculative-decoding analytics.")
-out = Console()
-err = Console(stderr=True)
-T = TypeVar("T")
-
-DatabaseUrl = Annotated[str | None, typer.Option(
-    help="SQLAlchemy URL (default: TURNLOG_DATABASE_URL)")]
-ServerUrl = Annotated[str | None, typer.Option(
-    "--url", help="Ask a running turnlog server (e.g. http://127.0.0.1:8000) instead")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the JSON reply instead of a table")]
 STATUS_STYLE = {"PASS": "green", "INACTIVE": "cyan", "FAIL": "bold red", "ERROR": "bold magenta"}
 
 
-def _settings(database_url: str | None) -> Settings:
-    settings = get_settings()
-    if database_url:
-        settings = settings.model_copy(update={"database_url": database_url})
-    return settings
+def _remote(url: str, token: str | None, call: str, *args: Any) -> Any:
+    """One call of the project's client against a running server (`--url`, `--token`)."""
+    from app.client import TurnlogClient, TurnlogError
 
+    async def run() -> Any:
+        async with TurnlogClient(url, token=token, retries=2) as client:
+            return await getattr(client, call)(*args)
 
-def _check_sqlite_path(url: str) -> None:
-    # SQLite would fail to open the file deep inside aiosqlite's worker thread, which
-    # then reports on a closed loop; say plainly what is wrong instead.
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        folder = Path(parsed.database or "").resolve().parent
-        if not folder.is_dir():
-            raise RuntimeError(f"no directory {folder} for the SQLite database")
-
-
-def _with_store(database_url: str | None, use: Callable[[Any], Awaitable[T]]) -> T:
-    """Run `use(services)` against the database, then release its connections."""
-    from app.services import build_services
-
-    settings = _settings(database_url)
-    _check_sqlite_path(settings.database_url)
-
-    async def run() -> T:
-        services = build_services(settings)
-        try:
-            return await use(services)
-        finally:
-            await services.db.dispose()
-
-    return asyncio.run(run())
-
-
-def _post(url: str, path: str, body: Any) -> Any:
-    import httpx
-
-    response = httpx.post(url.rstrip("/") + path, json=body, timeout=120)
-    if response.status_code >= 400:
-        raise RuntimeError(f"{response.status_code}: {response.text}")
-    return response.json()
-
-
-def _fail(exc: BaseException) -> typer.Exit:
-    detail = getattr(exc, "detail", None) or str(exc) or type(exc).__name__
-    err.print(f"[bold red]error:[/] {detail}", markup=True, highlight=False)
-    return typer.Exit(2)
+    try:
+        return asyncio.run(run())
+    except TurnlogError as exc:
+        status = "" if exc.status is None else f"{exc.status} "
+        hint = " (pass --token or set TURNLOG_TOKEN)" if exc.status in (401, 403) else ""
+        raise CliError(f"{url}: {status}{exc.detail or exc}{hint}") from None
 
 
 def _number(value: Any) -> str:
@@ -116,27 +80,28 @@ def _spec_list(spec: Path | None, metrics: list[str] | None) -> list[Any] | None
 
 def print_verdict(report: dict[str, Any]) -> None:
     coordinate = report["coordinate"]
-    table = Table(title=escape(f"gates of {report['run_id']} at {coordinate['test_path']} "
-                               f"[{coordinate['backend']}, {coordinate['suite']}]"))
+    grid = table(f"gates of {report['run_id']} at {coordinate['test_path']} "
+                 f"[{coordinate['backend']}, {coordinate['suite']}]")
     for name in ("metric", "steps", "step", "status", "value", "baseline", "n", "lo", "hi",
                  "detail"):
         # Long texts fold; a status or a number must stay on one line to be read.
-        table.add_column(name, overflow="fold", no_wrap=name not in ("metric", "detail"))
+        grid.add_column(name, overflow="fold", no_wrap=name not in ("metric", "detail"))
     for r in report["results"]:
         style = STATUS_STYLE.get(r["status"], "")
         step = "-" if r["step"] is None else str(r["step"])
         if r["step"] == -1:
             step = f"last ({r['at_step']})"
-        table.add_row(escape(r["metric"]), escape(r["steps_key"]), step,
+        grid.add_row(escape(r["metric"]), escape(r["steps_key"]), step,
                       f"[{style}]{r['status']}[/]", _number(r["value"]), _number(r["baseline"]),
                       str(r["baseline_n"]), _number(r["lo"]), _number(r["hi"]),
                       escape(r["detail"]))
-    out.print(table)
+    console = out()
+    console.print(grid)
     recorded = report.get("recorded")
     note = "" if recorded is None else (
         f"; {recorded['rows']} value(s) recorded"
         + (" as baseline" if recorded["baseline"] else " (not a baseline)"))
-    out.print(f"outcome: [bold]{report['outcome']}[/] (exit {report['exit_code']}){note}")
+    console.print(f"outcome: [bold]{report['outcome']}[/] (exit {report['exit_code']}){note}")
 
 
 @gate_cli.command("check")
@@ -151,32 +116,53 @@ def gate_check(
     metric: Annotated[list[str] | None, typer.Option(
         help="Gate this metric with its default steps and constraint (repeatable)")] = None,
     dry_run: Annotated[bool, typer.Option(
-        help="Judge only: do not record this run's values as (candidate) baselines")] = False,
+        "--dry-run", help="Judge only: do not record this run's values as (candidate) "
+                          "baselines")] = False,
     database_url: DatabaseUrl = None,
     url: ServerUrl = None,
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """Judge a run against trusted baselines; exit 0 trusted, 1 failed, 2 error.
 
     Without --spec and --metric every default gate is checked.
     """
+    coordinate = {"test_path": test_path, "backend": backend, "suite": suite}
+    body: dict[str, Any] = {"coordinate": coordinate, "run_id": run_id, "record": not dry_run}
     try:
-        body: dict[str, Any] = {
-            "coordinate": {"test_path": test_path, "backend": backend, "suite": suite},
-            "run_id": run_id,
-            "record": not dry_run,
-        }
         specs = _spec_list(spec, metric)
-        if specs is not None:
-            body["specs"] = specs
-        if url:
-            report = _post(url, "/v1/gates/evaluate", body)
-        else:
-            report = _with_store(database_url, lambda svc: svc.gates.evaluate(parse_check(body)))
-    except Exception as exc:  # every failure to judge is exit 2, never a traceback
-        raise _fail(exc) from None
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read --spec {spec}: {exc}") from None
+    if specs is not None:
+        body["specs"] = specs
+    from app.domain.gate_definitions import parse_check
+
+    check = parse_check(body)  # a bad spec is reported before anything is asked of the store
+
+    def no_such_run(history: dict[str, Any]) -> None:
+        # Judging a run nobody submitted would list every metric as missing.
+        if not history["attempts"]:
+            raise CliError(f"no such run {run_id!r} at {test_path} [{backend}, {suite}]: "
+                           "check --run-id and the coordinate, or submit its metric history "
+                           "first (turnlog history submit)")
+
+    if url:
+        no_such_run(_remote(url, token, "metric_history", coordinate, run_id))
+        report = _remote(url, token, "evaluate_gates", body)
+    else:
+        from app.domain.metric_history import parse_coordinate
+
+        store = resolve_url(database_url)
+        check_database(store)
+
+        async def judge(svc: Any) -> Any:
+            history = await svc.history.run(parse_coordinate(coordinate), run_id)
+            no_such_run(history.as_dict())
+            return await svc.gates.evaluate(check)
+
+        report = with_services(store, judge)
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        echo_json(report)
     else:
         print_verdict(report)
     raise typer.Exit(int(report["exit_code"]))
@@ -189,59 +175,65 @@ def history_submit(
              "points)", exists=True, dir_okay=False)],
     database_url: DatabaseUrl = None,
     url: ServerUrl = None,
+    token: Token = None,
+    as_json: AsJson = False,
 ) -> None:
     """Store one attempt's metric points (only whitelisted metrics are kept)."""
     try:
         body = json.loads(file.read_text())
-        if url:
-            reply = _post(url, "/v1/metric-history", body)
-        else:
-            submission = parse_submission(body)
-            reply = _with_store(database_url, lambda svc: svc.history.submit(submission))[0]
-    except Exception as exc:  # reported, exit 2
-        raise _fail(exc) from None
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read {file}: {exc}") from None
+    if url:
+        reply = _remote(url, token, "submit_history", body)
+    else:
+        store = resolve_url(database_url)
+        check_database(store)
+        from app.domain.metric_history import parse_submission
+
+        submission = parse_submission(body)
+        reply = with_services(store, lambda svc: svc.history.submit(submission))[0]
+    if reply["dropped"]:
+        # Said now, not when a gate later finds the metric missing.
+        warn(f"dropped {len(reply['dropped'])} metric(s) not in the whitelist: "
+             f"{', '.join(reply['dropped'])} (the whitelist is TURNLOG_METRIC_KEYS "
+             f"{'of the server' if url else 'here'}; default: the gated metrics)")
+    if as_json:
+        echo_json(reply)
+        return
     dropped = f", dropped {', '.join(reply['dropped'])}" if reply["dropped"] else ""
-    out.print(f"run {reply['run_id']} attempt {reply['attempt']}: kept {reply['kept']} "
-              f"point(s){dropped}; attempts {reply['attempts']}")
-
-
-def _labels(pairs: list[str] | None) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for pair in pairs or ():
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--label")
-        labels[key] = value
-    return labels
+    out().print(f"run {escape(str(reply['run_id']))} attempt {reply['attempt']}: kept "
+                f"{reply['kept']} point(s){escape(dropped)}; attempts {reply['attempts']}",
+                soft_wrap=True)
 
 
 @analytics_cli.command("spec")
 def analytics_spec(
     group_by: Annotated[str, typer.Option(
         help="weight_version | model | run_id | rollout_id | hour | day")],
-    label: Annotated[list[str] | None, typer.Option(
-        help="Label filter KEY=VALUE (repeatable), as in the API")] = None,
+    label: Labels = None,
     database_url: DatabaseUrl = None,
     as_json: AsJson = False,
 ) -> None:
     """Speculative-decoding accept rate and length per group (sums first, then ratios)."""
-    filters = _labels(label)
-    try:
-        query = parse_group_by(group_by), parse_label_filters(filters)
-        reply = _with_store(database_url, lambda svc: svc.analytics.spec_rates(*query))
-    except Exception as exc:  # reported, exit 2
-        raise _fail(exc) from None
+    from app.domain.labels import parse_label_filters
+    from app.domain.queries import parse_group_by
+
+    filters = parse_label_filters(parse_labels(label))
+    grouping = parse_group_by(group_by)
+    store = resolve_url(database_url)
+    check_database(store)
+    reply = with_services(store, lambda svc: svc.analytics.spec_rates(grouping, filters))
     if as_json:
-        typer.echo(json.dumps(reply, indent=2))
+        echo_json(reply)
         return
-    table = Table(title=f"spec decoding by {group_by}")
+    grid = table(f"spec decoding by {group_by}")
     for name in ("key", "sessions", "turns", "correct", "proposed", "verify", "completion",
                  "accept_rate", "accept_length"):
-        table.add_column(name, justify="left" if name == "key" else "right")
+        grid.add_column(name, justify="left" if name == "key" else "right", no_wrap=True)
     for g in reply["groups"]:
-        table.add_row("(none)" if g["key"] is None else str(g["key"]), str(g["sessions"]),
-                      str(g["turns"]), str(g["spec_num_correct_drafts"]),
-                      str(g["spec_num_proposed_drafts"]), str(g["spec_verify_ct"]),
-                      str(g["completion_tokens"]), f"{g['accept_rate']:.4f}",
-                      f"{g['accept_length']:.4f}")
-    out.print(table)
+        grid.add_row("(none)" if g["key"] is None else escape(str(g["key"])),
+                     str(g["sessions"]), str(g["turns"]), str(g["spec_num_correct_drafts"]),
+                     str(g["spec_num_proposed_drafts"]), str(g["spec_verify_ct"]),
+                     str(g["completion_tokens"]), f"{g['accept_rate']:.4f}",
+                     f"{g['accept_length']:.4f}")
+    out().print(grid)

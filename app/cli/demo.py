@@ -5,6 +5,7 @@ simulator (a fake SGLang with a causal router) appends random trees in both
 R3 modes through the real HTTP API (in process), closes them, then the demo
 prints the samples it got back, checks every R3 tensor against a full forward
 over the sample's tokens, and shows the spec-decoding rates per session.
+Results go to stdout (tables, or `--json`); the progress bar and logs to stderr.
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ from typing import Annotated, Any
 import httpx
 import numpy as np
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
-from rich.table import Table
 
-from app.settings import Settings, get_settings
-
-console = Console()
+from app.cli.common import (
+    AsJson,
+    DatabaseUrl,
+    check_database,
+    echo_json,
+    err,
+    out,
+    resolve_url,
+    settings_for,
+    table,
+)
 
 
 async def _play(http: httpx.AsyncClient, index: int, seed: int) -> dict[str, Any]:
@@ -56,71 +64,107 @@ async def _r3_matches(http: httpx.AsyncClient, sid: str, sample: dict[str, Any],
         return "-"
     reply = await http.get(f"/v1/sessions/{sid}/samples/{sample['index']}/r3")
     if reply.status_code != 200:
-        return f"[yellow]{reply.json()['type'].rsplit(':', 1)[-1]}[/]"
+        return str(reply.json()["type"].rsplit(":", 1)[-1])
     tensor = np.load(io.BytesIO(reply.content), allow_pickle=False)
     forward = route(np.asarray(sample["tokens"]), config.num_layers, config.topk,
                     config.num_experts, config.router_seed)
     ok = tensor.tobytes() == forward.tobytes()
-    return f"{'[green]=fwd[/]' if ok else '[red]DIFF[/]'} {tensor.shape[0]}x{tensor.shape[1]}x" \
-        f"{tensor.shape[2]}"
+    return f"{'=fwd' if ok else 'DIFF'} {tensor.shape[0]}x{tensor.shape[1]}x{tensor.shape[2]}"
 
 
 def demo(
     sessions: Annotated[int, typer.Option(help="How many sessions to simulate")] = 4,
     seed: Annotated[int, typer.Option(help="Simulator seed")] = 0,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
 ) -> None:
     """Simulate sessions into the store; print their samples and spec rates."""
     from app.main import create_app
     from app.store import migrate
 
-    url = database_url or get_settings().database_url
+    url = resolve_url(database_url)
+    check_database(url, creating=True)
     migrate.upgrade(url)
+    report: list[dict[str, Any]] = []
 
     async def go() -> None:
-        app = create_app(Settings(database_url=url, migrate_on_start=False))
+        app = create_app(settings_for(url).model_copy(update={"migrate_on_start": False,
+                                                              "api_tokens": ""}))
         transport = httpx.ASGITransport(app=app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://demo") as http:
                 results = []
-                with Progress(console=console, transient=True) as bar:
+                with Progress(console=err(), transient=True) as bar:
                     task = bar.add_task("simulating sessions", total=sessions)
                     for i in range(sessions):
                         results.append(await _play(http, i, seed))
                         bar.advance(task)
-                await _show(http, results)
+                report.extend(await _summarize(http, results))
         finally:
             await app.state.services.db.dispose()
 
     asyncio.run(go())
+    if as_json:
+        echo_json({"sessions": report})
+    else:
+        _show(report)
 
 
-async def _show(http: httpx.AsyncClient, results: list[dict[str, Any]]) -> None:
+async def _summarize(http: httpx.AsyncClient,
+                     results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per session: its samples (R3 checked against a full forward) and spec rates."""
     from app.domain.specinfo import SpecInfo
 
-    table = Table(title="samples")
-    for column in ("session", "mode", "idx", "leaf", "path", "tok", "loss", "status", "R3"):
-        table.add_column(column, no_wrap=True)
-    rates = Table(title="spec decoding per session (every node counted once)")
-    for column in ("session", "accepted/proposed", "accept rate", "accept length"):
-        rates.add_column(column)
+    report = []
     for res in results:
         sid = res["session_id"]
-        mode = "add" if res["mode"] == "in_place" else "full"
-        for s in res["samples"]:
-            r3 = await _r3_matches(http, sid, s, res["config"])
-            table.add_row(sid[-6:], mode, str(s["index"]), str(s["leaf"]),
-                          ",".join(map(str, s["path"])), str(len(s["tokens"])),
-                          str(sum(s["loss_mask"])), s["status"], r3)
-        for error in res["errors"]:
-            table.add_row(sid[-6:], mode, "-", str(error["leaf"]), "", "", "",
-                          f"[yellow]{error['type']}[/]", "")
+        samples = [{"index": s["index"], "leaf": s["leaf"], "path": s["path"],
+                    "tokens": len(s["tokens"]), "loss_tokens": sum(s["loss_mask"]),
+                    "status": s["status"], "r3": await _r3_matches(http, sid, s, res["config"])}
+                   for s in res["samples"]]
+        rates = None
         carrier = res["session_metrics"]
         if carrier is not None:
             info = SpecInfo.from_dict(carrier["metrics"]["spec_info"])
-            rates.add_row(sid, f"{info.spec_num_correct_drafts}/{info.spec_num_proposed_drafts}",
-                          f"{info.accept_rate:.3f}", f"{info.accept_length:.3f}")
-    console.print(table)
+            rates = {"accepted": info.spec_num_correct_drafts,
+                     "proposed": info.spec_num_proposed_drafts,
+                     "accept_rate": info.accept_rate, "accept_length": info.accept_length}
+        report.append({"session_id": sid, "pause_generation_mode": res["mode"],
+                       "samples": samples,
+                       "errors": [{"leaf": e["leaf"], "type": e["type"]}
+                                  for e in res["errors"]],
+                       "spec": rates})
+    return report
+
+
+def _show(report: list[dict[str, Any]]) -> None:
+    grid = table("samples")
+    for column in ("session", "mode", "idx", "leaf", "path", "tok", "loss", "status", "R3"):
+        grid.add_column(column, no_wrap=True)
+    rates = table("spec decoding per session (every node counted once)")
+    for column in ("session", "accepted/proposed", "accept rate", "accept length"):
+        rates.add_column(column, no_wrap=True)
+    for res in report:
+        sid = escape(res["session_id"])
+        mode = "add" if res["pause_generation_mode"] == "in_place" else "full"
+        for s in res["samples"]:
+            r3 = s["r3"]
+            style = ("green" if r3.startswith("=fwd") else
+                     "red" if r3.startswith("DIFF") else "yellow")
+            grid.add_row(sid, mode, str(s["index"]), str(s["leaf"]),
+                         ",".join(map(str, s["path"])), str(s["tokens"]),
+                         str(s["loss_tokens"]), s["status"],
+                         r3 if r3 == "-" else f"[{style}]{escape(r3)}[/]")
+        for error in res["errors"]:
+            grid.add_row(sid, mode, "-", str(error["leaf"]), "", "", "",
+                         f"[yellow]{escape(error['type'])}[/]", "")
+        spec = res["spec"]
+        if spec is not None:
+            rates.add_row(sid, f"{spec['accepted']}/{spec['proposed']}",
+                          f"{spec['accept_rate']:.3f}", f"{spec['accept_length']:.3f}")
+    console = out()
+    console.print(grid)
     console.print(rates)
-    console.print("Next: [bold]turnlog replay <session>[/] shows one session's tree; "
-                  "[bold]turnlog rebuild[/] recomputes every projection from the log.")
+    err().print("Next: [bold]turnlog show <session>[/] shows one session's tree (a unique "
+                "prefix of the id is enough); [bold]turnlog replay <session>[/] folds it from "
+                "its events; [bold]turnlog rebuild[/] recomputes every projection.")

@@ -1,46 +1,106 @@
-"""The `turnlog` command line: serve, migrate (and more as the store grows)."""
+"""The `turnlog` command line: the app, its global options, `serve` and `migrate`.
+
+Each command group lives in its own module and is registered here, in the
+order `turnlog --help` lists them (serve first). Global options (`--version`,
+`--debug`, `--log-format`, `--log-level`) are handled by the callback; the one
+error path for every command is `TurnlogGroup` in `app.cli.common`.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from enum import StrEnum
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
 
+from app import __version__
+from app.cli import common
 from app.cli.analytics import analytics_cli, gate_cli, history_cli
+from app.cli.browse import sessions, show, tail
+from app.cli.common import CliError, DatabaseUrl, check_database, err, mask, resolve_url
 from app.cli.demo import demo
 from app.cli.store import rebuild, replay
 from app.cli.transfer import export, import_
 from app.settings import get_settings
 
-cli = typer.Typer(no_args_is_help=True, help="turnlog: event-sourced session store for RL rollouts")
-cli.add_typer(gate_cli, name="gate")
-cli.add_typer(history_cli, name="history")
-cli.add_typer(analytics_cli, name="analytics")
-cli.command()(rebuild)
-cli.command()(replay)
-cli.command()(demo)
-cli.command("import")(import_)
-cli.command()(export)
-console = Console(stderr=True)
+cli = typer.Typer(cls=common.TurnlogGroup, no_args_is_help=True,
+                  pretty_exceptions_show_locals=False,  # locals may hold a password
+                  help="turnlog: event-sourced session store for RL rollouts")
 
 
-def _url(database_url: str | None) -> str:
-    if database_url:
-        os.environ["TURNLOG_DATABASE_URL"] = database_url
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"turnlog {__version__}")
+        raise typer.Exit()
+
+
+@cli.callback()
+def _global(
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option(  # noqa: ARG001 (handled by its callback)
+        "--version", is_eager=True, callback=_version, help="Print the version and exit")]
+    = False,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show the traceback of a failure (also TURNLOG_DEBUG=1)")] = False,
+    log_format: Annotated[str | None, typer.Option(
+        "--log-format", metavar="auto|json|console",
+        help="Logs on stderr: auto = readable on a terminal, JSON lines otherwise "
+             "[env: TURNLOG_LOG_FORMAT]")] = None,
+    log_level: Annotated[str | None, typer.Option(
+        "--log-level", metavar="debug|info|warning|error",
+        help="Log level (env TURNLOG_LOG_LEVEL; default info for serve, warning otherwise)",
+    )] = None,
+) -> None:
+    import app.logs
+
+    common.set_debug(debug)
+    if ctx.invoked_subcommand == "serve":
+        # uvicorn's worker processes read their logging settings from the environment.
+        if log_format:
+            os.environ["TURNLOG_LOG_FORMAT"] = log_format
+        if log_level:
+            os.environ["TURNLOG_LOG_LEVEL"] = log_level.lower()
         get_settings.cache_clear()
-    return get_settings().database_url
+    settings = get_settings()
+    default_level = "info" if ctx.invoked_subcommand == "serve" else "warning"
+    try:
+        app.logs.configure_logging(log_level or settings.log_level or default_level,
+                                   log_format or settings.log_format)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why uvicorn could not bind `host:port`, found before anything is migrated."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host}: {exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            import errno
+
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {port} on {host} is already in use: stop the other server "
+                        "or pick another with --port")
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 @cli.command()
 def serve(
-    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default 8000)")] = None,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+    host: Annotated[str | None, typer.Option(
+        help="Address to bind (env TURNLOG_HOST, default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(
+        help="Port (env TURNLOG_PORT, default 8000)")] = None,
+    database_url: DatabaseUrl = None,
     migrate: Annotated[bool, typer.Option(help="Apply migrations to head first")] = True,
     workers: Annotated[int, typer.Option(
         min=1, help="Server processes (each keeps its own validated state cache)")] = 1,
@@ -50,33 +110,37 @@ def serve(
     """Apply migrations to head, then serve the REST API with uvicorn."""
     import uvicorn
 
-    from app.logs import configure_logging
     from app.store import migrate as migrations
 
-    try:
-        url = _url(database_url)
-        settings = get_settings()
-    except ValidationError as exc:
-        console.print(f"[red]invalid settings:[/] {exc}")
-        raise typer.Exit(2) from None
+    url = resolve_url(database_url)
+    # uvicorn's worker processes build their settings from the environment.
+    os.environ["TURNLOG_DATABASE_URL"] = url
+    get_settings.cache_clear()
+    settings = get_settings()
     bind = host or settings.host
+    port = port or settings.port
     try:
         loopback = ipaddress.ip_address(bind).is_loopback
     except ValueError:
         loopback = bind == "localhost"
     if not loopback and not settings.token_scopes:
         if not insecure:
-            console.print(f"[red]refusing to serve on non-loopback {bind} without API tokens[/];"
-                          " set TURNLOG_API_TOKENS or pass --insecure")
-            raise typer.Exit(2)
-        console.print(f"[yellow]warning:[/] serving on {bind} without API tokens (--insecure)")
-    configure_logging()
+            raise CliError(f"refusing to serve on non-loopback {bind} without API tokens; "
+                           "set TURNLOG_API_TOKENS or pass --insecure")
+        common.warn(f"serving on {bind} without API tokens (--insecure)")
+    # Before anything is created or migrated: is the port ours to take?
+    problem = _cannot_listen(bind, port)
+    if problem is not None:
+        raise CliError(problem)
     if migrate and settings.migrate_on_start:
+        check_database(url, creating=True)
         migrations.upgrade(url)
-        console.print(f"[green]schema at head[/] on {settings.database_url}")
-    # log_config=None: uvicorn keeps the JSON logging that the factory sets up per worker.
-    uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port or settings.port,
-                workers=workers, log_level="info", log_config=None)
+        err().print(f"schema at head on {mask(url)}")
+    else:
+        check_database(url)
+    # log_config=None: uvicorn keeps the logging that the factory sets up per worker.
+    uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port,
+                workers=workers, log_level=settings.log_level or "info", log_config=None)
 
 
 class MigrateAction(StrEnum):
@@ -89,19 +153,42 @@ class MigrateAction(StrEnum):
 def migrate(
     action: Annotated[MigrateAction, typer.Argument()] = MigrateAction.upgrade,
     revision: Annotated[str | None, typer.Argument(help="Target revision")] = None,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+    database_url: DatabaseUrl = None,
+    as_json: common.AsJson = False,
 ) -> None:
     """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
     from app.store import migrate as migrations
 
-    url = _url(database_url)
+    url = resolve_url(database_url)
     if action is MigrateAction.upgrade:
+        check_database(url, creating=True)
         migrations.upgrade(url, revision or "head")
-        console.print(f"upgraded to {revision or 'head'}")
-    elif action is MigrateAction.downgrade:
-        migrations.downgrade(url, revision or "-1")
-        console.print(f"downgraded to {revision or '-1'}")
-    typer.echo(f"current: {migrations.current(url)} (head: {migrations.head_revision()})")
+        err().print(f"upgraded {mask(url)} to {revision or 'head'}")
+    else:
+        _exists(url)  # reading or reverting never creates a database
+        if action is MigrateAction.downgrade:
+            migrations.downgrade(url, revision or "-1")
+            err().print(f"downgraded {mask(url)} to {revision or '-1'}")
+    current, head = migrations.current(url), migrations.head_revision()
+    if as_json:
+        common.echo_json({"current": current, "head": head})
+    else:
+        typer.echo(f"current: {current} (head: {head})")
+
+
+def _exists(url: str) -> None:
+    path = common.sqlite_path(url)
+    if path is not None and not path.exists():
+        raise CliError(f"no database at {path}: run `turnlog migrate` to create one")
+
+
+for command in (sessions, show, tail, replay, rebuild, demo):
+    cli.command()(command)
+cli.command("import")(import_)
+cli.command()(export)
+cli.add_typer(gate_cli, name="gate")
+cli.add_typer(history_cli, name="history")
+cli.add_typer(analytics_cli, name="analytics")
 
 
 def main() -> None:

@@ -1,60 +1,65 @@
-"""`turnlog rebuild` and `turnlog replay`: recompute projections, inspect one session."""
+"""`turnlog rebuild` and `turnlog replay`: recompute projections, fold one session.
+
+Both read the database directly (checked first: never created, must be
+migrated). Results go to stdout (a table, readable text or `--json`);
+progress to stderr. Refuses: the rebuild and fold themselves (`app.store`,
+`app.domain`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Annotated, Any, TypeVar
+import json
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-from rich.table import Table
 
-from app.domain.errors import DomainError
-from app.settings import Settings, get_settings
-from app.store.db import Database
-
-console = Console()
-T = TypeVar("T")
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a store coroutine; a domain error (unknown session…) is a clean exit 2."""
-    try:
-        return asyncio.run(coro)
-    except DomainError as exc:
-        console.print(f"[red]{exc.detail}[/]")
-        raise typer.Exit(2) from None
-
-
-def _database(database_url: str | None) -> Database:
-    settings = get_settings()
-    url = database_url or settings.database_url
-    return Database(url, Settings(database_url=url))
+from app.cli.browse import print_tree
+from app.cli.common import (
+    AsJson,
+    DatabaseUrl,
+    check_database,
+    echo_json,
+    err,
+    out,
+    resolve_session,
+    resolve_url,
+    settings_for,
+    table,
+)
 
 
 def rebuild(
-    session: Annotated[str | None, typer.Option(help="Only this session")] = None,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+    session: Annotated[str | None, typer.Option(help="Only this session (or a unique prefix)")]
+    = None,
+    database_url: DatabaseUrl = None,
     metrics_port: Annotated[int | None, typer.Option(
         help="Serve the progress gauges for Prometheus on 127.0.0.1:PORT while running")] = None,
+    as_json: AsJson = False,
 ) -> None:
     """Drop and recompute every projection from the events; checksums must match."""
     from prometheus_client import start_http_server
 
     from app.metrics import RebuildProgress
+    from app.store.db import Database
     from app.store.rebuild import rebuild as run_rebuild
 
+    url = resolve_url(database_url)
+    check_database(url)
     gauges = RebuildProgress()
     if metrics_port is not None:
         start_http_server(metrics_port, addr="127.0.0.1", registry=gauges.registry)
 
     async def go() -> Any:
-        db = _database(database_url)
+        db = Database(url, settings_for(url))
         try:
+            only = None
+            if session is not None:
+                only = await resolve_session(db, session)
             with Progress("[progress.description]{task.description}", BarColumn(),
-                          MofNCompleteColumn(), TimeRemainingColumn(), console=console,
+                          MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
                           transient=True) as bar:
                 task = bar.add_task("rebuilding sessions", total=None)
 
@@ -62,72 +67,92 @@ def rebuild(
                     bar.update(task, completed=done, total=total)
                     gauges(done, total)
 
-                return await run_rebuild(db, session, advance)
+                return await run_rebuild(db, only, advance)
         finally:
             await db.dispose()
 
-    report = _run(go())
-    table = Table(title=f"projections of {report.sessions} session(s)")
-    for column in ("projection", "before", "after", ""):
-        table.add_column(column)
-    for name, before in report.before.items():
-        after = report.after[name]
-        table.add_row(name, before[:16], after[:16],
-                      "[green]equal[/]" if before == after else "[red]DIFFERENT[/]")
-    console.print(table)
+    report = asyncio.run(go())
+    if as_json:
+        echo_json({"sessions": report.sessions, "equal": report.equal,
+                   "projections": {name: {"before": before, "after": report.after[name],
+                                          "equal": before == report.after[name]}
+                                   for name, before in report.before.items()}})
+    else:
+        grid = table(f"projections of {report.sessions} session(s)")
+        for column in ("projection", "before", "after", ""):
+            grid.add_column(column, no_wrap=True)
+        for name, before in report.before.items():
+            after = report.after[name]
+            grid.add_row(name, before[:16], after[:16],
+                         "[green]equal[/]" if before == after else "[red]DIFFERENT[/]")
+        out().print(grid)
     if not report.equal:
-        console.print("[red]rebuilt projections differ from the incremental ones[/]")
+        err().print("[red]rebuilt projections differ from the incremental ones[/]")
         raise typer.Exit(1)
 
 
 def replay(
-    session: Annotated[str, typer.Argument(help="Session id")],
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
+    session: Annotated[str, typer.Argument(help="Session id (or a unique prefix)")],
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
 ) -> None:
     """Fold one session from its events and print its tree, state and samples."""
+    from app.domain.projections import tree_entry
     from app.domain.samples import build_samples
+    from app.store.db import Database
     from app.store.loader import fold_events, session_row
 
+    url = resolve_url(database_url)
+    check_database(url)
+
     async def go() -> Any:
-        db = _database(database_url)
+        db = Database(url, settings_for(url))
         try:
+            sid = await resolve_session(db, session)
             async with db.read() as conn:
-                await session_row(conn, session)
-                return await fold_events(conn, None, session)
+                await session_row(conn, sid)
+                return await fold_events(conn, None, sid)
         finally:
             await db.dispose()
 
-    state = _run(go())
-    definition = state.definition
-    console.print(f"[bold]{definition.session_id}[/] {definition.version} "
-                  f"{definition.pause_generation_mode} r3={definition.num_layers} "
-                  f"spec={definition.speculative} labels={definition.labels}")
-    tree = Table(title="tree")
-    for column in ("seq", "parent", "depth", "tokens", "completion", "finish", "weight",
-                   "r3 rows"):
-        tree.add_column(column)
-    for node in state.nodes:
-        span = node.r3_span
-        tree.add_row(str(node.seq), str(node.parent), str(node.depth), str(node.num_tokens),
-                     f"[{node.prompt_len}, {node.num_tokens})", str(node.facts.finish_reason),
-                     str(node.facts.weight_version),
-                     "-" if span is None else f"[{span[0]}, {span[1]})")
-    console.print(tree)
+    state = asyncio.run(go())
+    spec = state.definition
+    result = None if state.close is None else build_samples(state, state.close)
+    head = {"session_id": spec.session_id, "version": spec.version,
+            "pause_generation_mode": spec.pause_generation_mode,
+            "r3": None if spec.num_layers is None else {"num_layers": spec.num_layers},
+            "spec": spec.speculative, "labels": spec.labels,
+            "status": "open" if state.close is None else "closed"}
+    tree = [tree_entry(node) for node in state.nodes]
     resume = state.resume()
-    resume["checkpoint_token_ids"] = f"<{len(resume['checkpoint_token_ids'])} tokens>"
-    console.print("state:", resume)
-    if state.close is None:
-        console.print("open: no samples yet")
+    if as_json:
+        echo_json({**head, "tree": tree, "state": resume,
+                   "samples": None if result is None else result.to_json(arrays=False)})
         return
-    result = build_samples(state, state.close)
-    samples = Table(title=f"samples (empty_reason={result.empty_reason})")
+    console = out()
+    labels = " ".join(f"{k}={v}" for k, v in spec.labels.items()) or "-"
+    console.print(f"[bold]{escape(spec.session_id)}[/] {spec.version} "
+                  f"{spec.pause_generation_mode} r3 layers={spec.num_layers or '-'} "
+                  f"spec={'on' if spec.speculative else 'off'} labels: {escape(labels)} "
+                  f"({head['status']})", soft_wrap=True)
+    print_tree(tree)
+    console.print("state (what a restarted session server resumes from):")
+    for key, value in resume.items():
+        shown = (f"{len(value)} tokens" if key == "checkpoint_token_ids"
+                 else value if isinstance(value, str) else json.dumps(value))
+        console.print(f"  {key}: {escape(shown)}", soft_wrap=True)
+    if result is None:
+        console.print("open: no samples until it is closed")
+        return
+    samples = table(f"samples (empty_reason: {result.empty_reason or '-'})")
     for column in ("index", "leaf", "path", "tokens", "response", "loss tokens", "status",
                    "r3"):
-        samples.add_column(column)
+        samples.add_column(column, no_wrap=column != "path")
     for s in result.samples:
-        samples.add_row(str(s.index), str(s.leaf), str(s.path), str(len(s.tokens)),
+        samples.add_row(str(s.index), str(s.leaf), ",".join(map(str, s.path)), str(len(s.tokens)),
                         str(s.response_length), str(sum(s.loss_mask)), s.status,
-                        "-" if s.r3 is None else str(s.r3["shape"]))
+                        "-" if s.r3 is None else "x".join(map(str, s.r3["shape"])))
     console.print(samples)
     for error in result.errors:
-        console.print(f"[yellow]left out[/] leaf {error['leaf']}: {error['detail']}")
+        console.print(f"[yellow]left out[/] leaf {error['leaf']}: {escape(str(error['detail']))}",
+                      soft_wrap=True)

@@ -2,19 +2,17 @@
 
 Both talk to the database directly through the store services (no server
 needed); `import` applies the migrations first, like `serve`. The work is in
-`app/dump_import.py` and `app/npz_export.py`; this module parses options,
-shows progress bars and prints the summary.
+`app/transfer/dump_import.py` and `app/transfer/npz.py`; this module parses
+options, shows progress bars (stderr) and prints the summary (stdout).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -24,35 +22,25 @@ from rich.progress import (
     TextColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 
-from app.settings import Settings, get_settings
+from app.cli.common import (
+    AsJson,
+    CliError,
+    DatabaseUrl,
+    Labels,
+    check_database,
+    echo_json,
+    err,
+    out,
+    parse_labels,
+    resolve_url,
+    settings_for,
+    table,
+    warn,
+)
 
 if TYPE_CHECKING:
     from app.transfer.dump_import import ImportReport
-
-console = Console(stderr=True)
-
-DatabaseUrl = Annotated[str | None, typer.Option(
-    help="SQLAlchemy URL (default: TURNLOG_DATABASE_URL)")]
-Labels = Annotated[list[str] | None, typer.Option(
-    "--label", help="k=v (repeatable); the value is matched as text")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout")]
-
-
-def _url(database_url: str | None) -> str:
-    return database_url or get_settings().database_url
-
-
-def parse_labels(items: list[str] | None) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{item!r} is not k=v", param_hint="--label")
-        labels[key] = value
-    return labels
-
 
 def import_(
     files: Annotated[list[Path], typer.Argument(
@@ -65,7 +53,11 @@ def import_(
         min=0, help="TITO trim allowed, unless a dump's metadata says (max_trim_tokens)")] = 0,
     label: Labels = None,
     close: Annotated[bool, typer.Option(
-        help="Close each session after import, so its samples can be read")] = False,
+        "--close", help="Close each session after import, so its samples can be read "
+                        "(not one with a rejected record: see --close-incomplete)")] = False,
+    close_incomplete: Annotated[bool, typer.Option(
+        "--close-incomplete", help="With --close: close sessions with rejected records "
+                                   "too (their samples miss those turns)")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Import miles session-server dumps (`GET /sessions/{id}`) as v1 sessions, idempotently.
@@ -85,19 +77,21 @@ def import_(
         read_dumps,
     )
 
-    url = _url(database_url)
     options = ImportOptions(num_layers=num_layers, max_trim_tokens=max_trim_tokens,
-                            labels=parse_labels(label), close=close)
+                            labels=parse_labels(label), close=close,
+                            close_incomplete=close_incomplete)
+    url = resolve_url(database_url)
+    check_database(url, creating=True)
     migrate.upgrade(url)
 
     async def go() -> ImportReport:
-        svc = build_services(Settings(database_url=url))
+        svc = build_services(settings_for(url))
         report = ImportReport()
         total = sum(path.stat().st_size for path in files)
         try:
             with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                           TaskProgressColumn(), TextColumn("{task.fields[counts]}"),
-                          TimeRemainingColumn(), console=console, transient=True) as bar:
+                          TimeRemainingColumn(), console=err(), transient=True) as bar:
                 task = bar.add_task("importing", total=total or None, counts="")
                 for path in files:
                     for item in read_dumps(path):
@@ -116,23 +110,32 @@ def import_(
 
     report = asyncio.run(go())
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2))
+        echo_json(report.to_json())
     else:
         _print_import(report)
+    for sid in report.left_open:
+        warn(f"left {sid} open: a record was rejected (fix the dump and import it again, "
+             "or pass --close-incomplete)")
     if report.failures:
         raise typer.Exit(1)
 
 
 def _print_import(report: ImportReport) -> None:
-    table = Table(title="import", show_header=False)
-    table.add_row("sessions", f"{report.sessions} ({report.sessions_new} new, "
+    grid = table("import")
+    grid.show_header = False
+    grid.add_column()
+    grid.add_column()
+    grid.add_row("sessions", f"{report.sessions} ({report.sessions_new} new, "
                               f"{report.sessions_present} already present)")
-    table.add_row("turns imported", str(report.turns_imported))
-    table.add_row("turns already present", str(report.turns_present))
+    grid.add_row("turns imported", str(report.turns_imported))
+    grid.add_row("turns already present", str(report.turns_present))
     if report.closed:
-        table.add_row("sessions closed", str(report.closed))
-    table.add_row("failures", str(len(report.failures)))
-    console.print(table)
+        grid.add_row("sessions closed", str(report.closed))
+    if report.left_open:
+        grid.add_row("sessions left open", str(len(report.left_open)))
+    grid.add_row("failures", str(len(report.failures)))
+    console = out()
+    console.print(grid)
     if not report.failures:
         return
     console.print("[bold]failures[/] (skipped):")
@@ -156,7 +159,8 @@ def _detail(problem: dict[str, Any]) -> str:
 
 def export(
     run_id: Annotated[str, typer.Option(help="Only sessions labelled run_id=RUN")],
-    out: Annotated[Path, typer.Option(dir_okay=False, help="The .npz file to write")],
+    out_file: Annotated[Path, typer.Option(
+        "--out", dir_okay=False, help="The .npz file to write")],
     label: Labels = None,
     database_url: DatabaseUrl = None,
     compress: Annotated[bool, typer.Option(help="Deflate the entries (np.savez_compressed)")]
@@ -173,30 +177,57 @@ def export(
     from app.services import build_services
     from app.transfer.npz import ExportReport, export_samples
 
-    url = _url(database_url)
     filters = {**parse_labels(label), "run_id": run_id}
+    url = resolve_url(database_url)
+    check_database(url)
+    wanted = " ".join(f"{k}={v}" for k, v in filters.items())
 
     async def go() -> ExportReport:
-        svc = build_services(Settings(database_url=url))
+        svc = build_services(settings_for(url))
         try:
+            open_sessions = await _count(svc, "open", filters)
+            if open_sessions:
+                warn(f"skipping {open_sessions} open session(s) labelled {wanted}: only "
+                     "closed sessions have samples")
+            if not await _count(svc, "closed", filters, at_most=1):
+                raise CliError(f"nothing matched: no closed session labelled {wanted}; "
+                               f"{out_file} not written")
             with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                          MofNCompleteColumn(), TimeRemainingColumn(), console=console,
+                          MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
                           transient=True) as bar:
                 task = bar.add_task("exporting sessions", total=None)
 
                 def advance(done: int, total: int) -> None:
                     bar.update(task, completed=done, total=total)
 
-                return await export_samples(svc, filters, out, compress=compress,
+                return await export_samples(svc, filters, out_file, compress=compress,
                                             progress=advance)
         finally:
             await svc.db.dispose()
 
     report = asyncio.run(go())
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2))
+        echo_json(report.to_json())
         return
-    console.print(f"wrote {escape(str(out))}: {report.sessions} session(s), "
+    out().print(f"wrote {escape(str(out_file))}: {report.sessions} session(s), "
                   f"{report.samples} sample(s), {report.r3_tensors} R3 tensor(s)"
                   + (f", [yellow]{report.r3_errors} unreadable R3[/]" if report.r3_errors
-                     else "") + f", {report.bytes} bytes")
+                     else "") + f", {report.bytes} bytes", soft_wrap=True)
+
+
+def _label_filters(filters: dict[str, str]) -> Any:
+    from app.domain.labels import parse_label_filters
+
+    return parse_label_filters(filters)
+
+
+async def _count(svc: Any, status: str, filters: dict[str, str], at_most: int = 10**9) -> int:
+    """How many sessions of `status` match the filters (paging the store's list)."""
+    found, after = 0, None
+    while found < at_most:
+        page = await svc.reader.list_sessions(status, after, 1000, _label_filters(filters))
+        found += len(page["sessions"])
+        if len(page["sessions"]) < 1000:
+            break
+        after = page["next"]
+    return found

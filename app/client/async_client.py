@@ -370,6 +370,26 @@ class TurnlogClient:
             for event in page.events:
                 yield event
 
+    # -- metric history and gates (CI) ---------------------------------------------
+
+    async def submit_history(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """`POST /v1/metric-history`: one attempt's points; the reply lists `dropped`
+        metrics (not in the server's whitelist). Re-posting the same body is a no-op."""
+        result: dict[str, Any] = await self._json("POST", "/v1/metric-history", body=body)
+        return result
+
+    async def metric_history(self, coordinate: Mapping[str, str], run_id: str) -> dict[str, Any]:
+        """`GET /v1/metric-history`: a run's merged series (`attempts` empty: no such run)."""
+        result: dict[str, Any] = await self._json(
+            "GET", "/v1/metric-history", params={**coordinate, "run_id": run_id})
+        return result
+
+    async def evaluate_gates(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """`POST /v1/gates/evaluate`: the verdict (records the run's values unless
+        `record` is false)."""
+        result: dict[str, Any] = await self._json("POST", "/v1/gates/evaluate", body=body)
+        return result
+
     # -- service -------------------------------------------------------------------
 
     async def ready(self) -> dict[str, Any]:

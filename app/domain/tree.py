@@ -177,7 +177,8 @@ class SessionState:
             parent = int(body.parent)
             if parent >= len(self.nodes):
                 raise UnknownParent(f"session has no node {parent}", field="parent",
-                                    expected=f"a seq below {len(self.nodes)}", actual=parent)
+                                    expected=self._seq_range("null (a new root)"),
+                                    actual=parent)
         if len(self.nodes) >= max_nodes:
             raise NodeCap(f"session reached the cap of {max_nodes} nodes", field="session_id",
                           expected=f"fewer than {max_nodes} nodes", actual=len(self.nodes))
@@ -227,11 +228,18 @@ class SessionState:
             covered = max(covered, end)
         return covered
 
+    def _seq_range(self, otherwise: str) -> str:
+        """What a node reference may be, said plainly (also for an empty session)."""
+        if not self.nodes:
+            return f"{otherwise}: the session has no nodes yet"
+        return f"a seq in [0, {len(self.nodes) - 1}] or {otherwise}"
+
     def resume(self, leaf: int | None = None) -> dict[str, Any]:
         """The `/state` view for `leaf` (default: the most recently committed node)."""
         if leaf is not None and not 0 <= leaf < len(self.nodes):
             raise UnknownParent(f"session has no node {leaf}", field="leaf",
-                                expected=f"a seq below {len(self.nodes)}", actual=leaf)
+                                expected=self._seq_range("no leaf (the latest node)"),
+                                actual=leaf)
         target = self.active_leaf if leaf is None else leaf
         tokens: list[int] = [] if target is None else self.nodes[target].tokens.tolist()
         addition = self.definition.use_addition_r3

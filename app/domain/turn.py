@@ -281,6 +281,12 @@ def parse_turn(
     moved to a patch row: the geometry is taken as already validated.
     """
     body = require_object(raw, "body")
+    if "record" not in body and {"request", "response"} & set(body):
+        # The commonest first mistake: posting the session server's record itself.
+        raise _invalid("this looks like a bare record: a turn body wraps it as "
+                       '{"event_id": "...", "record": {...}}', "record",
+                       '{"event_id", "record": {method, path, request, response, ...}}',
+                       "absent (the body has request/response at the top level)")
     reject_unknown(body, TURN_FIELDS, "")
     event_id = parse_event_id(body)
 

@@ -45,9 +45,12 @@ def _is_postgres(conn: AsyncConnection) -> bool:
 # -- connections ------------------------------------------------------------------
 
 def normalize_url(url: str) -> str:
-    """Accept plain `postgresql://` / `sqlite://` URLs and pick the async drivers."""
+    """Accept plain `postgres://`, `postgresql://` and `sqlite://` URLs and pick the
+    async drivers (`postgres://` is what Heroku-style environments hand out)."""
     parsed = make_url(url)
     backend = parsed.get_backend_name()
+    if backend == "postgres":
+        parsed, backend = parsed.set(drivername="postgresql+asyncpg"), "postgresql"
     if backend == "postgresql" and parsed.drivername != "postgresql+asyncpg":
         parsed = parsed.set(drivername="postgresql+asyncpg")
     elif backend == "sqlite" and parsed.drivername != "sqlite+aiosqlite":
@@ -124,15 +127,26 @@ def feed_fence(
     return None
 
 
-async def fence_lag_seconds(conn: AsyncConnection) -> float:
-    """Age of the oldest running transaction that holds the feed fence back."""
+async def fence_lag_seconds(conn: AsyncConnection, now_us: int) -> float:
+    """How far the feed fence holds readers back, in seconds (0.0 on SQLite).
+
+    The larger of: how long the oldest committed event still behind the fence
+    has waited (from the events table: needs no grant, sees every role's
+    writes), and the age of the oldest running transaction with an xid that
+    `pg_stat_activity` shows (without `pg_read_all_stats` only this role's own:
+    other roles' `xact_start` reads NULL, which is why the first part exists).
+    """
     if not _is_postgres(conn):
         return 0.0
-    value = (await conn.execute(sa.text(
-        "SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(xact_start)), 0) "
+    held_us = (await conn.execute(
+        sa.select(sa.func.min(events.c.recorded_us)).where(events.c.xid >= sa.text(PG_XMIN))
+    )).scalar()
+    running = (await conn.execute(sa.text(
+        "SELECT EXTRACT(EPOCH FROM clock_timestamp() - min(xact_start)) "
         "FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
     ))).scalar()
-    return float(value or 0.0)
+    held = 0.0 if held_us is None else max(0.0, (now_us - int(held_us)) / 1e6)
+    return max(held, float(running or 0.0))
 
 
 def lock_for_append(conn: AsyncConnection, query: sa.Select[Any]) -> sa.Select[Any]:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
 from app.domain.events import TURN_RECORDED, restore_record, without_r3
@@ -57,6 +58,19 @@ def label_filter(
         session_labels.c.key == key,
         session_labels.c.value_text == value,
     ) for key, value in filters]
+
+
+async def sessions_with_prefix(conn: AsyncConnection, prefix: str, limit: int) -> list[str]:
+    """Session ids starting with `prefix` (the exact id first), at most `limit` of them:
+    how a person's abbreviated id (the demo prints suffixes) becomes a session."""
+    # substr, not LIKE: SQLite's LIKE ignores case, and `_`/`%` would need escaping.
+    exact = (await conn.execute(sa.select(sessions.c.session_id)
+                                .where(sessions.c.session_id == prefix))).scalars().all()
+    rows = (await conn.execute(
+        sa.select(sessions.c.session_id)
+        .where(sa.func.substr(sessions.c.session_id, 1, len(prefix)) == prefix)
+        .order_by(sessions.c.session_id).limit(limit))).scalars().all()
+    return list(dict.fromkeys([*exact, *rows]))
 
 
 class Reader:
@@ -169,6 +183,17 @@ class Reader:
             if fence is not None:
                 query = query.where(fence)
             return list(await conn.execute(query))
+
+    async def feed_end(self) -> str:
+        """The cursor after the last event a reader can see now (`tail` starts there)."""
+        async with self.db.read() as conn:
+            query = (sa.select(events.c.xid, events.c.position)
+                     .order_by(events.c.xid.desc(), events.c.position.desc()).limit(1))
+            fence = feed_fence(conn)
+            if fence is not None:
+                query = query.where(fence)
+            last = (await conn.execute(query)).first()
+        return cursor.encode(*(last if last is not None else cursor.decode(None, 2)))
 
     async def feed(
         self, after: str | None, limit: int, wait: float | None

@@ -51,6 +51,9 @@ class ImportOptions:
     max_trim_tokens: int = 0
     labels: Mapping[str, Any] = field(default_factory=dict)
     close: bool = False
+    # Close a session even when some of its records were rejected (its samples
+    # would then miss those turns): only when the operator asks for it.
+    close_incomplete: bool = False
 
 
 @dataclass
@@ -73,6 +76,8 @@ class ImportReport:
     turns_present: int = 0
     closed: int = 0
     failures: list[Failure] = field(default_factory=list)
+    # Sessions `--close` left open because a record of theirs was rejected.
+    left_open: list[str] = field(default_factory=list)
 
     @property
     def sessions(self) -> int:
@@ -82,7 +87,8 @@ class ImportReport:
         return {"sessions": self.sessions, "sessions_new": self.sessions_new,
                 "sessions_present": self.sessions_present,
                 "turns_imported": self.turns_imported, "turns_present": self.turns_present,
-                "closed": self.closed, "failures": [f.to_json() for f in self.failures]}
+                "closed": self.closed, "left_open": self.left_open,
+                "failures": [f.to_json() for f in self.failures]}
 
 
 class DumpError(Exception):
@@ -239,17 +245,22 @@ async def import_dump(writer: Writer, dump: Dump, options: ImportOptions,
         report.sessions_new += 1
     else:
         report.sessions_present += 1
+    rejected = 0
     for index in range(len(dump.records)):
         try:
             written = await writer.append_turn(str(sid), turn_body(dump, index))
         except DomainError as exc:
             report.failures.append(Failure(dump.source, sid, index, exc.problem()))
+            rejected += 1
             continue
         if written.created:
             report.turns_imported += 1
         else:
             report.turns_present += 1
-    if options.close:
+    if options.close and rejected and not options.close_incomplete:
+        # Closing would turn an incomplete session into a training sample.
+        report.left_open.append(str(sid))
+    elif options.close:
         try:
             if await writer.close_session(str(sid), {}):
                 report.closed += 1

@@ -1,0 +1,186 @@
+"""`turnlog sessions`, `turnlog show`, `turnlog tail`: look around the store without curl.
+
+They read the database directly through the store's readers (the same
+answers as `GET /v1/sessions`, `GET /v1/sessions/{id}` and `GET /v1/events`),
+after `check_database`. A session id may be given as a unique prefix.
+Readable text on stdout, or `--json`. Refuses: writing anything, and any rule
+(the readers and the domain own what a summary or a tree is).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from app.cli.common import (
+    AsJson,
+    DatabaseUrl,
+    Labels,
+    check_database,
+    echo_json,
+    err,
+    out,
+    parse_labels,
+    resolve_session,
+    resolve_url,
+    table,
+    with_services,
+)
+
+PAGE = 1000
+
+
+def _labels_text(labels: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in labels.items()) or "-"
+
+
+def sessions(
+    status: Annotated[str | None, typer.Option(help="open | closed")] = None,
+    label: Labels = None,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many sessions")] = 50,
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
+) -> None:
+    """List sessions in the order they were opened (filters: --status, --label)."""
+    from app.domain.labels import parse_label_filters
+    from app.domain.queries import parse_status
+
+    filters = parse_label_filters(parse_labels(label))
+    status = parse_status(status)
+    url = resolve_url(database_url)
+    check_database(url)
+
+    async def go(svc: Any) -> tuple[list[dict[str, Any]], bool]:
+        found: list[dict[str, Any]] = []
+        after = None
+        while len(found) < limit:
+            want = min(PAGE, limit - len(found))
+            page = await svc.reader.list_sessions(status, after, want, filters)
+            found.extend(page["sessions"])
+            after = page["next"]
+            if len(page["sessions"]) < want:
+                return found, False
+        more = await svc.reader.list_sessions(status, after, 1, filters)
+        return found, bool(more["sessions"])
+
+    found, more = with_services(url, go)
+    if as_json:
+        echo_json({"sessions": found, "more": more})
+        return
+    grid = table(f"{len(found)} session(s)")
+    for column in ("session", "status", "version", "mode", "nodes", "created", "labels"):
+        grid.add_column(column, no_wrap=column != "labels")
+    for s in found:
+        grid.add_row(escape(s["session_id"]), s["status"], s["version"],
+                     s["pause_generation_mode"], str(s["num_nodes"]), s["created_at"],
+                     escape(_labels_text(s["labels"])))
+    out().print(grid)
+    if more:
+        err().print(f"(more sessions match: raise --limit above {limit})")
+
+
+def print_tree(tree: list[dict[str, Any]]) -> None:
+    """A session's turn tree, one node a line, children indented under their parent."""
+    console = out()
+    children: dict[int | None, list[dict[str, Any]]] = {}
+    for node in tree:
+        children.setdefault(node["parent"], []).append(node)
+    console.print(f"tree ({len(tree)} node(s)):")
+    if not tree:
+        console.print("  (no turns yet)")
+
+    def walk(node: dict[str, Any], depth: int) -> None:
+        start, end = node["completion_span"]
+        r3 = "-" if node["r3"] is None else f"[{node['r3']['start']}, {node['r3']['end']})"
+        weight = "-" if node["weight_version"] is None else node["weight_version"]
+        console.print(
+            f"  {'  ' * depth}#{node['seq']}  tokens {node['num_tokens']}  "
+            f"completion [{start}, {end})  finish {node['finish_reason'] or '-'}  "
+            f"weight_version {weight}  r3 {r3}{'  (leaf)' if node['is_leaf'] else ''}",
+            soft_wrap=True, markup=False)
+        for child in children.get(node["seq"], []):
+            walk(child, depth + 1)
+
+    for root in children.get(None, []):
+        walk(root, 0)
+
+
+def show(
+    session: Annotated[str, typer.Argument(help="Session id (or a unique prefix)")],
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
+) -> None:
+    """One session: its summary and its turn tree."""
+    url = resolve_url(database_url)
+    check_database(url)
+
+    async def go(svc: Any) -> dict[str, Any]:
+        sid = await resolve_session(svc.db, session)
+        body: dict[str, Any] = await svc.reader.session(sid)
+        return body
+
+    body = with_services(url, go)
+    if as_json:
+        echo_json(body)
+        return
+    console = out()
+    console.print(f"[bold]{escape(body['session_id'])}[/] ({body['status']})", soft_wrap=True)
+    r3 = body["r3"]
+    for key, value in (
+        ("version", body["version"]),
+        ("pause_generation_mode", f"{body['pause_generation_mode']} (addition R3: "
+                                  f"{'yes' if body['use_addition_r3'] else 'no'})"),
+        ("r3", "off" if r3 is None else f"{r3['num_layers']} layers"),
+        ("spec decoding", "on" if body["spec"] else "off"),
+        ("max_trim_tokens", body["max_trim_tokens"]),
+        ("labels", _labels_text(body["labels"])),
+        ("created", body["created_at"]),
+        ("closed", body["closed_at"] or "-"),
+    ):
+        console.print(f"  {key}: {escape(str(value))}", soft_wrap=True)
+    print_tree(body["tree"])
+
+
+def tail(
+    after: Annotated[str | None, typer.Option(
+        help="Start after this feed cursor (printed when tail stops)")] = None,
+    from_start: Annotated[bool, typer.Option(
+        "--from-start", help="Print the whole feed first (default: only new events)")] = False,
+    until_idle: Annotated[bool, typer.Option(
+        "--until-idle", help="Stop when nothing new came for --wait seconds")] = False,
+    wait: Annotated[float, typer.Option(min=0.0, max=30.0,
+                                        help="Long-poll this many seconds per page")] = 10.0,
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
+) -> None:
+    """Follow the global feed: one line per event, in commit order (Ctrl-C stops)."""
+    url = resolve_url(database_url)
+    check_database(url)
+    cursor: list[str | None] = [after]
+
+    async def go(svc: Any) -> None:
+        if cursor[0] is None and not from_start:
+            cursor[0] = await svc.reader.feed_end()  # `tail -f`, not `cat`
+        while True:
+            page = await svc.reader.feed(cursor[0], PAGE, wait)
+            for event in page["events"]:
+                if as_json:
+                    echo_json(event)
+                else:
+                    seq = "" if event["seq"] is None else f" seq {event['seq']}"
+                    typer.echo(f"{event['recorded_at']}  {event['session_id']}  "
+                               f"{event['type']}{seq}")
+            cursor[0] = page["next"]
+            if not page["events"] and until_idle:
+                return
+
+    try:
+        with_services(url, go)
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:  # `turnlog tail | head`
+        return
+    if cursor[0]:
+        err().print(f"resume with: turnlog tail --after {cursor[0]}", soft_wrap=True)

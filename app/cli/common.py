@@ -1,0 +1,309 @@
+"""What every `turnlog` command shares: the database URL, the store check, output, errors.
+
+- One database URL resolver (`resolve_url`): `--database-url`, else
+  `TURNLOG_DATABASE_URL`, else `./turnlog.db`; `postgres://`, `postgresql://`
+  and `sqlite://` are accepted (normalized by `app.store.db.normalize_url`).
+  URLs are only ever printed masked (`mask`).
+- One check before touching the store (`check_database`): a command that reads
+  never creates a SQLite file, and says "not migrated: run `turnlog migrate`"
+  instead of failing deep inside a query.
+- One error path (`TurnlogGroup`): any failure of any command is one line on
+  stderr and exit code 2; `turnlog --debug …` shows the traceback instead.
+- One label-filter parser (`parse_labels`) and one output policy (`out`, `err`,
+  `table`): on a terminal rich tables; without one, plain wide rows that a CI
+  log keeps intact.
+
+Refuses: business rules (the store and the domain own them) and HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import IO, Annotated, Any, NoReturn, TypeVar
+
+import typer
+import typer.core
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from app.settings import DEFAULT_DATABASE_URL, Settings, get_settings
+
+T = TypeVar("T")
+# Wide enough that a CI log never folds a row; rich tables only take what they need.
+PLAIN_WIDTH = 4000
+
+DatabaseUrl = Annotated[str | None, typer.Option(
+    "--database-url", metavar="URL",
+    help="SQLAlchemy URL (postgresql://… or sqlite:///FILE); default: TURNLOG_DATABASE_URL, "
+         f"else {DEFAULT_DATABASE_URL.replace('+aiosqlite', '')} in the current folder")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout")]
+Labels = Annotated[list[str] | None, typer.Option(
+    "--label", metavar="KEY=VALUE",
+    help="Label filter KEY=VALUE (repeatable); the value is matched as text")]
+ServerUrl = Annotated[str | None, typer.Option(
+    "--url", help="Ask a running turnlog server (e.g. http://127.0.0.1:8000) instead")]
+Token = Annotated[str | None, typer.Option(
+    "--token", envvar="TURNLOG_TOKEN", show_envvar=True,
+    help="Bearer token for --url (a write token: the server records values)")]
+
+
+class CliError(Exception):
+    """A failure the user can act on: printed as one line, exit code 2."""
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def _console(stream: IO[str]) -> Console:
+    tty = stream.isatty()
+    return Console(file=stream, width=None if tty else PLAIN_WIDTH, highlight=False,
+                   no_color=not tty or None)
+
+
+def out() -> Console:
+    """Results: stdout (a script pipes this)."""
+    return _console(sys.stdout)
+
+
+def err() -> Console:
+    """Progress, warnings and errors: stderr."""
+    return _console(sys.stderr)
+
+
+def table(title: str | None = None) -> Table:
+    """A results table: boxed on a terminal, plain aligned columns without one."""
+    tty = sys.stdout.isatty()
+    return Table(title=None if title is None else escape(title),
+                 box=box.SIMPLE_HEAD if tty else None, title_justify="left",
+                 show_edge=tty, pad_edge=False)
+
+
+def warn(message: str) -> None:
+    err().print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def echo_json(value: Any) -> None:
+    from app.domain import jsonio
+
+    typer.echo(jsonio.dumps_bytes(value).decode() if not isinstance(value, str) else value)
+
+
+# -- the database ------------------------------------------------------------------------
+
+_last_url: list[str] = []
+
+
+def resolve_url(database_url: str | None) -> str:
+    """The URL a command uses, normalized to the async drivers; remembered for errors."""
+    from sqlalchemy.exc import ArgumentError
+
+    from app.store.db import normalize_url
+
+    raw = database_url or get_settings().database_url
+    try:
+        url = normalize_url(raw)
+    except ArgumentError:
+        raise CliError("invalid database URL: expected postgresql://USER:PW@HOST/DB or "
+                       "sqlite:///FILE") from None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    _last_url[:] = [url]
+    return url
+
+
+def mask(url: str) -> str:
+    """A URL as it may be printed or logged: the password replaced by `***`."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL at all: print nothing of it
+        return "<unparseable URL>"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL (None for PostgreSQL or an in-memory database)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database or "").expanduser().resolve()
+
+
+def settings_for(url: str) -> Settings:
+    """The environment's settings with this URL (keeps metric keys, pool sizes…)."""
+    return get_settings().model_copy(update={"database_url": url})
+
+
+def check_database(url: str, *, creating: bool = False) -> None:
+    """Before anything touches the store: the file exists and the schema is at head.
+
+    `creating` (migrate, serve, import, demo): a missing SQLite file is created
+    by the migrations, and said so on stderr; the schema is not checked.
+    """
+    path = sqlite_path(url)
+    if path is not None:
+        if not path.parent.is_dir():
+            raise CliError(f"no directory {path.parent} for the SQLite database")
+        if not path.exists():
+            if creating:
+                err().print(f"creating a new SQLite database at {escape(str(path))}")
+                return
+            raise CliError(f"no database at {path}: run `turnlog migrate` to create one, or "
+                           "point --database-url / TURNLOG_DATABASE_URL at yours")
+    if creating:
+        return
+    from app.store import migrate
+
+    current = migrate.current(url)
+    head = migrate.head_revision()
+    if current is None:
+        where = mask(url) if path is None else str(path)
+        raise CliError(f"not migrated: run `turnlog migrate` (database {where})")
+    if current != head:
+        raise CliError(f"schema at revision {current}, this turnlog expects {head}: "
+                       "run `turnlog migrate`")
+
+
+def with_services(url: str, use: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `use(services)` against the (checked) database, then release its connections."""
+    from app.services import build_services
+
+    async def run() -> T:
+        services = build_services(settings_for(url))
+        try:
+            return await use(services)
+        finally:
+            await services.db.dispose()
+
+    return asyncio.run(run())
+
+
+async def resolve_session(db: Any, prefix: str) -> str:
+    """A session id from what a person typed: the id itself or a unique prefix of it."""
+    from app.store.reads import sessions_with_prefix
+
+    async with db.read() as conn:
+        matches = await sessions_with_prefix(conn, prefix, limit=6)
+    if prefix in matches or len(matches) == 1:
+        return prefix if prefix in matches else matches[0]
+    if not matches:
+        raise CliError(f"no session {prefix!r} (and no session id starts with it)")
+    shown = ", ".join(matches[:5]) + (", …" if len(matches) > 5 else "")
+    raise CliError(f"session prefix {prefix!r} is ambiguous: {shown}")
+
+
+# -- labels ------------------------------------------------------------------------------
+
+
+def parse_labels(items: list[str] | None, option: str = "--label") -> dict[str, str]:
+    """`KEY=VALUE` pairs into a filter; the value is matched as text, as in the API."""
+    labels: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=option)
+        labels[key] = value
+    return labels
+
+
+# -- one error path ----------------------------------------------------------------------
+
+_debug: list[bool] = [False]
+
+
+def set_debug(on: bool) -> None:
+    _debug[0] = on
+
+
+def debugging() -> bool:
+    return _debug[0] or os.environ.get("TURNLOG_DEBUG", "") not in ("", "0", "false")
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line saying what is wrong and, where it is known, what to do."""
+    from pydantic import ValidationError
+    from sqlalchemy.exc import ArgumentError, DBAPIError
+
+    from app.domain.errors import DomainError
+
+    where = mask(_last_url[0]) if _last_url else "the database"
+    if isinstance(exc, CliError):
+        return str(exc)
+    if isinstance(exc, DomainError):
+        return exc.detail
+    if isinstance(exc, ValidationError):
+        errors = exc.errors()
+        if not errors:
+            return f"invalid settings: {exc}"
+        field = ".".join(str(p) for p in errors[0]["loc"]) or "settings"
+        # Settings come from TURNLOG_* variables (or the flag that sets one).
+        return f"invalid setting TURNLOG_{field.upper()}: {errors[0]['msg']}"
+    if isinstance(exc, ArgumentError):
+        return "invalid database URL: expected postgresql://USER:PW@HOST/DB or sqlite:///FILE"
+    if isinstance(exc, DBAPIError):
+        reason = _first_line(exc.orig or exc)
+        if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
+            return f"not migrated: run `turnlog migrate` (database {where}: {reason})"
+        return f"cannot use {where}: {reason}"
+    if isinstance(exc, OSError | TimeoutError) or type(exc).__module__.startswith("asyncpg"):
+        return (f"cannot connect to {where}: {_first_line(exc)} "
+                "(check --database-url or TURNLOG_DATABASE_URL)")
+    return f"{type(exc).__name__}: {_first_line(exc)} (`turnlog --debug …` shows the traceback)"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def fail(exc: BaseException) -> NoReturn:
+    err().print(f"[bold red]error:[/] {escape(describe_failure(exc))}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+class TurnlogGroup(typer.core.TyperGroup):
+    """Every command runs inside this `invoke`: the one place failures are reported."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return list(self.commands)  # registration order: serve first
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort):
+            raise
+        except typer.TyperException as exc:  # a usage error: one line too, naming the help
+            message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+            where = getattr(exc, "ctx", None)
+            hint = "" if where is None else f" (see `{where.command_path} --help`)"
+            err().print(f"[bold red]error:[/] {escape(message)}{escape(hint)}", soft_wrap=True)
+            raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if debugging():
+                raise
+            fail(exc)
+
+
+# Boolean flags show no `<bool>` type in help: `--close/--no-close` already says it.
+_display_type = typer.core.TyperOption.display_type_rich
+
+
+def _flag_display_type(self: typer.core.TyperOption, ctx: Any) -> str | None:
+    if self.is_flag:
+        return None
+    return _display_type(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
+
+

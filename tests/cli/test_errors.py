@@ -1,0 +1,138 @@
+"""One error path for every command: one line on stderr, exit 2, no traceback unless
+--debug, passwords masked; nothing created by a command that only reads; the port
+checked before migrating; `make clean` keeps the event log."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import subprocess
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.cli.support import (
+    DATA,
+    ROOT,
+    UNREACHABLE,
+    free_port,
+    one_error_line,
+    run,
+    sqlite_file,
+)
+
+EVERY_DB_COMMAND = [
+    ["serve"], ["migrate"], ["migrate", "current"], ["rebuild"], ["replay", "abc"],
+    ["export", "--run-id", "r", "--out", "{tmp}/o.npz"], ["import", str(DATA / "turn_0.json")],
+    ["sessions"], ["show", "abc"], ["tail", "--until-idle"],
+    ["analytics", "spec", "--group-by", "model"],
+    ["gate", "check", "--run-id", "r", "--test-path", "t", "--backend", "b", "--suite", "s"],
+    ["history", "submit", str(DATA / "turn_0.json")], ["demo", "--sessions", "1"],
+]
+
+
+@pytest.mark.parametrize("command", EVERY_DB_COMMAND, ids=lambda c: " ".join(c[:2]))
+def test_an_unreachable_database_is_one_masked_line_and_exit_2(command, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    line = one_error_line(run(*args, "--database-url", UNREACHABLE))
+    assert "cannot connect to postgresql+asyncpg://turnlog:***@127.0.0.1:1/turnlog" in line
+    assert "hunter2" not in line
+
+
+def test_debug_shows_the_traceback():
+    result = run("--debug", "replay", "abc", "--database-url", UNREACHABLE)
+    assert result.exit_code != 0
+    assert isinstance(result.exception, OSError)  # re-raised for the traceback
+
+
+@pytest.mark.parametrize("command", [["replay", "abc"], ["show", "abc"], ["sessions"],
+                                     ["rebuild"], ["tail", "--until-idle"],
+                                     ["export", "--run-id", "r", "--out", "o.npz"],
+                                     ["analytics", "spec", "--group-by", "model"],
+                                     ["migrate", "current"]],
+                         ids=lambda c: c[0])
+def test_reading_from_another_folder_creates_no_database(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(run(*command))
+    assert f"no database at {tmp_path / 'turnlog.db'}" in line
+    assert "turnlog migrate" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unmigrated_sqlite_file_says_run_migrate(tmp_path):
+    sqlite3.connect(tmp_path / "empty.db").close()
+    line = one_error_line(run("sessions", "--database-url", sqlite_file(tmp_path, "empty.db")))
+    assert line.startswith("error: not migrated: run `turnlog migrate`")
+
+
+def test_an_unmigrated_postgres_database_says_run_migrate(fresh_database):
+    url = fresh_database("postgres")
+    line = one_error_line(run("replay", "abc", "--database-url", url))
+    assert line.startswith("error: not migrated: run `turnlog migrate`")
+
+
+def test_postgres_scheme_is_accepted_and_the_password_is_masked(fresh_database, monkeypatch):
+    """`postgres://` (Heroku style) works; `serve` prints where it migrated, masked."""
+    import uvicorn
+
+    url = make_url(fresh_database("postgres"))
+    password = url.password or "not-needed-with-trust-auth"
+    plain = url.set(drivername="postgres", password=password).render_as_string(
+        hide_password=False)
+    assert plain.startswith("postgres://")
+    calls: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append(kw))
+    result = run("serve", "--port", str(free_port()), "--database-url", plain)
+    assert result.exit_code == 0, result.output
+    assert "schema at head on postgresql+asyncpg://" in result.stderr
+    assert ":***@" in result.stderr
+    assert password not in result.output
+    assert calls and calls[0]["log_config"] is None
+
+
+def test_a_port_in_use_is_found_before_anything_is_created(tmp_path, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: pytest.fail("uvicorn started"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_error_line(run("serve", "--port", str(port), "--database-url",
+                                  sqlite_file(tmp_path, "new.db")))
+    assert f"port {port} on 127.0.0.1 is already in use" in line
+    assert not (tmp_path / "new.db").exists()
+
+
+def test_make_clean_never_deletes_the_event_log():
+    commands = subprocess.run(["make", "-n", "clean"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+    assert ".venv" in commands
+    assert "turnlog.db" not in commands
+
+
+def test_a_mistyped_run_id_is_no_such_run(db_url, tmp_path):
+    line = one_error_line(run("gate", "check", "--run-id", "ci-typo", "--test-path",
+                              f"t/{uuid.uuid4().hex}.py", "--backend", "cuda", "--suite", "s",
+                              "--database-url", db_url))
+    assert "no such run 'ci-typo'" in line
+
+
+def test_a_bad_log_format_is_one_line():
+    line = one_error_line(run("--log-format", "xml", "sessions"))
+    assert "log format must be one of auto, json, console" in line
+    line = one_error_line(run("--log-format", "xml", "serve"))  # via the environment
+    assert "TURNLOG_LOG_FORMAT" in line and "'auto', 'json' or 'console'" in line
+
+
+@pytest.mark.parametrize("args, text", [
+    (["sessions", "--stat", "closed"], "No such option: --stat"),
+    (["sessions", "--label", "foo"], "'foo' is not KEY=VALUE"),
+    (["gate", "check", "--run-id", "x"], "Missing option '--test-path'"),
+])
+def test_a_usage_error_is_one_line_naming_the_help(args, text):
+    command = " ".join(["turnlog", *args[:2 if args[0] == "gate" else 1]])
+    line = one_error_line(run(*args))
+    assert text in line and f"(see `{command} --help`)" in line
