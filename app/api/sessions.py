@@ -6,6 +6,7 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from pydantic import Field
 
 from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, json_body
 from app.api.docs import OPEN_BODY, TURN_BODY
@@ -13,6 +14,10 @@ from app.api.problems import JSONText
 from app.api.telemetry import turn_appended, turn_rejected
 from app.domain.errors import DomainError
 
+# The bounds sit on the integer, not on the optional: a blank `?after=` becomes None
+# first (`Blank`) and a bound on `int | None` cannot apply to None (that was a 500).
+Position = Annotated[int, Field(ge=0, lt=2**63)]
+Seq = Annotated[int, Field(ge=0, lt=2**31)]
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 LIST_PARAMS = frozenset({"status", "after", "limit"})
 
@@ -66,7 +71,7 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
 async def session_events(
     session_id: str,
     svc: ServicesDep,
-    after: Annotated[int | None, Blank, Query(ge=0, lt=2**63)] = None,
+    after: Annotated[Position | None, Blank, Query()] = None,
     limit: OptLimit = None,
     include_r3: bool = True,
 ) -> JSONText:
@@ -75,6 +80,6 @@ async def session_events(
 
 @router.get("/{session_id}/state")
 async def session_state(
-    session_id: str, svc: ServicesDep, leaf: Annotated[int | None, Query(ge=0, lt=2**31)] = None
+    session_id: str, svc: ServicesDep, leaf: Annotated[Seq | None, Blank, Query()] = None
 ) -> JSONText:
     return JSONText(await svc.reader.state(session_id, leaf))

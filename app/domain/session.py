@@ -15,8 +15,9 @@ from typing import Any, TypeGuard
 
 from app.domain.errors import InvalidRequest
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+# Anchored with \Z and used with fullmatch: `$` also matches before a trailing "\n".
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
+LABEL_KEY_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}\Z")
 OPEN_FIELDS = frozenset(
     {"session_id", "version", "pause_generation_mode", "r3", "spec", "max_trim_tokens", "labels"}
 )
@@ -105,7 +106,7 @@ def require_text(value: str, field_name: str, max_len: int = TEXT_MAX) -> str:
 
 
 def validate_session_id(value: Any, field_name: str = "session_id") -> str:
-    if not isinstance(value, str) or not SESSION_ID_RE.match(value):
+    if not isinstance(value, str) or not SESSION_ID_RE.fullmatch(value):
         raise InvalidRequest(
             "session id must be 1-128 characters of [A-Za-z0-9._:-]",
             field=field_name,
@@ -230,7 +231,7 @@ def parse_open(raw: Any) -> SessionSpec:
     labels_raw = body.get("labels")
     labels = {} if labels_raw is None else require_object(labels_raw, "labels")
     for key, value in labels.items():
-        if not LABEL_KEY_RE.match(key):
+        if not LABEL_KEY_RE.fullmatch(key):
             raise InvalidRequest("label names must be 1-64 characters of [A-Za-z0-9._:-]",
                                  field=f"labels.{key}", expected="[A-Za-z0-9._:-]{1,64}",
                                  actual=describe(key))

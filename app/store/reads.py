@@ -68,7 +68,7 @@ def label_filter(
     """EXISTS clauses, one per filter, correlated to `session_id` (any table's column)."""
     clauses: list[sa.ColumnElement[bool]] = []
     for key, value in filters.items():
-        if not LABEL_KEY_RE.match(key):
+        if not LABEL_KEY_RE.fullmatch(key):
             raise InvalidRequest("label filter names are 1-64 characters of [A-Za-z0-9._:-]",
                                  field=key, expected="[A-Za-z0-9._:-]{1,64}",
                                  actual=describe(key))
@@ -151,7 +151,7 @@ class Reader:
             node = state.nodes[row["seq"]]
             patch = patches.get(row["seq"])
             out["parent"] = payload["parent"]
-            record = restore_record(payload, node.facts.prompt,
+            record = restore_record(payload, node.prompt,
                                     None if patch is None else patch.base64())
             # A payload that was never moved to a patch row (`""`, null) is
             # still in the stored JSON: `include_r3=false` leaves it out too.

@@ -196,7 +196,7 @@ class Writer:
             start=patch.start_row, end=patch.end_row, num_layers=patch.num_layers,
             topk=patch.topk, dtype=patch.dtype, data=patch.data).base64()
         first = stored_content(jsonio.loads(event.payload), body.event_id,
-                               state.nodes[seq].facts.prompt, b64)
+                               state.nodes[seq].prompt, b64)
         if not jsonio.strict_equal(first, body.content()):
             raise IdempotencyConflict(
                 f"event_id {body.event_id!r} was already recorded with other content",
