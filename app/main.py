@@ -22,6 +22,7 @@ from app.api import (
     telemetry,
 )
 from app.api.auth import BearerAuth, TokenTable
+from app.api.deps import Uploads
 from app.api.guards import HeaderBounds, Loopback, QueryTokens
 from app.api.limits import BodyLimit
 from app.api.problems import JSONText
@@ -53,6 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.services = svc
+    app.state.uploads = Uploads(settings.large_body_bytes, settings.max_large_uploads)
     problems.install(app)
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.

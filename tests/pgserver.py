@@ -652,3 +652,77 @@ def _run_in_thread(fn: Callable[[], Awaitable[_T]]) -> _T:
     if error:
         raise error[0]
     return result[0]
+
+
+# --------------------------------------------------------------------------------------
+# a cluster of one's own, to stop and start (fault tests)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StoppableCluster:
+    """A private PostgreSQL cluster from the local binaries that a test may stop
+    (`pg_ctl stop -m immediate`, i.e. a crash) and start again on the same port."""
+
+    pg_ctl: str
+    base: Path
+    port: int
+    url: str
+    postmaster_pid: int | None = None
+
+    @property
+    def data(self) -> Path:
+        return self.base / "data"
+
+    def _options(self) -> str:
+        return (f"-p {self.port} -k {shlex.quote(str(self.base))} "
+                "-c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100")
+
+    def start(self) -> None:
+        subreaper = _set_child_subreaper(True)
+        try:
+            proc = _run([self.pg_ctl, "-D", str(self.data), "-l", str(self.base / "pg.log"),
+                         "-w", "-t", str(PG_CTL_TIMEOUT_S), "-o", self._options(), "start"],
+                        cwd=self.base, timeout=PG_CTL_TIMEOUT_S + 30)
+        finally:
+            if subreaper:
+                _set_child_subreaper(False)
+        if subreaper:
+            self.postmaster_pid = _read_postmaster_pid(self.data)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pg_ctl start failed: {proc.stderr}\n{_tail(self.base / 'pg.log')}")
+
+    def stop(self, mode: str = "immediate") -> None:
+        _run([self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop"], cwd=self.base,
+             timeout=60)
+        if self.postmaster_pid is not None:
+            _reap_child(self.postmaster_pid)
+            self.postmaster_pid = None
+
+    def remove(self) -> None:
+        _stop_cluster(self.pg_ctl, self.base, self.postmaster_pid)
+        self.postmaster_pid = None
+
+
+def stoppable_cluster() -> StoppableCluster:
+    """Init and start a private cluster (raises RuntimeError without local binaries)."""
+    try:
+        bindir = _find_bindir()
+        if os.geteuid() == 0:
+            _ensure_os_user()
+        base = _make_base_dir()
+    except _Unavailable as exc:
+        raise RuntimeError(f"no PostgreSQL binaries for a private cluster: {exc}") from exc
+    proc = _run([str(bindir / "initdb"), "-D", str(base / "data"), "-A", "trust",
+                 "-U", DB_SUPERUSER, "--no-sync", "-E", "UTF8", "--locale=C"],
+                cwd=base, timeout=180)
+    if proc.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        raise RuntimeError(f"initdb failed: {proc.stderr}")
+    port = _free_port()
+    url = URL.create("postgresql+asyncpg", username=DB_SUPERUSER, host="127.0.0.1",
+                     port=port, database=MAINTENANCE_DB).render_as_string(hide_password=False)
+    cluster = StoppableCluster(str(bindir / "pg_ctl"), base, port, url)
+    atexit.register(cluster.remove)
+    cluster.start()
+    return cluster

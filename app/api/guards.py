@@ -10,8 +10,9 @@ under its own name (DNS rebinding). Without tokens, therefore, only loopback
 refused, and a write whose body declares a type must declare JSON or
 MessagePack, which a browser cannot send cross-site without asking first
 (CORS preflight, which this server never grants); a browser always sends an
-`Origin` with a cross-site write, so an untyped body without one is a script. With tokens configured nothing here applies: a
-browser never attaches a bearer token on its own.
+`Origin` with a cross-site write, so an untyped body without one is a script.
+With tokens configured nothing here applies: a browser never attaches a
+bearer token on its own.
 """
 
 from __future__ import annotations

@@ -75,8 +75,14 @@ def serve(
         migrations.upgrade(url)
         console.print(f"[green]schema at head[/] on {settings.database_url}")
     # log_config=None: uvicorn keeps the JSON logging that the factory sets up per worker.
+    # The guarded protocol bounds request headers and their time (app.api.serving);
+    # the rest of the connection limits are uvicorn's own (README "Running in production").
     uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port or settings.port,
-                workers=workers, log_level="info", log_config=None)
+                workers=workers, log_level="info", log_config=None,
+                http="app.api.serving:GuardedHttpTools",
+                timeout_keep_alive=settings.keep_alive_timeout_s,
+                limit_concurrency=settings.limit_concurrency or None,
+                h11_max_incomplete_event_size=settings.max_header_bytes)
 
 
 class MigrateAction(StrEnum):

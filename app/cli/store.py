@@ -75,8 +75,18 @@ def rebuild(
         table.add_row(name, before[:16], after[:16],
                       "[green]equal[/]" if before == after else "[red]DIFFERENT[/]")
     console.print(table)
+    for name, found in report.orphans.items():
+        total = sum(found.values())
+        shown = ", ".join(f"{sid} ({n})" for sid, n in list(found.items())[:10])
+        more = f" and {len(found) - 10} more" if len(found) > 10 else ""
+        console.print(f"[red]{total} {name} row(s) belong to no session[/] "
+                      f"(session row missing): {shown}{more}")
     if not report.equal:
         console.print("[red]rebuilt projections differ from the incremental ones[/]")
+    if not report.accounted:
+        console.print("[red]the log holds rows this rebuild cannot account for; restore the "
+                      "missing sessions rows from a backup[/]")
+    if not report.ok:
         raise typer.Exit(1)
 
 

@@ -81,6 +81,29 @@ def label_filter(
     return clauses
 
 
+class EventsPage:
+    """A page of `GET …/events`: rows in hand, each event rendered on demand, so
+    a 100,000-event reply never exists as Python objects all at once."""
+
+    def __init__(self, rows: list[Any], state: Any, patches: dict[int, Patch],
+                 include_r3: bool) -> None:
+        self.rows = rows
+        self.state = state
+        self.patches = patches
+        self.include_r3 = include_r3
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def event(self, index: int) -> dict[str, Any]:
+        return Reader._event(self.rows[index], self.state, self.patches, self.include_r3)
+
+    def encoded(self, start: int, stop: int) -> bytes:
+        """Events `[start, stop)` as JSON array members, comma-separated (no brackets)."""
+        return b",".join(jsonio.dumps_bytes(self.event(i))
+                         for i in range(start, min(stop, len(self.rows))))
+
+
 class Reader:
     def __init__(self, db: Database, cache: StateCache) -> None:
         self.db = db
@@ -114,6 +137,14 @@ class Reader:
     async def session_events(
         self, session_id: str, after: int | None, limit: int | None, include_r3: bool
     ) -> list[dict[str, Any]]:
+        page = await self.session_events_page(session_id, after, limit, include_r3)
+        return [page.event(i) for i in range(len(page))]
+
+    async def session_events_page(
+        self, session_id: str, after: int | None, limit: int | None, include_r3: bool
+    ) -> EventsPage:
+        """The rows of a page of the session's events, read in one snapshot; the
+        events themselves (token ids restored) are built one by one as they are sent."""
         limit = check_limit(limit, 1000, 100_000)
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
@@ -133,8 +164,8 @@ class Reader:
                     patches[p.seq] = Patch(start=p.start_row, end=p.end_row,
                                            num_layers=p.num_layers, topk=p.topk,
                                            dtype=p.dtype, data=p.data)
-        return [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
-                or r["seq"] < len(state.nodes)]
+        kept = [r for r in rows if r["seq"] is None or r["seq"] < len(state.nodes)]
+        return EventsPage(kept, state, patches, include_r3)
 
     @staticmethod
     def _event(row: Any, state: Any, patches: dict[int, Patch],
