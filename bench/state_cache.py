@@ -11,8 +11,9 @@ over all turns, as an agentic rollout near the node cap has). Then, with an
 empty cache, folds it from the log (`GET …/state`, a cold load) under
 tracemalloc, and reports the seconds it took (wall and process CPU: on a
 shared machine the CPU figure is the comparable one; tracemalloc slows both),
-the memory the cached state keeps and the peak during the fold. Uses only the store services, so the same
-script measures any version of the code (`PYTHONPATH=<tree>`).
+the memory the cached state keeps and the peak during the fold. Uses only
+the store services, so the same script measures any version of the code
+(`PYTHONPATH=<tree>`).
 """
 
 from __future__ import annotations
