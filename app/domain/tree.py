@@ -186,13 +186,21 @@ class SessionState:
 
     # -- fold -----------------------------------------------------------------
 
-    def new_node(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
-        """The node a turn becomes, without adding it (the state stays unchanged)."""
+    def new_node(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts,
+                 prompt_lcp: int | None = None) -> Node:
+        """The node a turn becomes, without adding it (the state stays unchanged).
+
+        `prompt_lcp`, when known (the log stores it), saves recomputing it."""
         if seq != len(self.nodes):
             raise ValueError(f"turn seq {seq} out of order; expected {len(self.nodes)}")
         parent_node = None if parent is None else self.nodes[parent]
         depth = 0 if parent_node is None else parent_node.depth + 1
-        prefix = 0 if parent_node is None else parent_node.common_prefix(facts.prompt)
+        if parent_node is None:
+            prefix = 0
+        elif prompt_lcp is not None:
+            prefix = prompt_lcp
+        else:
+            prefix = parent_node.common_prefix(facts.prompt)
         return Node.build(seq, parent_node, depth, event_id, facts, prefix)
 
     def add_node(self, node: Node) -> Node:
@@ -206,8 +214,9 @@ class SessionState:
         self.event_ids[node.event_id] = node.seq
         return node
 
-    def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
-        return self.add_node(self.new_node(seq, parent, event_id, facts))
+    def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts,
+                   prompt_lcp: int | None = None) -> Node:
+        return self.add_node(self.new_node(seq, parent, event_id, facts, prompt_lcp))
 
     def apply_close(self, close: CloseSpec) -> None:
         self.close = close

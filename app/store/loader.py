@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -141,6 +142,9 @@ async def fold_events(
     # the same cached state while we wait on the database, and folding must not
     # interleave with it (turns it already holds are skipped).
     rows = (await conn.execute(query)).all()
+    # Full tokens of the node folded last: in a chain it is the next one's parent,
+    # so the delta-kept tokens need not be rebuilt from the ancestors.
+    last: tuple[int, np.ndarray] | None = None
     for row in rows:
         payload = jsonio.loads(row.payload)
         if row.type == SESSION_OPENED:
@@ -155,10 +159,16 @@ async def fold_events(
             if row.seq < len(state.nodes):
                 continue
             parent = payload["parent"]
-            parent_tokens = None if parent is None else state.nodes[parent].head(row.prompt_lcp)
+            if parent is None:
+                parent_tokens = None
+            elif last is not None and last[0] == parent:
+                parent_tokens = last[1]
+            else:
+                parent_tokens = state.nodes[parent].head(row.prompt_lcp)
             prompt = restore_prompt(parent_tokens, row.prompt_lcp, row.prompt_delta)
             facts = stored_facts(state.spec, payload, prompt, geometry.get(row.seq))
-            state.apply_turn(row.seq, parent, row.event_id, facts)
+            state.apply_turn(row.seq, parent, row.event_id, facts, row.prompt_lcp)
+            last = (row.seq, facts.tokens)
         elif row.type == SESSION_CLOSED and state is not None:
             if log is not None:
                 log.closed_us = row.recorded_us
