@@ -24,7 +24,9 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any
     monkeypatch.setattr(app.logs, "configure_logging", lambda *a, **kw: None)
     monkeypatch.setenv("TURNLOG_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
     monkeypatch.delenv("TURNLOG_API_TOKENS", raising=False)
-    monkeypatch.delenv("TURNLOG_HOST", raising=False)
+    # `serve` sets TURNLOG_HOST for its workers: set-then-delete so teardown restores it.
+    monkeypatch.setenv("TURNLOG_HOST", "unset")
+    monkeypatch.delenv("TURNLOG_HOST")
     get_settings.cache_clear()
     yield calls
     get_settings.cache_clear()
@@ -97,3 +99,18 @@ def test_the_served_factory_configures_logging(monkeypatch):
     monkeypatch.setattr(app.main, "create_app", lambda: "the app")
     assert app.main.create_served_app() == "the app"
     assert calls == [1]
+
+
+def test_serve_bounds_connections_from_the_settings(served, monkeypatch):
+    monkeypatch.setenv("TURNLOG_KEEP_ALIVE_TIMEOUT_S", "3")
+    monkeypatch.setenv("TURNLOG_LIMIT_CONCURRENCY", "0")
+    monkeypatch.setenv("TURNLOG_MAX_HEADER_BYTES", "32768")
+    get_settings.cache_clear()
+    assert serve("--host", "127.0.0.2").exit_code == 0
+    call = served[0]
+    assert call["http"] == "app.api.serving:GuardedHttpTools"
+    assert call["timeout_keep_alive"] == 3
+    assert call["limit_concurrency"] is None
+    assert call["h11_max_incomplete_event_size"] == 32768
+    # The workers see the bound address as an allowed Host name.
+    assert get_settings().host == "127.0.0.2"

@@ -69,7 +69,13 @@ def serve(
             console.print(f"[red]refusing to serve on non-loopback {bind} without API tokens[/];"
                           " set TURNLOG_API_TOKENS or pass --insecure")
             raise typer.Exit(2)
-        console.print(f"[yellow]warning:[/] serving on {bind} without API tokens (--insecure)")
+        console.print(f"[yellow]warning:[/] serving on {bind} without API tokens (--insecure); "
+                      "only loopback Host names are answered unless listed in "
+                      "TURNLOG_ALLOWED_HOSTS")
+    # The workers read their settings from the environment: the bound address is one
+    # of the Host names the no-token guard answers (app.api.guards).
+    os.environ["TURNLOG_HOST"] = bind
+    get_settings.cache_clear()
     configure_logging()
     if migrate and settings.migrate_on_start:
         migrations.upgrade(url)
