@@ -265,3 +265,21 @@ async def test_a_client_hang_up_mid_body_is_not_a_server_error(settings, sid):
     assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
     assert not [e for e in logs if "exc_info" in e], logs
     await svc.db.dispose()
+
+
+# -- 3. header bounds in the app too (the served protocol cuts floods off earlier) ---------
+
+async def test_too_many_or_too_large_headers_are_431_before_auth(settings):
+    token = "t" * 24
+    app = create_app(settings.model_copy(update={"api_tokens": f"{token}:read",
+                                                 "max_headers": 20,
+                                                 "max_header_bytes": 4096}))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        many = {f"x-h{i}": "1" for i in range(30)}
+        is_problem(await http.get("/v1/sessions", headers=many), 431, "headers-too-large")
+        big = {"x-pad": "a" * 5000}
+        is_problem(await http.get("/v1/sessions", headers=big), 431, "headers-too-large")
+        # Within the bounds the request reaches authorization as before.
+        is_problem(await http.get("/v1/sessions"), 401, "unauthorized")
+    await app.state.services.db.dispose()
