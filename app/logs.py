@@ -14,6 +14,7 @@ it: structlog's defaults and `structlog.testing.capture_logs` suffice there.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -21,6 +22,27 @@ import structlog
 from structlog.types import Processor
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+REDACTED = "REDACTED"
+_TOKEN_QUERY = re.compile(
+    r"(?i)([?&](?:access_token|token|api_key|apikey|api_token|bearer|authorization)=)[^&\s]*")
+
+
+def redact_query(text: str) -> str:
+    """`text` with the values of credential-like query parameters replaced."""
+    return _TOKEN_QUERY.sub(lambda m: m.group(1) + REDACTED, text)
+
+
+class RedactTokens(logging.Filter):
+    """Keeps tokens sent in a URL out of uvicorn's access log (the request is refused
+    anyway, but the access line is written first)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_query(a) if isinstance(a, str) else a
+                                for a in record.args)
+        elif isinstance(record.msg, str):
+            record.msg = redact_query(record.msg)
+        return True
 
 class _Stderr(logging.StreamHandler):
     """Writes to whatever `sys.stderr` is when a record comes (a test runner swaps it)."""
@@ -79,3 +101,6 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers = []
         uvicorn_logger.propagate = True
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactTokens) for f in access.filters):
+        access.addFilter(RedactTokens())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,6 +11,7 @@ from fastapi import FastAPI
 from app import __version__
 from app.api import (
     analytics,
+    docs_ui,
     feed,
     gates,
     health,
@@ -20,6 +22,8 @@ from app.api import (
     telemetry,
 )
 from app.api.auth import BearerAuth, TokenTable
+from app.api.deps import Uploads
+from app.api.guards import HeaderBounds, Loopback, QueryTokens
 from app.api.limits import BodyLimit
 from app.api.problems import JSONText
 from app.services import build_services
@@ -32,6 +36,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # Damage found here is logged now and reported by /readyz (503); the
+        # server still starts so the operator can read what is intact.
+        with contextlib.suppress(Exception):
+            await svc.integrity.problems()
         yield
         await svc.db.dispose()
 
@@ -41,17 +49,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Event-sourced session store for agentic RL rollouts.",
         default_response_class=JSONText,
         lifespan=lifespan,
+        # /docs serves Swagger UI from this server (app.api.docs_ui), never a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.services = svc
     # A trailing slash answers a problem naming the route, never a bodiless 307
     # that a POST client does not follow.
     app.router.redirect_slashes = False
+    app.state.uploads = Uploads(settings.large_body_bytes, settings.max_large_uploads)
     problems.install(app)
-    # Added innermost first: metrics see every answer, auth refuses before the body is read.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(BearerAuth, tokens=TokenTable(settings.token_scopes))
+    # Added innermost first: metrics see every answer; header bounds, tokens in URLs
+    # and the loopback guard refuse before auth, auth before the body is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       timeout=settings.body_timeout_s)
+    tokens = TokenTable(settings.token_scopes)
+    app.add_middleware(BearerAuth, tokens=tokens)
+    if not tokens:
+        app.add_middleware(Loopback, allowed=[settings.host, *settings.extra_hosts])
+    app.add_middleware(QueryTokens)
+    app.add_middleware(HeaderBounds, max_bytes=settings.max_header_bytes,
+                       max_count=settings.max_headers)
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
-    for module in (health, telemetry, sessions, samples, feed, analytics, history, gates):
+    for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
+                   docs_ui):
         app.include_router(module.router)
     return app
 

@@ -15,6 +15,7 @@ from app.store.analytics import Analytics
 from app.store.db import Database
 from app.store.gates import Gates
 from app.store.history import History, metric_keys
+from app.store.integrity import IntegrityCheck
 from app.store.loader import StateCache
 from app.store.reads import Reader
 from app.store.samples import SampleReader
@@ -32,12 +33,13 @@ class Services:
     analytics: Analytics
     history: History
     gates: Gates
+    integrity: IntegrityCheck
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
 
 
 def build_services(settings: Settings) -> Services:
     db = Database(settings.database_url, settings)
-    cache = StateCache(settings.state_cache_sessions)
+    cache = StateCache(settings.state_cache_sessions, settings.state_cache_bytes)
     return Services(
         settings=settings,
         db=db,
@@ -48,4 +50,5 @@ def build_services(settings: Settings) -> Services:
         analytics=Analytics(db),
         history=History(db, metric_keys(settings.metric_keys)),
         gates=Gates(db),
+        integrity=IntegrityCheck(db, settings.integrity_check),
     )

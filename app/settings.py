@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from typing import Literal
@@ -14,7 +15,7 @@ DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./turnlog.db"
 Scope = Literal["read", "write"]
 SCOPES: tuple[Scope, ...] = ("read", "write")
 # RFC 6750 b64token characters (no ':' or ','), long enough to be a secret.
-TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*\Z")  # fullmatch: `$` allows a "\n"
 MIN_TOKEN_CHARS = 16
 
 
@@ -55,6 +56,24 @@ class Settings(BaseSettings):
     max_overflow: int = Field(default=10, ge=0)
     statement_timeout_ms: int = Field(default=60_000, ge=0)
     state_cache_sessions: int = Field(default=512, ge=0)
+    # The state cache is bounded in bytes too (token arrays and facts of cached sessions).
+    state_cache_bytes: int = Field(default_factory=lambda: default_state_cache_bytes(), ge=0)
+    # Connection limits of `turnlog serve` (see README "Production"): request headers
+    # are bounded before anything else runs, slow clients are cut off.
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_headers: int = Field(default=100, ge=8)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    keep_alive_timeout_s: int = Field(default=5, ge=1)
+    limit_concurrency: int = Field(default=1000, ge=0)  # 0 = no limit
+    # Bodies above this many bytes are parsed on a worker thread, at most
+    # `max_large_uploads` at a time, so they never stall the event loop.
+    large_body_bytes: int = Field(default=1024 * 1024, ge=0)
+    max_large_uploads: int = Field(default=2, ge=1)
+    # Without tokens only loopback Host names are served; more names, comma-separated.
+    allowed_hosts: str = ""
+    # SQLite: `PRAGMA quick_check` at start (turn off for very large files).
+    integrity_check: bool = True
     # Comma-separated `token:scope` pairs (scope `read` or `write`); empty = no auth.
     api_tokens: str = ""
     migrate_on_start: bool = True
@@ -72,8 +91,21 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def extra_hosts(self) -> list[str]:
+        return [h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()]
+
+    @property
     def token_scopes(self) -> dict[str, Scope]:
         return parse_api_tokens(self.api_tokens)
+
+
+def default_state_cache_bytes() -> int:
+    """An eighth of physical memory (256 MiB if it cannot be read)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 2 * 1024**3
+    return max(64 * 1024**2, total // 8)
 
 
 @lru_cache(maxsize=1)

@@ -23,6 +23,9 @@ from app.store import migrate
 from tests.pg import PostgresServer, create_database, drop_database, start_postgres
 
 BACKENDS = ("sqlite", "postgres")
+# The in-process clients talk to "http://turnlog": without tokens the app answers only
+# loopback host names and TURNLOG_ALLOWED_HOSTS (tests/fuzz/test_hardening.py checks that).
+os.environ.setdefault("TURNLOG_ALLOWED_HOSTS", "turnlog")
 
 
 def _worker() -> str:

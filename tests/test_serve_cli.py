@@ -105,3 +105,18 @@ def test_the_served_factory_configures_logging(monkeypatch):
     monkeypatch.setattr(app.main, "create_app", lambda: "the app")
     assert app.main.create_served_app() == "the app"
     assert calls == [("info", "auto")]
+
+
+def test_serve_bounds_connections_from_the_settings(served, monkeypatch):
+    monkeypatch.setenv("TURNLOG_KEEP_ALIVE_TIMEOUT_S", "3")
+    monkeypatch.setenv("TURNLOG_LIMIT_CONCURRENCY", "0")
+    monkeypatch.setenv("TURNLOG_MAX_HEADER_BYTES", "32768")
+    get_settings.cache_clear()
+    assert serve("--host", "127.0.0.2").exit_code == 0
+    call = served[0]
+    assert call["http"] == "app.api.serving:GuardedHttpTools"
+    assert call["timeout_keep_alive"] == 3
+    assert call["limit_concurrency"] is None
+    assert call["h11_max_incomplete_event_size"] == 32768
+    # The workers see the bound address as an allowed Host name.
+    assert get_settings().host == "127.0.0.2"

@@ -19,12 +19,13 @@ from collections.abc import Mapping
 import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.api.docs_ui import ASSET_PATHS
 from app.api.problems import send_problem
 from app.domain.errors import DomainError, Forbidden, Unauthorized
 from app.settings import Scope as TokenScope
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs",
-                        "/docs/oauth2-redirect", "/redoc"})
+                        "/docs/oauth2-redirect", "/redoc", *ASSET_PATHS})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 CHALLENGE = 'Bearer realm="turnlog"'
 log = structlog.get_logger("turnlog.auth")

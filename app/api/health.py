@@ -1,8 +1,15 @@
-"""Liveness and readiness."""
+"""Liveness and readiness.
+
+`/readyz` answers 503 problem+json when the database cannot be reached, its
+schema is not at head, or (SQLite) the file failed its integrity check; the
+problem names the reason but never carries the driver's error text, which
+may hold host names, paths or credentials (that text goes to the log).
+"""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
+import structlog
 from fastapi import APIRouter
 
 from app.api.deps import ServicesDep
@@ -10,6 +17,13 @@ from app.api.problems import JSONText, problem_response
 from app.store.migrate import current_revision, head_revision
 
 router = APIRouter(tags=["service"])
+log = structlog.get_logger("turnlog.api")
+
+
+def not_ready(detail: str, reason: str) -> JSONText:
+    return problem_response({"type": "urn:turnlog:not-ready", "title": "Not ready",
+                             "status": 503, "detail": detail, "reason": reason},
+                            headers={"Retry-After": "5"})
 
 
 @router.get("/healthz")
@@ -23,12 +37,17 @@ async def readyz(svc: ServicesDep) -> JSONText:
         async with svc.db.read() as conn:
             await conn.execute(sa.text("SELECT 1"))
             current = await conn.run_sync(current_revision)
+        damage = await svc.integrity.problems()
     except Exception as exc:  # any failure to reach the database means "not ready"
-        return problem_response({"type": "urn:turnlog:not-ready", "title": "Not ready",
-                                 "status": 503, "detail": f"database unreachable: {exc!r}"})
+        log.warning("not ready: database unreachable", error=type(exc).__name__,
+                    detail=str(exc)[:500])
+        return not_ready("the database cannot be reached; see the server log",
+                         "database-unreachable")
+    if damage:
+        return not_ready(f"the SQLite file failed its integrity check ({len(damage)} "
+                         "problem(s); see the server log): restore it from a backup",
+                         "database-damaged")
     head = head_revision()
     if current != head:
-        return problem_response({"type": "urn:turnlog:not-ready", "title": "Not ready",
-                                 "status": 503,
-                                 "detail": f"schema at {current}, expected head {head}"})
+        return not_ready(f"schema at {current}, expected head {head}", "schema-not-at-head")
     return JSONText({"status": "ready", "database": svc.db.dialect, "schema": current})

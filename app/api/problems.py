@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any
 
+import asyncpg
 import structlog
+from asyncpg.exceptions import InsufficientResourcesError, OperatorInterventionError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.types import Send
 
 from app.domain import jsonio
-from app.domain.errors import DomainError
+from app.domain.errors import DomainError, RequestTimeout, Unavailable
 
 PROBLEM = "application/problem+json"
 # Seconds a client should wait after a lost database connection (the pool
 # reconnects on the next checkout, pre-ping weeds out dead connections).
 UNAVAILABLE_RETRY_AFTER = "1"
 log = structlog.get_logger("turnlog.api")
+CLIENT_CLOSED = 499
+# Error texts of a damaged SQLite file (sqlite3.DatabaseError, SQLITE_CORRUPT/NOTADB).
+SQLITE_DAMAGE = ("malformed", "not a database", "corrupt")
+# Failures that mean "the database cannot answer now": each gets the 503 handler,
+# which still answers 500 for anything `database_unavailable` does not recognize.
+UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
+    DBAPIError, OSError, PoolTimeout, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
 class JSONText(JSONResponse):
@@ -79,20 +93,35 @@ def install(app: FastAPI) -> None:
             "detail": _routing_detail(app, request, exc),
         }, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(DBAPIError)
-    async def _database(request: Request, exc: DBAPIError) -> JSONText:
+    async def _unavailable(request: Request, exc: Exception) -> JSONText:
         if not database_unavailable(exc):
             return await _unexpected(request, exc)
         # Transient: the transaction was rolled back (or its commit is unknown);
         # a retry with the same body is safe because every write is idempotent.
-        log.warning("database unavailable", path=request.url.path, error=repr(exc.orig))
-        return problem_response({
-            "type": "urn:turnlog:unavailable",
-            "title": "Database unavailable",
-            "status": 503,
-            "detail": "the database connection failed during this request; "
-                      "retry it unchanged (appends are idempotent by event_id)",
-        }, headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
+        warn_unavailable(request.url.path, exc)
+        return unavailable_response(
+            "the database connection failed during this request; "
+            "retry it unchanged (appends are idempotent by event_id)")
+
+    for kind in UNAVAILABLE_TYPES:
+        app.add_exception_handler(kind, _unavailable)  # type: ignore[arg-type]
+
+    @app.exception_handler(Unavailable)
+    async def _store_unavailable(request: Request, exc: Unavailable) -> JSONText:
+        warn_unavailable(request.url.path, exc)
+        return problem_response(exc.problem(), headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
+
+    @app.exception_handler(RequestTimeout)
+    async def _timeout(_request: Request, exc: RequestTimeout) -> JSONText:
+        # The rest of the body may still be on its way: this connection is done.
+        return problem_response(exc.problem(), headers={"Connection": "close"})
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _exc: ClientDisconnect) -> Response:
+        # Not a server error: nobody is listening. The status only reaches the
+        # metrics middleware (as 499, nginx's "client closed request").
+        log.info("client disconnected mid-request", path=request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONText:
@@ -105,9 +134,61 @@ def install(app: FastAPI) -> None:
         })
 
 
-def database_unavailable(exc: DBAPIError) -> bool:
-    """A lost or refused database connection (retryable), not a bad statement."""
-    return bool(exc.connection_invalidated) or isinstance(exc, OperationalError | InterfaceError)
+def database_unavailable(exc: BaseException) -> bool:
+    """A lost, refused or damaged database (retryable later), not a bad statement.
+
+    Looks through the chain: SQLAlchemy wraps the driver's error in `.orig`,
+    and a pool or connect failure may surface as the raw `OSError`.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DBAPIError) and current.connection_invalidated:
+            return True
+        if isinstance(current, OperationalError | InterfaceError | PoolTimeout | OSError
+                      | asyncpg.PostgresConnectionError | asyncpg.InterfaceError
+                      | OperatorInterventionError | InsufficientResourcesError):
+            return True
+        if isinstance(current, sqlite3.DatabaseError) and damaged_sqlite(current):
+            return True
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else (
+            current.__cause__ or current.__context__)
+    return False
+
+
+def damaged_sqlite(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(sign in text for sign in SQLITE_DAMAGE)
+
+
+def unavailable_response(detail: str) -> JSONText:
+    return problem_response(Unavailable(detail).problem(),
+                            headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
+
+
+class _Throttle:
+    """One warning per `period` seconds for a burst of the same failure, with a count."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self.last = -period
+        self.suppressed = 0
+
+    def __call__(self, path: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self.last < self.period:
+            self.suppressed += 1
+            return
+        # No traceback: the cause is the database, the error's name says which way.
+        log.warning("database unavailable", path=path, error=type(exc).__name__,
+                    cause=type(getattr(exc, "orig", None) or exc.__cause__ or exc).__name__,
+                    suppressed_since_last=self.suppressed)
+        self.last, self.suppressed = now, 0
+
+
+warn_unavailable = _Throttle(5.0)
 
 
 # pydantic's error codes name its parser, not what the client should send.

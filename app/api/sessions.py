@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response, StreamingResponse
+from pydantic import Field
 
-from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, json_body
+from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, Uploads, json_body
 from app.api.docs import OPEN_BODY, TURN_BODY
 from app.api.problems import JSONText
 from app.api.telemetry import turn_appended, turn_rejected
 from app.domain.errors import DomainError
 from app.domain.labels import LabelFilters, parse_label_filters
 from app.domain.queries import EVENTS_PAGE, SESSIONS_PAGE, parse_status
+from app.store.reads import EventsPage
 
+# The bounds sit on the integer, not on the optional: a blank `?after=` becomes None
+# first (`Blank`) and a bound on `int | None` cannot apply to None (that was a 500).
+Position = Annotated[int, Field(ge=0, lt=2**63)]
+Seq = Annotated[int, Field(ge=0, lt=2**31)]
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 LIST_PARAMS = frozenset({"status", "after", "limit"})
+JSON = "application/json"
+EVENTS_BATCH = 32  # events rendered per worker-thread call (and the largest unstreamed page)
 
 
 def label_filters(request: Request, known: frozenset[str]) -> LabelFilters:
@@ -55,9 +66,13 @@ async def get_session(session_id: str, svc: ServicesDep) -> JSONText:
 @router.post("/{session_id}/turns", status_code=201, openapi_extra=TURN_BODY)
 async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JSONText:
     started, body = time.perf_counter(), None
+    uploads: Uploads = request.app.state.uploads
     try:
-        body = await json_body(request)
-        written = await svc.writer.append_turn(session_id, body)
+        # A large turn waits for one of a few upload slots, then is decoded,
+        # validated and encoded on worker threads (app.api.deps.Uploads).
+        async with uploads.slot(request) as large:
+            body = await json_body(request)
+            written = await svc.writer.append_turn(session_id, body, offload=large)
     except DomainError as exc:
         turn_rejected(svc.metrics, session_id, body, exc, started)
         raise
@@ -71,16 +86,30 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
 async def session_events(
     session_id: str,
     svc: ServicesDep,
-    after: Annotated[int | None, Blank, Query(ge=0, lt=2**63)] = None,
+    after: Annotated[Position | None, Blank, Query()] = None,
     limit: OptLimit = None,
     include_r3: bool = True,
-) -> JSONText:
-    return JSONText(await svc.reader.session_events(session_id, after, EVENTS_PAGE.parse(limit),
-                                                          include_r3))
+) -> Response:
+    page = await svc.reader.session_events_page(
+        session_id, after, EVENTS_PAGE.parse(limit), include_r3)
+    if len(page) <= EVENTS_BATCH:
+        body = await run_in_threadpool(page.encoded, 0, len(page))
+        return Response(b"[" + body + b"]", media_type=JSON)
+    return StreamingResponse(_stream(page), media_type=JSON)
+
+
+async def _stream(page: EventsPage) -> AsyncIterator[bytes]:
+    """The page as a JSON array, rendered a batch at a time on a worker thread: the
+    event loop stays free and memory holds one batch, not the whole reply."""
+    yield b"["
+    for start in range(0, len(page), EVENTS_BATCH):
+        chunk = await run_in_threadpool(page.encoded, start, start + EVENTS_BATCH)
+        yield (b"," + chunk) if start else chunk
+    yield b"]"
 
 
 @router.get("/{session_id}/state")
 async def session_state(
-    session_id: str, svc: ServicesDep, leaf: Annotated[int | None, Query(ge=0, lt=2**31)] = None
+    session_id: str, svc: ServicesDep, leaf: Annotated[Seq | None, Blank, Query()] = None
 ) -> JSONText:
     return JSONText(await svc.reader.state(session_id, leaf))

@@ -127,11 +127,16 @@ def serve(
         if not insecure:
             raise CliError(f"refusing to serve on non-loopback {bind} without API tokens; "
                            "set TURNLOG_API_TOKENS or pass --insecure")
-        common.warn(f"serving on {bind} without API tokens (--insecure)")
+        common.warn(f"serving on {bind} without API tokens (--insecure); only loopback Host "
+                    "names are answered unless listed in TURNLOG_ALLOWED_HOSTS")
     # Before anything is created or migrated: is the port ours to take?
     problem = _cannot_listen(bind, port)
     if problem is not None:
         raise CliError(problem)
+    # The workers read their settings from the environment: the bound address is one
+    # of the Host names the no-token guard answers (app.api.guards).
+    os.environ["TURNLOG_HOST"] = bind
+    get_settings.cache_clear()
     if migrate and settings.migrate_on_start:
         check_database(url, creating=True)
         migrations.upgrade(url)
@@ -139,8 +144,14 @@ def serve(
     else:
         check_database(url)
     # log_config=None: uvicorn keeps the logging that the factory sets up per worker.
+    # The guarded protocol bounds request headers and their time (app.api.serving);
+    # the rest of the connection limits are uvicorn's own (README "Running in production").
     uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port,
-                workers=workers, log_level=settings.log_level or "info", log_config=None)
+                workers=workers, log_level=settings.log_level or "info", log_config=None,
+                http="app.api.serving:GuardedHttpTools",
+                timeout_keep_alive=settings.keep_alive_timeout_s,
+                limit_concurrency=settings.limit_concurrency or None,
+                h11_max_incomplete_event_size=settings.max_header_bytes)
 
 
 class MigrateAction(StrEnum):

@@ -86,8 +86,18 @@ def rebuild(
             grid.add_row(name, before[:16], after[:16],
                          "[green]equal[/]" if before == after else "[red]DIFFERENT[/]")
         out().print(grid)
+    for name, found in report.orphans.items():
+        total = sum(found.values())
+        shown = ", ".join(f"{sid} ({n})" for sid, n in list(found.items())[:10])
+        more = f" and {len(found) - 10} more" if len(found) > 10 else ""
+        err().print(f"[red]{total} {name} row(s) belong to no session[/] "
+                      f"(session row missing): {shown}{more}")
     if not report.equal:
         err().print("[red]rebuilt projections differ from the incremental ones[/]")
+    if not report.accounted:
+        err().print("[red]the log holds rows this rebuild cannot account for; restore the "
+                      "missing sessions rows from a backup[/]")
+    if not report.ok:
         raise typer.Exit(1)
 
 

@@ -166,3 +166,37 @@ class Forbidden(DomainError):
     slug = "forbidden"
     status = 403
     title = "API token lacks the required scope"
+
+
+class ForeignHost(DomainError):
+    """A `Host` or `Origin` that is not this loopback server (DNS rebinding, CSRF)."""
+
+    slug = "foreign-host"
+    status = 421
+    title = "Request not meant for this server"
+
+
+class UnsupportedMediaType(DomainError):
+    slug = "unsupported-media-type"
+    status = 415
+    title = "Unsupported request content type"
+
+
+class RequestTimeout(DomainError):
+    slug = "request-timeout"
+    status = 408
+    title = "Request body not received in time"
+
+
+class HeadersTooLarge(DomainError):
+    slug = "headers-too-large"
+    status = 431
+    title = "Request headers too large"
+
+
+class Unavailable(DomainError):
+    """The store cannot answer now (database lost or damaged); retrying may succeed."""
+
+    slug = "unavailable"
+    status = 503
+    title = "Database unavailable"

@@ -125,7 +125,9 @@ def stored_facts(
 
     `patch_geometry` is `(start, topk)` of the stored patch, if any.
     """
-    record = restore_record(payload, prompt, None)
+    # The prompt goes in as the array it is: no round trip through a list of ints.
+    record = dict(payload["record"])
+    record["request"] = {**record["request"], "input_ids": prompt}
     body: dict[str, Any] = {"event_id": "stored", "record": record}
     if "metadata" in payload:
         body["metadata"] = payload["metadata"]

@@ -53,7 +53,7 @@ def node_row(session_id: str, node: Node, position: int, recorded_us: int) -> di
         "num_tokens": node.num_tokens,
         "prompt_len": node.prompt_len,
         "prompt_lcp": node.prompt_lcp,
-        "output_len": int(facts.output.size),
+        "output_len": node.output_len,
         "r3_start": None if span is None else span[0],
         "r3_end": None if span is None else span[1],
         "finish_reason": facts.finish_reason,

@@ -46,7 +46,7 @@ def align(path: Sequence[Node], max_trim_tokens: int) -> list[int]:
     last = len(path) - 1
     kept: list[int] = []
     for index, node in enumerate(path):
-        output = node.facts.output
+        output = node.output
         start = node.prompt_len
         matched = lcp(output, acc[start:start + output.size])
         unmatched = int(output.size) - matched
@@ -135,7 +135,7 @@ def _response(turns: Sequence[Node], kept: Sequence[int], start: int,
         # A later turn overwrites an earlier one where they overlap: its
         # log-prob was sampled in the context the final tokens actually have.
         writer[a:b] = index
-        logprobs[a:b] = node.facts.logprobs[a - lo:b - lo]
+        logprobs[a:b] = node.logprobs[a - lo:b - lo]
     return writer, logprobs
 
 
@@ -153,7 +153,7 @@ def merge_path(path: Sequence[Node], *, max_trim_tokens: int,
     turns = tuple(path[:count])
     kept = tuple(surviving[:count])
     last = turns[-1]
-    tokens = np.concatenate([last.facts.prompt, last.facts.output[:kept[-1]]])
+    tokens = np.concatenate([last.prompt, last.output[:kept[-1]]])
     start = turns[0].prompt_len
     length = int(tokens.size) - start
     if length < 0:

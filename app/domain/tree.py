@@ -10,7 +10,7 @@ transactions and HTTP live one layer up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,30 +37,98 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else m
 
 
-@dataclass
+EMPTY_TOKENS = np.empty(0, np.int64)
+INT32 = np.iinfo(np.int32)
+NODE_OVERHEAD = 600  # bytes a node costs beyond its arrays (objects, dict entries)
+
+
+def compact(values: np.ndarray) -> np.ndarray:
+    """`values` as int32 when every id fits (as on disk), else unchanged."""
+    if values.size and (int(values.min()) < INT32.min or int(values.max()) > INT32.max):
+        return values
+    return values.astype(np.int32)
+
+
+@dataclass(eq=False)
 class Node:
+    """One turn in the forest, its tokens kept as a delta from its parent's.
+
+    As in the log (`prompt_lcp` + `prompt_delta`), a node holds only what its
+    parent does not: the first `prompt_lcp` tokens are the parent's, `tail`
+    (int32) is the rest of the prompt and the output. `tokens`, `prompt` and
+    `output` rebuild the full arrays on demand, walking up only as far as
+    needed; `facts` keeps every other fact of the turn with its arrays dropped.
+    A 1,024-turn session of growing contexts thus costs the sum of the turns'
+    new tokens, not of their lengths.
+    """
+
     seq: int
     parent: int | None
     depth: int
     event_id: str
     facts: TurnFacts
-    tokens: np.ndarray
+    up: Node | None
+    tail: np.ndarray
+    num_tokens: int
+    prompt_len: int
+    output_len: int
+    logprobs: np.ndarray
     prompt_lcp: int = 0
     children: list[int] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.size)
+    @classmethod
+    def build(cls, seq: int, parent: Node | None, depth: int, event_id: str,
+              facts: TurnFacts, prompt_lcp: int) -> Node:
+        tokens = facts.tokens
+        stripped = replace(facts, prompt=EMPTY_TOKENS, output=EMPTY_TOKENS, logprobs=[])
+        return cls(seq=seq, parent=None if parent is None else parent.seq, depth=depth,
+                   event_id=event_id, facts=stripped, up=parent,
+                   tail=compact(tokens[prompt_lcp:]), num_tokens=int(tokens.size),
+                   prompt_len=int(facts.prompt.size), output_len=int(facts.output.size),
+                   logprobs=np.asarray(facts.logprobs, dtype=np.float64),
+                   prompt_lcp=prompt_lcp)
 
     @property
-    def prompt_len(self) -> int:
-        return int(self.facts.prompt.size)
+    def nbytes(self) -> int:
+        return int(self.tail.nbytes + self.logprobs.nbytes) + NODE_OVERHEAD
+
+    def head(self, length: int) -> np.ndarray:
+        """The first `length` tokens (int64), from this node's tail and its ancestors'."""
+        pieces: list[np.ndarray] = []
+        need = min(length, self.num_tokens)
+        node: Node | None = self
+        while node is not None and need > 0:
+            if need > node.prompt_lcp:
+                pieces.append(node.tail[:need - node.prompt_lcp])
+                need = node.prompt_lcp
+            node = node.up
+        if not pieces:
+            return EMPTY_TOKENS.copy()
+        pieces.reverse()
+        return np.concatenate(pieces).astype(np.int64)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.head(self.num_tokens)
+
+    def common_prefix(self, other: np.ndarray) -> int:
+        """`lcp(self.tokens, other)` without rebuilding more than needed."""
+        return lcp(self.head(min(self.num_tokens, int(other.size))), other)
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return self.head(self.prompt_len)
+
+    @property
+    def output(self) -> np.ndarray:
+        # The output is always the end of the tail (prompt_lcp <= prompt_len).
+        return self.tail[self.tail.size - self.output_len:].astype(np.int64)
 
     @property
     def r3_span(self) -> tuple[int, int] | None:
         if not self.facts.returns_r3 or self.facts.r3_start is None:
             return None
-        return self.facts.r3_start, self.facts.r3_end
+        return self.facts.r3_start, self.num_tokens - 1
 
     @property
     def is_leaf(self) -> bool:
@@ -108,20 +176,32 @@ class SessionState:
         out.reverse()
         return out
 
+    @property
+    def nbytes(self) -> int:
+        """What this state holds in memory (token deltas, log-probs, node overhead)."""
+        return sum(node.nbytes for node in self.nodes) + NODE_OVERHEAD
+
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes if n.is_leaf]
 
     # -- fold -----------------------------------------------------------------
 
-    def new_node(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
-        """The node a turn becomes, without adding it (the state stays unchanged)."""
+    def new_node(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts,
+                 prompt_lcp: int | None = None) -> Node:
+        """The node a turn becomes, without adding it (the state stays unchanged).
+
+        `prompt_lcp`, when known (the log stores it), saves recomputing it."""
         if seq != len(self.nodes):
             raise ValueError(f"turn seq {seq} out of order; expected {len(self.nodes)}")
         parent_node = None if parent is None else self.nodes[parent]
         depth = 0 if parent_node is None else parent_node.depth + 1
-        prefix = 0 if parent_node is None else lcp(parent_node.tokens, facts.prompt)
-        return Node(seq=seq, parent=parent, depth=depth, event_id=event_id, facts=facts,
-                    tokens=facts.tokens, prompt_lcp=prefix)
+        if parent_node is None:
+            prefix = 0
+        elif prompt_lcp is not None:
+            prefix = prompt_lcp
+        else:
+            prefix = parent_node.common_prefix(facts.prompt)
+        return Node.build(seq, parent_node, depth, event_id, facts, prefix)
 
     def add_node(self, node: Node) -> Node:
         if node.seq != len(self.nodes):
@@ -134,25 +214,44 @@ class SessionState:
         self.event_ids[node.event_id] = node.seq
         return node
 
-    def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts) -> Node:
-        return self.add_node(self.new_node(seq, parent, event_id, facts))
+    def apply_turn(self, seq: int, parent: int | None, event_id: str, facts: TurnFacts,
+                   prompt_lcp: int | None = None) -> Node:
+        return self.add_node(self.new_node(seq, parent, event_id, facts, prompt_lcp))
 
     def apply_close(self, close: SessionClose) -> None:
         self.close = close
 
     # -- attach ---------------------------------------------------------------
 
+    def prefix_lengths(self, prompt: np.ndarray) -> list[int]:
+        """`lcp(node.tokens, prompt)` for every node, in one pass over the deltas.
+
+        A node shares its first `prompt_lcp` tokens with its parent (parents
+        come first in seq order), so its common prefix with `prompt` is the
+        parent's when that is shorter, else `prompt_lcp` plus its tail's.
+        """
+        out: list[int] = []
+        for node in self.nodes:
+            base = 0 if node.parent is None else out[node.parent]
+            if base < node.prompt_lcp:
+                out.append(base)
+                continue
+            start = node.prompt_lcp
+            out.append(start + lcp(node.tail, prompt[start:]))
+        return out
+
     def derive_parent(self, prompt: np.ndarray) -> int | None:
         """Deepest node whose tokens prefix `prompt` (up to the trim); ties → highest seq."""
         trim = self.definition.max_trim_tokens
         best: Node | None = None
+        shared = self.prefix_lengths(prompt)
         for node in self.nodes:
             need = node.num_tokens - trim
             if need > prompt.size:
                 continue
             if best is not None and node.depth < best.depth:
                 continue
-            if lcp(node.tokens, prompt) >= need:
+            if shared[node.seq] >= need:
                 best = node if best is None or node.depth >= best.depth else best
         return None if best is None else best.seq
 
@@ -189,11 +288,11 @@ class SessionState:
                 field="parent", expected="a node that did not hit the length limit",
                 actual=parent,
             )
-        parent_tokens = np.empty(0, np.int64) if parent_node is None else parent_node.tokens
-        prefix = lcp(parent_tokens, facts.prompt)
+        parent_size = 0 if parent_node is None else parent_node.num_tokens
+        prefix = 0 if parent_node is None else parent_node.common_prefix(facts.prompt)
         if self.definition.use_addition_r3 and facts.returns_r3:
             start = facts.r3_start or 0
-            expected = max(parent_tokens.size - 1, 0)
+            expected = max(parent_size - 1, 0)
             if start != expected:
                 raise R3Gap(
                     f"patch starts at row {start}; the path to "

@@ -109,6 +109,9 @@ def _token_error(values: list[Any], field_name: str) -> InvalidRequest:
 
 
 def token_array(value: Any, field_name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        # Only a stored turn's prompt, restored from the log (validated when appended).
+        return value.astype(np.int64, copy=False)
     if not isinstance(value, list):
         raise _invalid(f"{field_name} must be a list of token ids", field_name,
                        "array of integers", value)

@@ -103,6 +103,11 @@ def backend(url: str) -> str:
     return make_url(url).get_backend_name()
 
 
+def file_integrity_checkable(url: str) -> bool:
+    """SQLite: the database is one file that `PRAGMA quick_check` can verify at start."""
+    return backend(url) == "sqlite"
+
+
 def single_writer(url: str) -> bool:
     """SQLite: one writer at a time, so writes are queued in process."""
     return backend(url) == "sqlite"

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -35,14 +36,41 @@ from app.store.schema import events, patch_from_row, r3_patches, sessions
 
 
 class StateCache:
-    def __init__(self, capacity: int) -> None:
+    """Folded states by session, least recently used first out.
+
+    Bounded by count and by bytes (`SessionState.nbytes`: token deltas and
+    log-probs). A state grows in place when an append commits, so its size is
+    measured again whenever it is handed out or put back. A single state
+    larger than the whole budget is not kept: it is folded per request.
+    """
+
+    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._states: OrderedDict[str, SessionState] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def _measure(self, session_id: str, state: SessionState) -> None:
+        size = state.nbytes
+        self.nbytes += size - self._sizes.get(session_id, 0)
+        self._sizes[session_id] = size
+
+    def _evict(self) -> None:
+        while self._states and (len(self._states) > self.capacity or (
+                self.max_bytes is not None and self.nbytes > self.max_bytes)):
+            old, _ = self._states.popitem(last=False)
+            self.nbytes -= self._sizes.pop(old, 0)
 
     def get(self, session_id: str) -> SessionState | None:
         state = self._states.get(session_id)
         if state is not None:
             self._states.move_to_end(session_id)
+            self._measure(session_id, state)
+            self._evict()
         return state
 
     def put(self, session_id: str, state: SessionState) -> None:
@@ -50,14 +78,17 @@ class StateCache:
             return
         self._states[session_id] = state
         self._states.move_to_end(session_id)
-        while len(self._states) > self.capacity:
-            self._states.popitem(last=False)
+        self._measure(session_id, state)
+        self._evict()
 
     def forget(self, session_id: str) -> None:
         self._states.pop(session_id, None)
+        self.nbytes -= self._sizes.pop(session_id, 0)
 
     def clear(self) -> None:
         self._states.clear()
+        self._sizes.clear()
+        self.nbytes = 0
 
 
 def _unknown(session_id: str) -> UnknownSession:
@@ -131,6 +162,9 @@ async def fold_events(
     # the same cached state while we wait on the database, and folding must not
     # interleave with it (turns it already holds are skipped).
     rows = (await conn.execute(query)).all()
+    # Full tokens of the node folded last: in a chain it is the next one's parent,
+    # so the delta-kept tokens need not be rebuilt from the ancestors.
+    last: tuple[int, np.ndarray] | None = None
     for row in rows:
         payload = jsonio.loads(row.payload)
         if row.type == SESSION_OPENED:
@@ -145,10 +179,16 @@ async def fold_events(
             if row.seq < len(state.nodes):
                 continue
             parent = payload["parent"]
-            parent_tokens = None if parent is None else state.nodes[parent].tokens
+            if parent is None:
+                parent_tokens = None
+            elif last is not None and last[0] == parent:
+                parent_tokens = last[1]
+            else:
+                parent_tokens = state.nodes[parent].head(row.prompt_lcp)
             prompt = restore_prompt(parent_tokens, row.prompt_lcp, row.prompt_delta)
             facts = stored_facts(state.definition, payload, prompt, geometry.get(row.seq))
-            state.apply_turn(row.seq, parent, row.event_id, facts)
+            state.apply_turn(row.seq, parent, row.event_id, facts, row.prompt_lcp)
+            last = (row.seq, facts.tokens)
         elif row.type == SESSION_CLOSED and state is not None:
             if log is not None:
                 log.closed_us = row.recorded_us

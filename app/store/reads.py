@@ -73,6 +73,29 @@ async def sessions_with_prefix(conn: AsyncConnection, prefix: str, limit: int) -
     return list(dict.fromkeys([*exact, *rows]))
 
 
+class EventsPage:
+    """A page of `GET …/events`: rows in hand, each event rendered on demand, so
+    a 100,000-event reply never exists as Python objects all at once."""
+
+    def __init__(self, rows: list[Any], state: Any, patches: dict[int, Patch],
+                 include_r3: bool) -> None:
+        self.rows = rows
+        self.state = state
+        self.patches = patches
+        self.include_r3 = include_r3
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def event(self, index: int) -> dict[str, Any]:
+        return Reader._event(self.rows[index], self.state, self.patches, self.include_r3)
+
+    def encoded(self, start: int, stop: int) -> bytes:
+        """Events `[start, stop)` as JSON array members, comma-separated (no brackets)."""
+        return b",".join(jsonio.dumps_bytes(self.event(i))
+                         for i in range(start, min(stop, len(self.rows))))
+
+
 class Reader:
     def __init__(self, db: Database, cache: StateCache) -> None:
         self.db = db
@@ -107,6 +130,14 @@ class Reader:
         self, session_id: str, after: int | None, limit: int, include_r3: bool
     ) -> list[dict[str, Any]]:
         """Events after position `after`, at most `limit` (a parsed `EVENTS_PAGE`)."""
+        page = await self.session_events_page(session_id, after, limit, include_r3)
+        return [page.event(i) for i in range(len(page))]
+
+    async def session_events_page(
+        self, session_id: str, after: int | None, limit: int, include_r3: bool
+    ) -> EventsPage:
+        """The rows of a page of the session's events, read in one snapshot; the
+        events themselves (token ids restored) are built one by one as they are sent."""
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
             state = await load_state(conn, self.cache, row)
@@ -119,8 +150,8 @@ class Reader:
             if include_r3:
                 patches = await load_patches(
                     conn, session_id, (r["seq"] for r in rows if r["seq"] is not None))
-        return [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
-                or r["seq"] < len(state.nodes)]
+        kept = [r for r in rows if r["seq"] is None or r["seq"] < len(state.nodes)]
+        return EventsPage(kept, state, patches, include_r3)
 
     @staticmethod
     def _event(row: Any, state: Any, patches: dict[int, Patch],
@@ -137,7 +168,7 @@ class Reader:
             node = state.nodes[row["seq"]]
             patch = patches.get(row["seq"])
             out["parent"] = payload["parent"]
-            record = restore_record(payload, node.facts.prompt,
+            record = restore_record(payload, node.prompt,
                                     None if patch is None else patch.base64())
             # A payload that was never moved to a patch row (`""`, null) is
             # still in the stored JSON: `include_r3=false` leaves it out too.

@@ -2,7 +2,10 @@
 
 The rows come from `app.domain.projections.project_session`, the same
 functions the inline writers use, so a rebuild reproduces them bit for bit.
-A checksum per projection before and after proves it. One short write
+A checksum per projection before and after proves it, and every row of the
+log and the projections must belong to a session that exists: rows whose
+session was deleted behind the server's back are reported (they cannot be
+rebuilt, and equal checksums would otherwise hide them). One short write
 transaction per session (locked like an append), so a rebuild can run next
 to a live server.
 """
@@ -19,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.domain.projections import checksum, project_session
 from app.store.db import Database
 from app.store.loader import FoldLog, fold_events, session_row
-from app.store.schema import nodes, samples, session_labels, sessions
+from app.store.schema import metadata, nodes, samples, session_labels, sessions
 
 PROJECTIONS: dict[str, sa.Table] = {
     "sessions": sessions,
@@ -94,10 +97,42 @@ class RebuildReport:
     before: dict[str, str]
     after: dict[str, str]
     mismatched: list[str] = field(default_factory=list)
+    # Rows whose session has no `sessions` row (deleted behind the server's back):
+    # {table: {session_id: rows}}. A rebuild cannot account for them.
+    orphans: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def equal(self) -> bool:
         return self.before == self.after
+
+    @property
+    def accounted(self) -> bool:
+        return not self.orphans
+
+    @property
+    def ok(self) -> bool:
+        return self.equal and self.accounted
+
+
+# Every table whose rows belong to a session; each must find its `sessions` row.
+OWNED = ("events", "r3_patches", "session_labels", "nodes", "samples")
+
+
+async def orphaned_rows(db: Database, session_id: str | None = None) -> dict[str, dict[str, int]]:
+    """Per table, the session ids (and row counts) with no `sessions` row."""
+    out: dict[str, dict[str, int]] = {}
+    async with db.read() as conn:
+        for name in OWNED:
+            table = metadata.tables[name]
+            query = (sa.select(table.c.session_id, sa.func.count())
+                     .where(~sa.exists().where(sessions.c.session_id == table.c.session_id))
+                     .group_by(table.c.session_id).order_by(table.c.session_id))
+            if session_id is not None:
+                query = query.where(table.c.session_id == session_id)
+            found = {row[0]: int(row[1]) for row in await conn.execute(query)}
+            if found:
+                out[name] = found
+    return out
 
 
 async def rebuild(
@@ -117,4 +152,5 @@ async def rebuild(
             progress(done, len(ids))
     after = await checksums(db, scope)
     mismatched = [name for name in PROJECTIONS if before[name] != after[name]]
-    return RebuildReport(len(ids), before, after, mismatched)
+    orphans = await orphaned_rows(db, session_id)
+    return RebuildReport(len(ids), before, after, mismatched, orphans)

@@ -9,9 +9,12 @@ attach → insert → commit, and only then updates the in-process state cache.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio.to_thread
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -80,6 +83,16 @@ async def _insert_event(conn: AsyncConnection, values: dict[str, Any]) -> int:
     return int(result.scalar_one())
 
 
+T = TypeVar("T")
+
+
+async def run(offload: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, on a worker thread when `offload` (pure CPU work on a large turn)."""
+    if not offload:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+
+
 class Writer:
     def __init__(self, db: Database, cache: StateCache, max_nodes: int) -> None:
         self.db = db
@@ -138,17 +151,20 @@ class Writer:
             row = await session_row(conn, session_id)
             return (await load_state(conn, self.cache, row)).definition
 
-    async def append_turn(self, session_id: str, raw: Any) -> Written:
+    async def append_turn(self, session_id: str, raw: Any, offload: bool = False) -> Written:
+        """Validate, attach and record one turn. With `offload` (a large body) the
+        CPU-heavy steps, parsing and encoding, run on a worker thread."""
         definition = await self._definition(session_id)
-        body = parse_turn(raw, definition)
+        body = await run(offload, parse_turn, raw, definition)
         async with self.db.write() as conn:
             row = await session_row(conn, session_id, lock=True)
             state = await load_state(conn, self.cache, row)
             seen = state.event_ids.get(body.event_id)
             if seen is not None:
-                return Written(await self._repeat(conn, state, seen, body), created=False)
+                return Written(await self._repeat(conn, state, seen, body, offload),
+                               created=False)
             attachment = state.attach(body, self.max_nodes)
-            stored = encode_turn(body, attachment, definition.num_layers)
+            stored = await run(offload, encode_turn, body, attachment, definition.num_layers)
             recorded = now_us()
             position = await _insert_event(conn, {
                 "session_id": session_id,
@@ -177,7 +193,8 @@ class Writer:
                        r3_bytes=0 if stored.patch is None else len(stored.patch.data))
 
     async def _repeat(
-        self, conn: AsyncConnection, state: SessionState, seq: int, body: TurnBody
+        self, conn: AsyncConnection, state: SessionState, seq: int, body: TurnBody,
+        offload: bool = False,
     ) -> dict[str, Any]:
         """The original reply if `body` is the turn first sent with its event_id, else 409.
 
@@ -190,9 +207,13 @@ class Writer:
         )).one()
         patch = (await load_patches(conn, session_id, [seq])).get(seq)
         b64 = None if patch is None else patch.base64()
-        first = stored_content(jsonio.loads(event.payload), body.event_id,
-                               state.nodes[seq].facts.prompt, b64)
-        if not jsonio.strict_equal(first, body.content()):
+        prompt = state.nodes[seq].prompt
+
+        def same() -> bool:
+            first = stored_content(jsonio.loads(event.payload), body.event_id, prompt, b64)
+            return jsonio.strict_equal(first, body.content())
+
+        if not await run(offload, same):
             raise IdempotencyConflict(
                 f"event_id {body.event_id!r} was already recorded with other content",
                 field="event_id", expected="the content first sent with this event_id",

@@ -16,7 +16,7 @@ LIMIT = 2000
 async def small(settings) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings.model_copy(update={"max_body_bytes": LIMIT}))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as http:
+                                 base_url="http://localhost") as http:
         yield http
     await app.state.services.db.dispose()
 

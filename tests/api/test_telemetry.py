@@ -95,7 +95,7 @@ async def test_fence_lag_is_zero_on_sqlite_and_the_oldest_transaction_on_postgre
 async def test_each_app_has_its_own_registry(settings, sid):
     apps = [create_app(settings), create_app(settings)]
     try:
-        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t")
+        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://localhost")
                    for a in apps]
         await clients[0].post("/v1/sessions", json=open_body(sid))
         first, second = await scrape(clients[0]), await scrape(clients[1])
@@ -151,7 +151,7 @@ async def test_metrics_answer_when_the_database_does_not(tmp_path):
     app = create_app(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t") as http:
+                                     base_url="http://localhost") as http:
             samples = await scrape(http)
         lag = value(samples, "turnlog_feed_fence_lag_seconds")
         assert lag != lag  # NaN: unknown, not a reassuring 0

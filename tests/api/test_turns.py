@@ -135,7 +135,7 @@ async def test_node_cap_is_409(client, sid, settings):
     settings.max_nodes = 2
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as capped:
+                                 base_url="http://localhost") as capped:
         await open_session(capped, sid)
         for _ in range(2):
             assert (await post(capped, sid, turn([1], [2]))).status_code == 201
@@ -303,7 +303,7 @@ async def test_body_over_limit_is_413(client, sid, settings):
     settings.max_body_bytes = 1000
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as small:
+                                 base_url="http://localhost") as small:
         await open_session(small, sid)
         r = await post(small, sid, turn(list(range(1, 500)), [1]))
         assert r.status_code == 413

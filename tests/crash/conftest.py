@@ -47,6 +47,7 @@ class ServerProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # TURNLOG_* settings for the server
 
     @property
     def base_url(self) -> str:
@@ -56,6 +57,7 @@ class ServerProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.env)
         with self.log_path.open("ab") as log:
             log.write(f"--- start {self.starts} ---\n".encode())
             self.proc = subprocess.Popen(
@@ -108,8 +110,9 @@ def server_process(tmp_path: Path) -> Iterator[Any]:
     every server it made is stopped at teardown."""
     made: list[ServerProcess] = []
 
-    def spawn(database_url: str) -> ServerProcess:
-        server = ServerProcess(database_url, tmp_path / f"server-{len(made)}.log")
+    def spawn(database_url: str, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(database_url, tmp_path / f"server-{len(made)}.log",
+                               env=dict(env or {}))
         made.append(server)
         server.start()
         return server

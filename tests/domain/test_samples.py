@@ -144,7 +144,7 @@ def test_the_final_turn_may_not_be_trimmed() -> None:
     state = fold(sim, [sim.turn(None, prompt=P0, output=[1001, 1002])])
     # A leaf whose accumulated ids miss its own last output token (possible
     # only for a v1-style checkpoint) is refused even within max_trim_tokens.
-    leaf = dataclasses.replace(state.nodes[0], tokens=state.nodes[0].tokens[:-1])
+    leaf = dataclasses.replace(state.nodes[0], num_tokens=state.nodes[0].num_tokens - 1)
     with pytest.raises(Alignment) as excinfo:
         align([leaf], max_trim_tokens=2)
     assert excinfo.value.field == "path[0]"

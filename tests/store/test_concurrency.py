@@ -10,7 +10,7 @@ from tests.factory import open_body, turn
 
 async def two_clients(settings):
     apps = [create_app(settings) for _ in range(2)]
-    clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t")
+    clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://localhost")
                for a in apps]
     return apps, clients
 

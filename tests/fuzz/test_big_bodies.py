@@ -1,0 +1,88 @@
+"""Big bodies must not stall everyone else (issue 13, item 7), on both backends.
+
+A turn above `TURNLOG_LARGE_BODY_BYTES` is parsed and encoded on a worker
+thread, never on the event loop, and at most `TURNLOG_MAX_LARGE_UPLOADS` of
+them are in flight at once; a large events page is streamed in batches and
+reads back identical to the same events fetched in small pages. The latency
+figures are in `bench/big_bodies.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import httpx
+
+import app.store.writes as writes
+from app.main import create_app
+from tests.factory import open_body, turn
+
+
+async def test_large_turns_are_parsed_off_the_loop_a_few_at_a_time(settings, monkeypatch):
+    app = create_app(settings.model_copy(update={"large_body_bytes": 2000,
+                                                 "max_large_uploads": 1}))
+    loop_thread = threading.get_ident()
+    lock = threading.Lock()
+    seen: list[tuple[int, int]] = []  # (thread, body size class) per parse
+    active = [0, 0]  # now, max
+    real = writes.parse_turn
+
+    def parse(raw, spec, *args):
+        with lock:
+            active[0] += 1
+            active[1] = max(active[1], active[0])
+        try:
+            time.sleep(0.05)  # long enough for the other uploads to catch up
+            return real(raw, spec, *args)
+        finally:
+            with lock:
+                active[0] -= 1
+            seen.append((threading.get_ident(), len(raw["record"]["request"]["input_ids"])))
+
+    monkeypatch.setattr(writes, "parse_turn", parse)
+    base = f"big-{uuid.uuid4().hex[:8]}"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        for i in range(3):
+            assert (await http.post("/v1/sessions", json=open_body(f"{base}-{i}"))).is_success
+        large = list(range(1, 2001))
+        replies = await asyncio.gather(*(
+            http.post(f"/v1/sessions/{base}-{i}/turns", json=turn(large, [7]))
+            for i in range(3)))
+        assert [r.status_code for r in replies] == [201, 201, 201], [r.text for r in replies]
+        small = await http.post(f"/v1/sessions/{base}-0/turns",
+                                json=turn([1, 2], [9], parent=None))
+        assert small.status_code == 201, small.text
+    big = [thread for thread, size in seen if size == 2000]
+    assert len(big) == 3 and loop_thread not in big, "a large turn was parsed on the loop"
+    assert [thread for thread, size in seen if size == 2] == [loop_thread]
+    assert active[1] == 1, f"{active[1]} large uploads at once with a cap of 1"
+    await app.state.services.db.dispose()
+
+
+async def test_a_large_events_page_is_streamed_and_equals_small_pages(client, sid):
+    assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+    prompt = [1, 2]
+    for i in range(80):
+        r = await client.post(f"/v1/sessions/{sid}/turns", json=turn(prompt, [100 + i]))
+        assert r.status_code == 201, r.text
+        prompt = [*prompt, 100 + i, 5]
+    whole = await client.get(f"/v1/sessions/{sid}/events", params={"limit": 100_000})
+    assert whole.status_code == 200
+    assert "content-length" not in whole.headers, "a large page was built whole in memory"
+    assert whole.headers["content-type"].startswith("application/json")
+    pages: list[dict] = []
+    after = None
+    while True:
+        params = {"limit": 7, **({} if after is None else {"after": after})}
+        page = (await client.get(f"/v1/sessions/{sid}/events", params=params)).json()
+        if not page:
+            break
+        pages += page
+        after = page[-1]["position"]
+    assert whole.json() == pages and len(pages) == 81
+    small = await client.get(f"/v1/sessions/{sid}/events", params={"limit": 3})
+    assert small.headers["content-length"] == str(len(small.content))
