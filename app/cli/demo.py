@@ -81,7 +81,7 @@ def demo(
         app = create_app(Settings(database_url=url, migrate_on_start=False))
         transport = httpx.ASGITransport(app=app)
         try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://demo") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 results = []
                 with Progress(console=console, transient=True) as bar:
                     task = bar.add_task("simulating sessions", total=sessions)
