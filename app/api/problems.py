@@ -28,6 +28,7 @@ PROBLEM = "application/problem+json"
 UNAVAILABLE_RETRY_AFTER = "1"
 log = structlog.get_logger("turnlog.api")
 CLIENT_CLOSED = 499
+UNAVAILABLE_LOG_PERIOD = 5.0  # seconds between "database unavailable" warnings
 # Error texts of a damaged SQLite file (sqlite3.DatabaseError, SQLITE_CORRUPT/NOTADB).
 SQLITE_DAMAGE = ("malformed", "not a database", "corrupt")
 # Failures that mean "the database cannot answer now": each gets the 503 handler,
@@ -63,6 +64,9 @@ def _field_of(loc: tuple[Any, ...]) -> str:
 
 
 def install(app: FastAPI) -> None:
+    # One throttle per app: a burst of failures is one warning every few seconds.
+    warn_unavailable = _Throttle(UNAVAILABLE_LOG_PERIOD)
+
     @app.exception_handler(DomainError)
     async def _domain(_request: Request, exc: DomainError) -> JSONText:
         return problem_response(exc.problem())
@@ -187,8 +191,6 @@ class _Throttle:
                     suppressed_since_last=self.suppressed)
         self.last, self.suppressed = now, 0
 
-
-warn_unavailable = _Throttle(5.0)
 
 
 # pydantic's error codes name its parser, not what the client should send.

@@ -92,7 +92,7 @@ def demo(
                                                               "api_tokens": ""}))
         transport = httpx.ASGITransport(app=app)
         try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://demo") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 results = []
                 with Progress(console=err(), transient=True) as bar:
                     task = bar.add_task("simulating sessions", total=sessions)
