@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import __version__
+from app import __version__, ui
 from app.api import (
     analytics,
     feed,
@@ -24,6 +24,7 @@ from app.api.limits import BodyLimit
 from app.api.problems import JSONText
 from app.services import build_services
 from app.settings import Settings, get_settings
+from app.ui.guard import UiGuard
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -47,9 +48,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added innermost first: metrics see every answer, auth refuses before the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, tokens=TokenTable(settings.token_scopes))
+    app.add_middleware(UiGuard, tokens=TokenTable(settings.token_scopes))
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
     for module in (health, telemetry, sessions, samples, feed, analytics, history, gates):
         app.include_router(module.router)
+    ui.install(app)
     return app
 
 
