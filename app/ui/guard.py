@@ -30,7 +30,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';
 HEADERS = {
     "content-security-policy": CSP,
     "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
+    "referrer-policy": "same-origin",
     "x-frame-options": "DENY",
 }
 

@@ -84,9 +84,11 @@
   }
 
   async function poll() {
+    // The first call answers at once (it shows the feed is reachable); then long-poll.
+    let wait = 0;
     for (;;) {
       try {
-        const reply = await fetch("/ui/feed?wait=25&after=" + encodeURIComponent(feedCursor),
+        const reply = await fetch("/ui/feed?wait=" + wait + "&after=" + encodeURIComponent(feedCursor),
                                   { credentials: "same-origin" });
         if (!reply.ok) throw new Error("feed " + reply.status);
         const page = await reply.json();
@@ -95,6 +97,7 @@
         if (page.events.some((e) => e.type === "session_opened")) await addNewSessions();
         for (const event of page.events) applyEvent(event);
         feedCursor = page.next;
+        wait = 25;
       } catch (err) {
         live.className = "live off";
         live.textContent = "offline, retrying";
