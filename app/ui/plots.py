@@ -85,9 +85,12 @@ class Heatmap:
     busiest: int
 
 
-def heatmap(counts: np.ndarray, cell: int = 6) -> Heatmap:
-    """Layers as rows, experts as columns; one path per shade keeps the SVG small."""
+def heatmap(counts: np.ndarray, cell: int | None = None) -> Heatmap:
+    """Layers as rows, experts as columns; one path per shade keeps the SVG small.
+    Cells shrink with the expert count so a picture stays about 320 px wide."""
     layers, experts = counts.shape
+    if cell is None:
+        cell = max(2, min(10, 320 // max(experts, 1)))
     busiest = int(counts.max()) if counts.size else 0
     paths: list[list[str]] = [[] for _ in SHADES]
     if busiest > 0:

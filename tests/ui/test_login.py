@@ -49,7 +49,7 @@ async def test_token_form_sets_an_httponly_strict_cookie(browser: Any, auth_serv
         assert cookie["path"] == "/ui"
         assert await page.evaluate("document.cookie") == ""
 
-        await page.click('[data-testid="tree-node"][data-seq="0"] td:nth-child(3)')
+        await page.click('[data-testid="tree-node"][data-seq="0"] .depth')
         await page.wait_for_selector('[data-testid="lane-output"] .tok, #nv-seq:not(:empty)')
         listed = await page.goto(f"{auth_server.base_url}/ui")
         assert listed.status == 200

@@ -30,7 +30,7 @@ async def wait_until(page: Any, predicate: str, arg: Any = None, timeout: float 
 
 
 async def selected(page: Any, seq: int) -> None:
-    await page.click(f'[data-testid="tree-node"][data-seq="{seq}"] td:nth-child(3)')
+    await page.click(f'[data-testid="tree-node"][data-seq="{seq}"] .depth')
     await wait_until(page, "(seq) => document.getElementById('nv-seq').textContent === seq",
                      str(seq))
 

@@ -5,7 +5,7 @@
   const tree = document.getElementById("tree");
   if (!tree) return;
   const sid = tree.dataset.sessionId;
-  const rows = Array.from(tree.querySelectorAll("tbody tr[data-seq]"));
+  const rows = Array.from(tree.querySelectorAll(".row[data-seq]"));
   const bySeq = new Map(rows.map((tr) => [tr.dataset.seq, tr]));
   let selected = null;
 
@@ -48,7 +48,7 @@
     document.getElementById("node-view").hidden = false;
     document.getElementById("nv-seq").textContent = String(node.seq);
     const tr = bySeq.get(String(node.seq));
-    const cells = tr ? tr.querySelectorAll("td") : [];
+    const cells = tr ? tr.children : [];
     const facts = document.getElementById("nv-facts");
     facts.replaceChildren();
     fact(facts, "parent", cells.length ? cells[1].textContent : null);
@@ -138,11 +138,11 @@
       layout();
       return;
     }
-    const tr = event.target.closest("tr[data-seq]");
+    const tr = event.target.closest(".row[data-seq]");
     if (tr) select(tr.dataset.seq);
   });
   tree.addEventListener("keydown", (event) => {
-    const tr = event.target.closest("tr[data-seq]");
+    const tr = event.target.closest(".row[data-seq]");
     if (tr && event.key === "Enter") select(tr.dataset.seq);
   });
   for (const link of document.querySelectorAll("a.goto")) {
