@@ -124,3 +124,8 @@ async def _show(http: httpx.AsyncClient, results: list[dict[str, Any]]) -> None:
     console.print(rates)
     console.print("Next: [bold]turnlog replay <session>[/] shows one session's tree; "
                   "[bold]turnlog rebuild[/] recomputes every projection from the log.")
+    if results:
+        ui = f"http://{get_settings().host}:{get_settings().port}/ui"
+        console.print(f"In the browser (with `make run` serving this database): "
+                      f"[bold]{ui}/sessions/{results[0]['session_id']}[/] (its tree), "
+                      f"{ui}?run_id=demo (every demo session and the run view)")
