@@ -112,7 +112,7 @@ async def fold_events(
     # interleave with it (turns it already holds are skipped).
     rows = (await conn.execute(query)).all()
     for row in rows:
-        payload = jsonio.loads(row.payload)
+        payload = jsonio.loads_stored(row.payload)
         if row.type == SESSION_OPENED:
             if log is not None:
                 log.opened_us = row.recorded_us
