@@ -22,9 +22,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.auth import READ_METHODS, TokenTable, authorize, bearer_token, challenge, is_ui
 from app.api.problems import send_problem
 from app.domain.errors import Forbidden, Unauthorized
+from app.ui.render import login_page
 
 COOKIE = "turnlog_ui_token"
-OPEN = ("/ui/static/", "/ui/login", "/ui/logout")
+OPEN_PATHS = frozenset({"/ui/login", "/ui/logout"})
+OPEN_PREFIX = "/ui/static/"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
        "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 HEADERS = {
@@ -66,7 +68,7 @@ class UiGuard:
             await send(message)
 
         path, method = scope["path"], scope["method"]
-        if self.tokens and not path.startswith(OPEN):
+        if self.tokens and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
             headers = scope.get("headers") or []
             presented = bearer_token(headers)
             if presented is None and method.upper() in READ_METHODS:
@@ -75,8 +77,6 @@ class UiGuard:
                 authorize(self.tokens, method, presented)
             except (Unauthorized, Forbidden) as exc:
                 if isinstance(exc, Unauthorized) and method.upper() in ("GET", "HEAD"):
-                    from app.ui.pages import login_page
-
                     response = login_page(path, scope.get("query_string", b""),
                                           error=presented is not None)
                     await response(scope, receive, send_with_headers)

@@ -10,12 +10,11 @@ problem+json like the API. Refuses auth and headers (`app/ui/guard.py`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from jinja2 import Environment, PackageLoader, StrictUndefined
+from fastapi.responses import RedirectResponse, Response
 
 from app.api.auth import TokenTable
 from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
@@ -23,35 +22,18 @@ from app.api.problems import JSONText
 from app.api.sessions import label_filters
 from app.domain.errors import DomainError, UnknownParent
 from app.domain.lanes import token_lanes
-from app.domain.session import label_text
 from app.domain.specinfo import SpecInfo, session_carrier
 from app.store import browse
 from app.ui import plots
 from app.ui.guard import COOKIE
+from app.ui.render import error_page, render, templates
 from app.ui.views import run_view, text_of, tree_rows, turn_messages
 
 STATIC = Path(__file__).parent / "static"
 LIST_PARAMS = frozenset({"status", "limit", "labels"})
 FEED_WAIT = 25.0
 
-templates = Environment(loader=PackageLoader("app.ui", "templates"), autoescape=True,
-                        undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-templates.globals.update(text_of=text_of, label_text=label_text, urlencode=urlencode)
 router = APIRouter(prefix="/ui", include_in_schema=False)
-
-
-def render(template: str, code: int = 200, **context: Any) -> HTMLResponse:
-    return HTMLResponse(templates.get_template(template).render(**context), status_code=code)
-
-
-def error_page(exc: DomainError) -> HTMLResponse:
-    return render("error.html", exc.http_status, error=exc.problem())
-
-
-def login_page(path: str, query: bytes, *, error: bool) -> HTMLResponse:
-    """The 401 answer to a page request without a valid read token."""
-    target = path + ("?" + query.decode("latin-1") if query else "")
-    return render("login.html", 401, next=target, error=error)
 
 
 def parse_label_text(text: str) -> list[tuple[str, str]]:
@@ -187,6 +169,8 @@ async def login(request: Request, svc: ServicesDep) -> Response:
         return render("login.html", 403, next=target, error=True)
     token = form.get("token", "").strip()
     tokens = TokenTable(svc.settings.token_scopes)
+    if not tokens:  # nothing to sign in to: every page is open
+        return RedirectResponse(target, status_code=303)
     if not token.isascii() or tokens.scope_of(token.encode("ascii")) is None:
         return render("login.html", 401, next=target, error=True)
     response = RedirectResponse(target, status_code=303)
