@@ -82,7 +82,12 @@ async def index(
             "length_by_weight": plots.chart(weights,
                                             [g["accept_length"] for g in run.by_weight]),
         }
+    # A full page may hide older sessions: offer the largest page the list allows.
+    more = len(recent.sessions) >= (limit or 100) and (limit or 100) < 1000
+    more_query = urlencode({**({"status": status} if status else {}), **filters,
+                            "limit": 1000})
     return render("index.html", sessions=recent.sessions, status=status, filters=filters,
+                  more_query=more_query if more else None,
                   list_cursor=recent.list_cursor, feed_cursor=recent.feed_cursor,
                   filter_query=urlencode({**({"status": status} if status else {}), **filters}),
                   run=run, charts=charts)
