@@ -32,6 +32,7 @@ from app.ui.views import run_view, text_of, tree_rows, turn_messages
 STATIC = Path(__file__).parent / "static"
 LIST_PARAMS = frozenset({"status", "limit", "labels"})
 FEED_WAIT = 25.0
+LOGIN_FORM_BYTES = 8192
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
@@ -167,7 +168,10 @@ async def login_form(svc: ServicesDep, next: str = "/ui") -> Response:
 @router.post("/login", response_model=None)
 async def login(request: Request, svc: ServicesDep) -> Response:
     """Take a token from the form; if this server knows it, keep it in the cookie."""
-    form = dict(parse_qsl((await request.body()).decode("utf-8", "replace")))
+    raw = await request.body()
+    if len(raw) > LOGIN_FORM_BYTES:  # a token and a path: anything bigger is not our form
+        return render("login.html", 400, next="/ui", error=True)
+    form = dict(parse_qsl(raw.decode("utf-8", "replace")))
     target = safe_next(form.get("next", "/ui"))
     origin = request.headers.get("origin")
     if origin is not None and origin.split("://", 1)[-1] != request.headers.get("host"):
