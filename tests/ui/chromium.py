@@ -27,7 +27,7 @@ def ensure_chromium() -> Path:
                            "(apt-get install -y chromium) to run the UI tests")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for command in (["apt-get", "update", "-q"],
-                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]):
+                    ["apt-get", "install", "-y", "-q", "chromium"]):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(command)}` failed ({done.returncode}):\n"
