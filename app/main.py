@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import __version__
+from app import __version__, ui
 from app.api import (
     analytics,
     docs_ui,
@@ -28,6 +28,7 @@ from app.api.limits import BodyLimit
 from app.api.problems import JSONText
 from app.services import build_services
 from app.settings import Settings, get_settings
+from app.ui.guard import UiGuard
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        timeout=settings.body_timeout_s)
     tokens = TokenTable(settings.token_scopes)
     app.add_middleware(BearerAuth, tokens=tokens)
+    app.add_middleware(UiGuard, tokens=tokens)  # /ui: the same tokens, or the UI's cookie
     if not tokens:
         app.add_middleware(Loopback, allowed=[settings.host, *settings.extra_hosts])
     app.add_middleware(QueryTokens)
@@ -74,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
                    docs_ui):
         app.include_router(module.router)
+    ui.install(app)
     return app
 
 

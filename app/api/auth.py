@@ -8,7 +8,9 @@ OPTIONS read; every other method may change something (open, append, close,
 metric history, gate evaluation, which records values) and needs a `write`
 token, which also reads. A missing or unknown token is 401, a read token on
 a write route 403, both problem+json with `WWW-Authenticate`. The token
-format is `app.settings.parse_api_tokens`.
+format is `app.settings.parse_api_tokens`. The web UI (`/ui`) is guarded by
+`app.ui.guard.UiGuard` with the same rule (`authorize`), which also takes the
+token from the login cookie and answers a browser with a login form.
 """
 
 from __future__ import annotations
@@ -26,10 +28,16 @@ from app.settings import Scope as TokenScope
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc", *ASSET_PATHS})
+UI_PREFIX = "/ui"
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 CHALLENGE = 'Bearer realm="turnlog"'
 log = structlog.get_logger("turnlog.auth")
 UNKNOWN_TOKEN = "unknown token"
+
+
+def is_ui(path: str) -> bool:
+    """`/ui` and below: authorized by `app.ui.guard.UiGuard` (bearer or login cookie)."""
+    return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
 
 
 def required_scope(method: str) -> TokenScope:
@@ -87,7 +95,8 @@ class BearerAuth:
         self.tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.tokens or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.tokens or scope["path"] in OPEN_PATHS \
+                or is_ui(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:

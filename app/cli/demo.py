@@ -33,6 +33,7 @@ from app.cli.common import (
     settings_for,
     table,
 )
+from app.settings import get_settings
 
 
 async def _play(http: httpx.AsyncClient, index: int, seed: int) -> dict[str, Any]:
@@ -168,3 +169,8 @@ def _show(report: list[dict[str, Any]]) -> None:
     err().print("Next: [bold]turnlog show <session>[/] shows one session's tree (a unique "
                 "prefix of the id is enough); [bold]turnlog replay <session>[/] folds it from "
                 "its events; [bold]turnlog rebuild[/] recomputes every projection.")
+    if report:
+        ui = f"http://{get_settings().host}:{get_settings().port}/ui"
+        err().print(f"In the browser (with `make run` serving this database): "
+                    f"[bold]{ui}/sessions/{report[0]['session_id']}[/] (its tree), "
+                    f"{ui}?run_id=demo (every demo session and the run view)")

@@ -125,13 +125,11 @@ def stored_facts(
 
     `patch_geometry` is `(start, topk)` of the stored patch, if any.
     """
-    # The prompt goes in as the array it is: no round trip through a list of ints.
-    record = dict(payload["record"])
-    record["request"] = {**record["request"], "input_ids": prompt}
-    body: dict[str, Any] = {"event_id": "stored", "record": record}
+    # The stored record without `input_ids`: the prompt goes in as the array it is.
+    body: dict[str, Any] = {"event_id": "stored", "record": payload["record"]}
     if "metadata" in payload:
         body["metadata"] = payload["metadata"]
-    return parse_turn(body, definition, stored_r3=patch_geometry).facts
+    return parse_turn(body, definition, stored_r3=patch_geometry, stored_prompt=prompt).facts
 
 
 def stored_content(

@@ -275,13 +275,16 @@ def _r3(
     return True, start, values, topk
 
 
-def parse_turn(
-    raw: Any, definition: SessionDefinition, stored_r3: tuple[int, int] | None = None
-) -> TurnBody:
+def parse_turn(raw: Any, definition: SessionDefinition,
+               stored_r3: tuple[int, int] | None = None,
+               stored_prompt: np.ndarray | None = None) -> TurnBody:
     """Validate a turn body against the session definition.
 
     `stored_r3` = `(start, topk)` when re-reading a stored turn whose payload was
     moved to a patch row: the geometry is taken as already validated.
+    `stored_prompt` = the prompt of a stored turn, restored from the log (it was
+    validated when appended): `input_ids` is then not read at all, which spares
+    folding a long session a list round trip per turn.
     """
     body = require_object(raw, "body")
     if "record" not in body and {"request", "response"} & set(body):
@@ -313,7 +316,8 @@ def parse_turn(
     metadata_raw = body.get("metadata")
     metadata = None if metadata_raw is None else require_object(metadata_raw, "metadata")
 
-    prompt = token_array(request.get("input_ids"), "record.request.input_ids")
+    prompt = stored_prompt if stored_prompt is not None else \
+        token_array(request.get("input_ids"), "record.request.input_ids")
     if prompt.size == 0:
         raise _invalid("prompt (record.request.input_ids) must not be empty",
                        "record.request.input_ids", "at least one token id", [])

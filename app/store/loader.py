@@ -166,7 +166,7 @@ async def fold_events(
     # so the delta-kept tokens need not be rebuilt from the ancestors.
     last: tuple[int, np.ndarray] | None = None
     for row in rows:
-        payload = jsonio.loads(row.payload)
+        payload = jsonio.loads_stored(row.payload)
         if row.type == SESSION_OPENED:
             if log is not None:
                 log.opened_us = row.recorded_us

@@ -1,0 +1,87 @@
+"""Guarding `/ui`: security headers on every answer, and read-token auth by cookie.
+
+Every `/ui` answer carries a strict Content-Security-Policy (scripts, styles
+and images only from turnlog itself, no inline script, no framing) and
+`nosniff`. With API tokens configured, the bearer middleware
+(`app/api/auth.py`) leaves `/ui` to this one: a page needs a valid token,
+either as `Authorization: Bearer` or as the cookie the login form sets
+(HttpOnly, SameSite=Strict, path `/ui`). The cookie is honoured on reading
+methods only, so a cross-site form can never write with it. A page without
+a valid token answers 401 with the login form; the stylesheet, scripts and
+the login endpoint itself are open. Refuses the token rules themselves:
+`app.api.auth.authorize` decides, as for the API.
+"""
+
+from __future__ import annotations
+
+from http.cookies import CookieError, SimpleCookie
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.auth import READ_METHODS, TokenTable, authorize, bearer_token, challenge, is_ui
+from app.api.problems import send_problem
+from app.domain.errors import Forbidden, Unauthorized
+from app.ui.render import login_page
+
+COOKIE = "turnlog_ui_token"
+OPEN_PATHS = frozenset({"/ui/login", "/ui/logout"})
+OPEN_PREFIX = "/ui/static/"
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+       "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+HEADERS = {
+    "content-security-policy": CSP,
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+    "x-frame-options": "DENY",
+}
+
+
+def cookie_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name.lower() == b"cookie":
+            jar: SimpleCookie = SimpleCookie()
+            try:
+                jar.load(value.decode("latin-1"))
+            except CookieError:
+                continue
+            if COOKIE in jar and jar[COOKIE].value:
+                return jar[COOKIE].value.encode("latin-1")
+    return None
+
+
+class UiGuard:
+    def __init__(self, app: ASGIApp, tokens: TokenTable) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_ui(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        path, method = scope["path"], scope["method"]
+        if self.tokens and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
+            headers = scope.get("headers") or []
+            presented = bearer_token(headers)
+            if presented is None and method.upper() in READ_METHODS:
+                presented = cookie_token(headers)
+            try:
+                authorize(self.tokens, method, presented)
+            except (Unauthorized, Forbidden) as exc:
+                if isinstance(exc, Unauthorized) and method.upper() in ("GET", "HEAD"):
+                    response = login_page(path, scope.get("query_string", b""),
+                                          error=presented is not None)
+                    await response(scope, receive, send_with_headers)
+                    return
+                await send_problem(send_with_headers, exc,
+                                   {"www-authenticate": challenge(exc)})
+                return
+        await self.app(scope, receive, send_with_headers)

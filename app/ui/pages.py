@@ -1,0 +1,198 @@
+"""`/ui`: the web UI's pages and the small JSON and SVG fragments their scripts load.
+
+Thin handlers: data from the store services (`app.state.services`), rules
+from `app/domain/`, shaping in `app/ui/views.py` and `plots.py`, HTML in the
+Jinja templates (autoescaped: every label, id and record text is user data).
+A page that fails answers an HTML error page; the fragments answer
+problem+json like the API. Refuses auth and headers (`app/ui/guard.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import parse_qsl, urlencode
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import RedirectResponse, Response
+
+from app.api.auth import TokenTable
+from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
+from app.api.problems import JSONText
+from app.api.sessions import label_filters
+from app.domain.errors import DomainError, UnknownParent
+from app.domain.lanes import token_lanes
+from app.domain.queries import SESSIONS_PAGE, parse_status
+from app.domain.specinfo import SpecInfo, session_carrier
+from app.store import browse
+from app.ui import plots
+from app.ui.guard import COOKIE
+from app.ui.render import error_page, render, templates
+from app.ui.views import run_view, text_of, tree_rows, turn_messages
+
+STATIC = Path(__file__).parent / "static"
+LIST_PARAMS = frozenset({"status", "limit", "labels"})
+FEED_WAIT = 25.0
+LOGIN_FORM_BYTES = 8192
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+
+
+def parse_label_text(text: str) -> list[tuple[str, str]]:
+    """`run_id=run7 rollout_id=12` (spaces, commas or `&` between pairs) → pairs."""
+    pairs = []
+    for part in text.replace(",", " ").replace("&", " ").split():
+        key, _, value = part.partition("=")
+        if key:
+            pairs.append((key, value))
+    return pairs
+
+
+@router.get("", response_model=None)
+async def index(
+    request: Request, svc: ServicesDep, status: OptStr = None, limit: OptLimit = None,
+    labels: OptStr = None,
+) -> Response:
+    filters = label_filters(request, LIST_PARAMS)
+    if labels is not None:
+        # The filter form's free-text field: redirect to the canonical `?key=value` URL.
+        query = [(k, v) for k, v in request.query_params.multi_items() if k != "labels"]
+        return RedirectResponse(f"/ui?{urlencode(query + parse_label_text(labels))}",
+                                status_code=303)
+    try:
+        recent = await browse.recent_sessions(svc.db, parse_status(status), filters,
+                                              SESSIONS_PAGE.parse(limit))
+        run = None
+        if filters:
+            run = run_view(await svc.analytics.spec_rates("hour", filters),
+                           await svc.analytics.spec_rates("weight_version", filters),
+                           await svc.analytics.rollout(filters))
+    except DomainError as exc:
+        return error_page(exc)
+    charts = None
+    if run is not None:
+        hours = [str(g["key"]) for g in run.by_hour]
+        # `2026-11-29T08:00:00Z` → `11-29 08:00` on the axis.
+        hour_axis = [hour[5:16].replace("T", " ") for hour in hours]
+        weights = [text_of(g["key"]) or "none" for g in run.by_weight]
+        charts = {
+            "rate_by_hour": plots.chart(hours, [g["accept_rate"] for g in run.by_hour], 1.0,
+                                        axis=hour_axis),
+            "length_by_hour": plots.chart(hours, [g["accept_length"] for g in run.by_hour],
+                                          axis=hour_axis),
+            "rate_by_weight": plots.chart(weights, [g["accept_rate"] for g in run.by_weight],
+                                          1.0),
+            "length_by_weight": plots.chart(weights,
+                                            [g["accept_length"] for g in run.by_weight]),
+        }
+    # A full page may hide older sessions: offer the largest page the list allows.
+    more = len(recent.sessions) >= (limit or 100) and (limit or 100) < 1000
+    more_query = urlencode({**({"status": status} if status else {}), **dict(filters),
+                            "limit": 1000})
+    return render("index.html", sessions=recent.sessions, status=status, filters=dict(filters),
+                  more_query=more_query if more else None,
+                  list_cursor=recent.list_cursor, feed_cursor=recent.feed_cursor,
+                  filter_query=urlencode({**({"status": status} if status else {}),
+                                          **dict(filters)}),
+                  run=run, charts=charts)
+
+
+@router.get("/rows")
+async def new_rows(request: Request, svc: ServicesDep, after: OptStr = None,
+                   status: OptStr = None) -> JSONText:
+    """Sessions opened after the list cursor (oldest first), for the live list."""
+    filters = label_filters(request, frozenset({"after", "status", "limit"}))
+    return JSONText(await svc.reader.list_sessions(status, after, 1000, filters))
+
+
+@router.get("/feed")
+async def feed(svc: ServicesDep, after: OptStr = None,
+               wait: Annotated[float | None, Blank, Query()] = None) -> JSONText:
+    """The feed's long-poll (`GET /v1/events`), under `/ui` where the login cookie counts."""
+    return JSONText(await svc.reader.feed(after, 1000, min(wait or 0.0, FEED_WAIT)))
+
+
+@router.get("/sessions/{session_id}", response_model=None)
+async def session(session_id: str, svc: ServicesDep) -> Response:
+    try:
+        page = await browse.session_page(svc.db, svc.cache, session_id)
+    except DomainError as exc:
+        return error_page(exc)
+    leaf_sample = {sample["leaf"]: sample["index"] for sample in page.samples}
+    carrier = session_carrier(page.state)
+    return render("session.html", s=page.summary, rows=tree_rows(page.state, leaf_sample),
+                  samples=page.samples, errors=page.errors, empty_reason=page.empty_reason,
+                  carrier=None if carrier is None
+                  else SpecInfo.from_dict(carrier["metrics"]["spec_info"]))
+
+
+@router.get("/sessions/{session_id}/nodes/{seq}")
+async def node_lanes(session_id: str, seq: int, svc: ServicesDep) -> JSONText:
+    """One node's token lanes, spec counters and new messages (loaded on selection)."""
+    state = await browse.folded(svc.db, svc.cache, session_id)
+    if not 0 <= seq < len(state.nodes):
+        raise UnknownParent(f"session has no node {seq}", field="seq",
+                            expected=f"a seq below {len(state.nodes)}", actual=seq)
+    samples = (await svc.samples.result(session_id)).samples if state.closed else None
+    body = token_lanes(state, seq, samples).as_json()
+    body.update(turn_messages(await browse.turn_payload(svc.db, session_id, seq)))
+    return JSONText(body)
+
+
+@router.get("/sessions/{session_id}/samples/{index}/r3.svg")
+async def r3_picture(session_id: str, index: int, svc: ServicesDep) -> Response:
+    """Experts used per layer over the sample's rows: a heatmap (or why there is none)."""
+    try:
+        plan = await svc.samples.r3_plan(session_id, index)
+        patches = await svc.samples.read_patches(session_id, plan)
+    except DomainError as exc:
+        svg = templates.get_template("message.svg").render(text=exc.detail)
+        return Response(svg, media_type="image/svg+xml")
+    counts = browse.expert_usage(plan, patches)
+    svg = templates.get_template("heatmap.svg").render(map=plots.heatmap(counts),
+                                                        rows=plan.rows)
+    return Response(svg, media_type="image/svg+xml")
+
+
+def safe_next(target: str) -> str:
+    """Only a path under `/ui` (never `//host` or a scheme): no open redirect."""
+    if target.startswith("/ui") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/ui"
+
+
+@router.get("/login", response_model=None)
+async def login_form(svc: ServicesDep, next: str = "/ui") -> Response:
+    if not svc.settings.token_scopes:
+        return RedirectResponse(safe_next(next), status_code=303)
+    return render("login.html", 200, next=safe_next(next), error=False)
+
+
+@router.post("/login", response_model=None)
+async def login(request: Request, svc: ServicesDep) -> Response:
+    """Take a token from the form; if this server knows it, keep it in the cookie."""
+    raw = await request.body()
+    if len(raw) > LOGIN_FORM_BYTES:  # a token and a path: anything bigger is not our form
+        return render("login.html", 400, next="/ui", error=True)
+    form = dict(parse_qsl(raw.decode("utf-8", "replace")))
+    target = safe_next(form.get("next", "/ui"))
+    origin = request.headers.get("origin")
+    if origin is not None and origin.split("://", 1)[-1] != request.headers.get("host"):
+        return render("login.html", 403, next=target, error=True)
+    token = form.get("token", "").strip()
+    tokens = TokenTable(svc.settings.token_scopes)
+    if not tokens:  # nothing to sign in to: every page is open
+        return RedirectResponse(target, status_code=303)
+    if not token.isascii() or tokens.scope_of(token.encode("ascii")) is None:
+        return render("login.html", 401, next=target, error=True)
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui",
+                        secure=request.url.scheme == "https")
+    return response
+
+
+@router.post("/logout")
+async def logout() -> RedirectResponse:
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
+    return response

@@ -1,0 +1,35 @@
+"""The UI's Jinja2 environment and the pages both the router and the guard answer with.
+
+Templates load from the package (`app/ui/templates`) and autoescape every
+value, SVG included: labels, ids and record text are user data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi.responses import HTMLResponse
+from jinja2 import Environment, PackageLoader, StrictUndefined
+
+from app.domain.errors import DomainError
+from app.domain.labels import label_text
+from app.ui.views import text_of
+
+templates = Environment(loader=PackageLoader("app.ui", "templates"), autoescape=True,
+                        undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+templates.globals.update(text_of=text_of, label_text=label_text, urlencode=urlencode)
+
+
+def render(template: str, code: int = 200, **context: Any) -> HTMLResponse:
+    return HTMLResponse(templates.get_template(template).render(**context), status_code=code)
+
+
+def error_page(exc: DomainError) -> HTMLResponse:
+    return render("error.html", exc.http_status, error=exc.problem())
+
+
+def login_page(path: str, query: bytes, *, error: bool) -> HTMLResponse:
+    """The 401 answer to a page request without a valid read token."""
+    target = path + ("?" + query.decode("latin-1") if query else "")
+    return render("login.html", 401, next=target, error=error)

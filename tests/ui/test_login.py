@@ -1,0 +1,89 @@
+"""With API tokens configured: a UI page without a valid read token is a 401 login
+form; a token from the form lives in an HttpOnly, SameSite=Strict cookie that the
+UI (and only the UI, only for reading) accepts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.ui.conftest import READ_TOKEN, WRITE_TOKEN
+from tests.ui.server import UiServer
+from tests.ui.showcase import random_session
+
+
+@pytest.fixture
+def seeded(auth_server: UiServer, run_id: str) -> str:
+    headers = {"Authorization": f"Bearer {WRITE_TOKEN}"}
+    with httpx.Client(base_url=auth_server.base_url, headers=headers, timeout=30) as http:
+        random_session(http, f"{run_id}-auth", {"run_id": run_id}, seed=1, turns=3)
+    return f"{run_id}-auth"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_token_form_sets_an_httponly_strict_cookie(browser: Any, auth_server: UiServer,
+                                                         seeded: str) -> None:
+    context = await browser.new_context()
+    try:
+        page = await context.new_page()
+        target = f"{auth_server.base_url}/ui/sessions/{seeded}"
+        reply = await page.goto(target)
+        assert reply.status == 401
+        assert await page.locator('[data-testid="login-form"]').count() == 1
+        assert await page.locator('[data-testid="tree-node"]').count() == 0
+
+        await page.fill('input[name="token"]', "not-a-token-of-this-server")
+        await page.click('button[type="submit"]')
+        await page.wait_for_selector('[data-testid="login-error"]')
+        assert await context.cookies() == []
+
+        await page.fill('input[name="token"]', READ_TOKEN)
+        await page.click('button[type="submit"]')
+        await page.wait_for_selector('[data-testid="tree-node"]')
+        assert page.url == target  # back where the form was shown
+        (cookie,) = await context.cookies()
+        assert cookie["httpOnly"] is True
+        assert cookie["sameSite"] == "Strict"
+        assert cookie["path"] == "/ui"
+        assert await page.evaluate("document.cookie") == ""
+
+        await page.click('[data-testid="tree-node"][data-seq="0"] .depth')
+        await page.wait_for_selector('[data-testid="lane-output"] .tok, #nv-seq:not(:empty)')
+        listed = await page.goto(f"{auth_server.base_url}/ui")
+        assert listed.status == 200
+        assert await page.locator(f'[data-session-id="{seeded}"]').count() == 1
+    finally:
+        await context.close()
+
+
+def test_cookie_is_read_only_and_ui_only(auth_server: UiServer, seeded: str) -> None:
+    with httpx.Client(base_url=auth_server.base_url, timeout=30) as http:
+        login = http.post("/ui/login", data={"token": READ_TOKEN, "next": "/ui"},
+                          follow_redirects=False)
+        assert login.status_code == 303 and login.headers["location"] == "/ui"
+        # The client keeps the cookie (path /ui) and sends it where it applies.
+        assert http.get(f"/ui/sessions/{seeded}").status_code == 200
+        http.cookies.set("turnlog_ui_token", READ_TOKEN, path="/")
+        # The API itself still wants a bearer token.
+        assert http.get(f"/v1/sessions/{seeded}").status_code == 401
+        # A cookie never writes, even through /ui.
+        assert http.post("/ui/rows").status_code == 401
+
+
+def test_login_redirects_only_inside_the_ui(auth_server: UiServer) -> None:
+    with httpx.Client(base_url=auth_server.base_url, timeout=30) as http:
+        for target in ("https://evil.example/", "//evil.example/ui", "/v1/sessions"):
+            reply = http.post("/ui/login", data={"token": READ_TOKEN, "next": target},
+                              follow_redirects=False)
+            assert reply.headers["location"] == "/ui", target
+
+
+def test_bearer_token_also_opens_pages(auth_server: UiServer) -> None:
+    with httpx.Client(base_url=auth_server.base_url, timeout=30) as http:
+        assert http.get("/ui").status_code == 401
+        assert "text/html" in http.get("/ui").headers["content-type"]
+        assert http.get("/ui", headers={"Authorization": f"Bearer {READ_TOKEN}"}
+                        ).status_code == 200
+        assert http.get("/ui/static/ui.css").status_code == 200
