@@ -77,14 +77,14 @@ def token_lanes(state: SessionState, seq: int, samples: list[Sample] | None) -> 
     sample's own loss mask at that position.
     """
     node = state.node(seq)
-    facts = node.facts
-    output = facts.output
+    # A stored node keeps its tokens as a delta from its parent (`Node.tail`), not in `facts`.
+    output = node.output
     lanes: dict[str, Any] = {
         "seq": seq,
         "prompt_shared": node.prompt_lcp,
-        "new_prompt": facts.prompt[node.prompt_lcp:].tolist(),
+        "new_prompt": node.prompt[node.prompt_lcp:].tolist(),
         "output": output.tolist(),
-        "logprobs": list(facts.logprobs),
+        "logprobs": node.logprobs.tolist(),
         "spec": spec_view(node),
     }
     if samples is None:

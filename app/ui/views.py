@@ -72,7 +72,7 @@ def tree_rows(state: SessionState, leaf_sample: dict[int, int]) -> list[TreeRow]
         rows.append(TreeRow(
             seq=seq, parent=node.parent, depth=node.depth, indent=min(indent, MAX_INDENT),
             last=last[index], children=len(node.children), num_tokens=node.num_tokens,
-            prompt_len=node.prompt_len, output_len=int(facts.output.size),
+            prompt_len=node.prompt_len, output_len=node.output_len,
             finish_reason=facts.finish_reason, weight_version=text_of(facts.weight_version),
             r3=node.r3_span, retry=marks.retry[seq], dropped=marks.dropped[seq],
             sample=leaf_sample.get(seq),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from app.domain.lanes import node_marks, token_lanes
 from app.domain.samples import build_samples
-from app.domain.session import CloseSpec
+from app.domain.session import SessionClose
 from app.domain.tree import SessionState
 from app.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory
 
@@ -26,7 +26,7 @@ MODES = (("v2", "retract"), ("v2", "in_place"), ("v1", "retract"), ("v1", "in_pl
 def play(seed: int, mode: int, turns: int, trim: int) -> tuple[SessionSimulator, SessionState]:
     version, pause = MODES[mode]
     config = SimConfig(session_id=f"lanes-{seed}", version=version,
-                       pause_generation_mode=pause, max_trim_tokens=trim, spec=True)
+                       pause_generation_mode=pause, max_trim_tokens=trim, speculative=True)
     sim = SessionSimulator(config, random.Random(seed), SimRates(retry=0.3))
     bodies = sim.random_session(turns)
     state, _ = fold_in_memory(sim.open_body(), bodies)
@@ -44,8 +44,8 @@ def test_marks_follow_the_tree_shape(seed: int, mode: int, turns: int, trim: int
         later_sibling = node.parent is not None and any(
             other.parent == node.parent and other.seq > node.seq for other in nodes)
         leaf = not any(other.parent == node.seq for other in nodes)
-        assert marks.retry[node.seq] == (state.spec.version == "v2" and later_sibling)
-        if state.spec.version == "v2":
+        assert marks.retry[node.seq] == (state.definition.version == "v2" and later_sibling)
+        if state.definition.version == "v2":
             assert marks.dropped[node.seq] == (leaf and later_sibling)
         else:  # v1 keeps only the latest node's path
             assert marks.dropped[node.seq] == (leaf and node.seq != len(nodes) - 1)
@@ -59,7 +59,7 @@ def test_lanes_show_each_trained_token_once(seed: int, mode: int, turns: int, tr
     sim, state = play(seed, mode, turns, trim)
     open_lanes = token_lanes(state, 0, None)
     assert open_lanes.loss is None and open_lanes.in_sample is None
-    result = build_samples(state, CloseSpec(max_seq_len=max_seq_len, metadata={}))
+    result = build_samples(state, SessionClose(max_seq_len=max_seq_len, metadata={}))
     trained = 0
     for node in sim.nodes:
         lanes = token_lanes(state, node.seq, result.samples)

@@ -57,7 +57,7 @@ def story(http: httpx.Client, session_id: str, labels: dict[str, Any], *,
           close: bool = True, message: str = "List the files, then fix the failing test.",
           mode: str = "in_place") -> Story:
     config = SimConfig(session_id=session_id, version="v2", pause_generation_mode=mode,
-                       num_layers=6, topk=2, num_experts=16, spec=True, max_trim_tokens=1,
+                       num_layers=6, topk=2, num_experts=16, speculative=True, max_trim_tokens=1,
                        labels=labels)
     sim = SessionSimulator(config, random.Random(7), SimRates())
     http.post("/v1/sessions", json=sim.open_body()).raise_for_status()
@@ -79,10 +79,10 @@ def story(http: httpx.Client, session_id: str, labels: dict[str, Any], *,
     for step, (parent, options) in enumerate(plan):
         sim.clock += HOUR if step % 2 else 0.0
         if parent == "retry-1":
-            body = sim.turn(sim.nodes[1].parent, prompt=sim.nodes[1].prompt, spec=spec,
+            body = sim.turn(sim.nodes[1].parent, prompt=sim.nodes[1].prompt, spec_info=spec,
                             **options)
         else:
-            body = sim.turn(parent, spec=spec if step != 1 else {}, **options)
+            body = sim.turn(parent, spec_info=spec if step != 1 else {}, **options)
         text = message if step == 3 else f"step {step}: run the tests"
         _with_messages(body, text, f"reply {step}: calling a tool")
         timestamps.append(body["record"]["timestamp"])
@@ -97,7 +97,7 @@ def random_session(http: httpx.Client, session_id: str, labels: dict[str, Any], 
                    *, turns: int = 12, close: bool = True) -> None:
     config = SimConfig(session_id=session_id, version="v2",
                        pause_generation_mode=("in_place", "retract")[seed % 2], num_layers=4,
-                       topk=2, num_experts=16, spec=True, max_trim_tokens=seed % 2,
+                       topk=2, num_experts=16, speculative=True, max_trim_tokens=seed % 2,
                        labels=labels)
     sim = SessionSimulator(config, random.Random(seed), SimRates(retry=0.3))
     sim.clock += seed * HOUR
