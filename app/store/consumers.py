@@ -254,7 +254,6 @@ class Consumers:
                           ) -> Claimed:
         cs = consumer_sessions.c
         async with self.db.write() as conn:
-            await self._group_row(conn, group)
             repeat = await self._claim_row(conn, group, request.claim_id)
             if repeat is not None:
                 return Claimed(self._claim_body(repeat), created=False)
@@ -268,13 +267,17 @@ class Consumers:
                 .with_for_update(skip_locked=True)
             )).scalars().all()
             if not candidates and not allow_empty:
+                await self._group_row(conn, group)  # an unknown group is 404 at once
                 raise _NothingYet
             # The epoch counter is bumped last, so the group row is locked only
             # for the rest of this short transaction.
-            epoch = int((await conn.execute(
+            bumped = (await conn.execute(
                 consumer_groups.update().where(consumer_groups.c.group_name == group)
                 .values(epoch=consumer_groups.c.epoch + 1)
-                .returning(consumer_groups.c.epoch))).scalar_one())
+                .returning(consumer_groups.c.epoch))).scalar()
+            if bumped is None:  # no such group (it has no sessions and no claims either)
+                await self._group_row(conn, group)
+            epoch = int(bumped)
             expires = now + request.lease_seconds * 1_000_000
             taken = list(candidates)
             if taken:
@@ -290,9 +293,9 @@ class Consumers:
 
     async def _claim_for_update(self, conn: AsyncConnection, group: str, claim_id: str
                                 ) -> Any:
-        await self._group_row(conn, group)
         row = await self._claim_row(conn, group, claim_id)
         if row is None:
+            await self._group_row(conn, group)  # 404 unknown-consumer first
             raise UnknownClaim(f"consumer group {group!r} has no claim {claim_id!r}",
                                field="claim_id", expected="a claim_id this group answered",
                                actual=claim_id[:128])

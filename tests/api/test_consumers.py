@@ -69,6 +69,10 @@ async def test_a_bad_group_name_is_422_on_put_and_404_elsewhere(client):
     problem(await client.get("/v1/consumers/" + "x" * 65), 404, "unknown-consumer")
     problem(await client.get("/v1/consumers/never-made"), 404, "unknown-consumer")
     problem(await claim(client, "never-made"), 404, "unknown-consumer")
+    problem(await asyncio.wait_for(claim(client, "never-made", wait=5), 2), 404,
+            "unknown-consumer")
+    problem(await client.post("/v1/consumers/never-made/claims/c/ack", json={}), 404,
+            "unknown-consumer")
     problem(await client.get("/v1/consumers/never-made/acks"), 404, "unknown-consumer")
 
 
