@@ -117,6 +117,9 @@ async def test_a_repeated_claim_id_answers_200_with_the_original_body(client):
     first = await claim(client, name, "c-1", limit=5)
     repeat = await claim(client, name, "c-1", limit=1, lease_seconds=5)
     assert repeat.status_code == 200 and repeat.json() == first.json()
+    # Even with a long wait and nothing left, the repeat answers at once.
+    repeat = await asyncio.wait_for(claim(client, name, "c-1", wait=20), 3)
+    assert repeat.status_code == 200 and repeat.json() == first.json()
 
 
 @pytest.mark.parametrize("body", [{"limit": 0}, {"limit": 1001}, {"lease_seconds": 0},
