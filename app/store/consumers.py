@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.domain import jsonio
 from app.domain.consumers import (
     FROM_BEGINNING,
+    MAX_STEP,
     ClaimRequest,
     GroupSpec,
     Holding,
@@ -373,9 +374,9 @@ class Consumers:
     async def acks(self, group: str, step: int | None, after: str | None,
                    limit: int | None) -> dict[str, Any]:
         limit = check_limit(limit, 100, 1000)
-        if step is not None and step < 0:
+        if step is not None and not 0 <= step <= MAX_STEP:
             raise InvalidRequest("step must be a non-negative integer", field="step",
-                                 expected="integer >= 0", actual=step)
+                                 expected=f"integer in [0, {MAX_STEP}]", actual=step)
         start = cursor.decode(after, 2)
         ca = consumer_acks.c
         query = (sa.select(consumer_acks).where(ca.group_name == group)

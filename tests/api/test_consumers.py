@@ -290,3 +290,13 @@ async def test_metrics_show_consumer_counts_and_lag(client):
     text = (await client.get("/metrics")).text
     assert f'turnlog_consumer_sessions{{group="{name}",state="available"}} 1.0' in text
     assert f'turnlog_consumer_lag_seconds{{group="{name}"}}' in text
+
+
+@pytest.mark.parametrize("step", ["", "-1", str(2**63), "x"])
+async def test_ack_list_step_filter_is_checked(client, step):
+    name = await group(client, run_labels())
+    r = await client.get(f"/v1/consumers/{name}/acks", params={"step": step})
+    if step == "":
+        assert r.status_code == 200
+    else:
+        problem(r, 422, "invalid-request")
