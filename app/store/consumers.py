@@ -37,6 +37,7 @@ from app.domain.consumers import (
     Holding,
     ack_verdict,
     known_group,
+    label_texts,
     matches,
     parse_ack,
     parse_claim,
@@ -80,7 +81,7 @@ async def enqueue_closed(conn: AsyncConnection, session_id: str, labels: Mapping
     groups = (await conn.execute(
         sa.select(consumer_groups.c.group_name, consumer_groups.c.labels))).all()
     rows = [{"session_id": session_id, "group_name": g.group_name, "closed_us": closed_us}
-            for g in groups if matches(jsonio.loads(g.labels), labels)]
+            for g in groups if matches(label_texts(jsonio.loads(g.labels)), labels)]
     if rows:
         await conn.execute(consumer_sessions.insert(), rows)
 
@@ -141,7 +142,7 @@ class Consumers:
 
     async def _create(self, conn: AsyncConnection, spec: GroupSpec, fingerprint: str) -> None:
         await conn.execute(consumer_groups.insert().values(
-            group_name=spec.group, labels=jsonio.dumps(spec.label_texts()), start=spec.start,
+            group_name=spec.group, labels=jsonio.dumps(spec.labels), start=spec.start,
             fingerprint=fingerprint, epoch=0, created_us=now_us()))
         if spec.start != FROM_BEGINNING:
             return

@@ -93,7 +93,10 @@ async def test_labels_match_as_label_filters_do(client):
     mine = await closed_session(client, labels)
     await closed_session(client, {**labels, "rollout_id": 13})
     name = await group(client, {"run_id": labels["run_id"], "rollout_id": 12})
-    assert (await claim(client, name, limit=10)).json()["sessions"] == [mine]
+    assert (await client.get(f"/v1/consumers/{name}")).json()["labels"] == \
+        {"run_id": labels["run_id"], "rollout_id": 12}
+    later = await closed_session(client, labels)
+    assert (await claim(client, name, limit=10)).json()["sessions"] == [mine, later]
 
 
 async def test_claims_hand_out_oldest_close_first_with_epochs_counting_every_claim(client):
