@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,9 +102,10 @@ class Claimed:
 
 
 class Consumers:
-    def __init__(self, db: Database, wakeup: Any = None) -> None:
+    def __init__(self, db: Database,
+                 wakeup: Callable[[], asyncio.Event] | None = None) -> None:
         self.db = db
-        # A callable returning an asyncio.Event set when a session closes here.
+        # The event a close in this process sets (waiting claims wake on it).
         self.wakeup = wakeup
 
     # -- groups ---------------------------------------------------------------
@@ -112,6 +113,14 @@ class Consumers:
     async def put_group(self, group: str, raw: Any) -> tuple[dict[str, Any], bool]:
         spec = parse_group(group, raw)
         fingerprint = jsonio.fingerprint(spec.body())
+        async with self.db.read() as conn:
+            # A repeat (every trainer defines its group at start) needs no lock.
+            stored = (await conn.execute(
+                sa.select(consumer_groups.c.fingerprint)
+                .where(consumer_groups.c.group_name == group))).scalar()
+        if stored is not None:
+            self._same(stored, fingerprint, group)
+            return await self.group(group), False
         try:
             async with self.db.write() as conn:
                 await _groups_lock(conn, shared=False)

@@ -303,3 +303,23 @@ async def test_ack_list_step_filter_is_checked(client, step):
         assert r.status_code == 200
     else:
         problem(r, 422, "invalid-request")
+
+
+async def test_sessions_closing_while_a_group_is_defined_join_it_exactly_once(client):
+    labels = run_labels()
+    opened = []
+    for _ in range(12):
+        sid = f"s-{uuid.uuid4().hex}"
+        await client.post("/v1/sessions", json=open_body(sid, labels=labels))
+        await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2], [3, 4]))
+        opened.append(sid)
+    name = f"g-{uuid.uuid4().hex[:12]}"
+
+    async def close(sid):
+        assert (await client.post(f"/v1/sessions/{sid}/close", json={})).status_code == 200
+
+    define = client.put(f"/v1/consumers/{name}", json={"labels": labels})
+    results = await asyncio.gather(define, *(close(sid) for sid in opened))
+    assert results[0].status_code == 201
+    got = (await claim(client, name, limit=100)).json()["sessions"]
+    assert sorted(got) == sorted(opened)
