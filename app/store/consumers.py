@@ -233,7 +233,10 @@ class Consumers:
             try:
                 # While waiting, a read probes first: an empty attempt would take the
                 # write lock (SQLite) for nothing on every wake-up.
-                if final or await self._worth_trying(group, request.claim_id):
+                probe = True if final else await self._probe(group, request.claim_id)
+                if isinstance(probe, Claimed):
+                    return probe
+                if probe:
                     return await self._claim_once(group, request, allow_empty=final)
             except _NothingYet:
                 pass
@@ -252,13 +255,15 @@ class Consumers:
             else:
                 await asyncio.sleep(max(0.0, min(remaining, POLL_SECONDS)))
 
-    async def _worth_trying(self, group: str, claim_id: str) -> bool:
-        """A repeated claim_id, or some session claimable now."""
+    async def _probe(self, group: str, claim_id: str) -> Claimed | bool:
+        """The original reply of a repeated claim_id, else whether some session is
+        claimable now."""
         cs = consumer_sessions.c
         async with self.db.read() as conn:
             await self._group_row(conn, group)
-            if await self._claim_row(conn, group, claim_id) is not None:
-                return True
+            repeat = await self._claim_row(conn, group, claim_id)
+            if repeat is not None:
+                return Claimed(self._claim_body(repeat), created=False)
             found = (await conn.execute(
                 sa.select(cs.session_id)
                 .where(cs.group_name == group, cs.acked_us.is_(None))
@@ -281,10 +286,10 @@ class Consumers:
     async def _claim_once(self, group: str, request: ClaimRequest, allow_empty: bool
                           ) -> Claimed:
         cs = consumer_sessions.c
+        # A repeated claim_id is rare (a retry after a lost reply): it is caught by
+        # the claim row's primary key at the end, which rolls this attempt back,
+        # and `claim` answers the original; the common path pays no lookup.
         async with self.db.write() as conn:
-            repeat = await self._claim_row(conn, group, request.claim_id)
-            if repeat is not None:
-                return Claimed(self._claim_body(repeat), created=False)
             now = now_us()
             candidates = (await conn.execute(
                 sa.select(cs.session_id)

@@ -323,3 +323,16 @@ async def test_sessions_closing_while_a_group_is_defined_join_it_exactly_once(cl
     assert results[0].status_code == 201
     got = (await claim(client, name, limit=100)).json()["sessions"]
     assert sorted(got) == sorted(opened)
+
+
+async def test_the_same_claim_id_sent_twice_at_once_takes_one_batch(client):
+    labels = run_labels()
+    for _ in range(4):
+        await closed_session(client, labels)
+    name = await group(client, labels)
+    replies = await asyncio.gather(*(claim(client, name, "same", limit=2) for _ in range(4)))
+    assert sorted(r.status_code for r in replies) == [200, 200, 200, 201]
+    assert len({str(r.json()) for r in replies}) == 1
+    doc = (await client.get(f"/v1/consumers/{name}")).json()
+    assert (doc["leased"], doc["available"]) == (2, 2)
+    assert (await claim(client, name)).json()["epoch"] == 2
