@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from app import __version__, ui
 from app.api import (
     analytics,
+    consumers,
     docs_ui,
     feed,
     gates,
@@ -74,7 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        max_count=settings.max_headers)
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
     for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
-                   docs_ui):
+                   docs_ui, consumers):
         app.include_router(module.router)
     ui.install(app)
     return app

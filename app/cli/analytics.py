@@ -11,7 +11,6 @@ and prints.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from pathlib import Path
@@ -31,6 +30,7 @@ from app.cli.common import (
     echo_json,
     out,
     parse_labels,
+    remote,
     resolve_url,
     table,
     warn,
@@ -41,22 +41,6 @@ gate_cli = typer.Typer(no_args_is_help=True, help="Regression gates over the met
 history_cli = typer.Typer(no_args_is_help=True, help="CI metric history.")
 analytics_cli = typer.Typer(no_args_is_help=True, help="Speculative-decoding analytics.")
 STATUS_STYLE = {"PASS": "green", "INACTIVE": "cyan", "FAIL": "bold red", "ERROR": "bold magenta"}
-
-
-def _remote(url: str, token: str | None, call: str, *args: Any) -> Any:
-    """One call of the project's client against a running server (`--url`, `--token`)."""
-    from app.client import TurnlogClient, TurnlogError
-
-    async def run() -> Any:
-        async with TurnlogClient(url, token=token, retries=2) as client:
-            return await getattr(client, call)(*args)
-
-    try:
-        return asyncio.run(run())
-    except TurnlogError as exc:
-        status = "" if exc.status is None else f"{exc.status} "
-        hint = " (pass --token or set TURNLOG_TOKEN)" if exc.status in (401, 403) else ""
-        raise CliError(f"{url}: {status}{exc.detail or exc}{hint}") from None
 
 
 def _number(value: Any) -> str:
@@ -147,8 +131,8 @@ def gate_check(
                            "first (turnlog history submit)")
 
     if url:
-        no_such_run(_remote(url, token, "metric_history", coordinate, run_id))
-        report = _remote(url, token, "evaluate_gates", body)
+        no_such_run(remote(url, token, "metric_history", coordinate, run_id))
+        report = remote(url, token, "evaluate_gates", body)
     else:
         from app.domain.metric_history import parse_coordinate
 
@@ -184,7 +168,7 @@ def history_submit(
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot read {file}: {exc}") from None
     if url:
-        reply = _remote(url, token, "submit_history", body)
+        reply = remote(url, token, "submit_history", body)
     else:
         store = resolve_url(database_url)
         check_database(store)

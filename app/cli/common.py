@@ -200,6 +200,26 @@ async def resolve_session(db: Any, prefix: str) -> str:
     raise CliError(f"session prefix {prefix!r} is ambiguous: {shown}")
 
 
+# -- a running server ---------------------------------------------------------------
+
+
+def remote(url: str, token: str | None, call: str, *args: Any, **kwargs: Any) -> Any:
+    """One call of the project's client against a running server (`--url`, `--token`)."""
+    from app.client import TurnlogClient, TurnlogError
+
+    async def run() -> Any:
+        async with TurnlogClient(url, token=token, retries=2) as client:
+            return await getattr(client, call)(*args, **kwargs)
+
+    try:
+        return asyncio.run(run())
+    except TurnlogError as exc:
+        status = "" if exc.status is None else f"{exc.status} "
+        hint = " (pass --token or set TURNLOG_TOKEN)" if exc.status in (401, 403) else ""
+        raise CliError(f"{url}: {status}{exc.detail or exc}{hint}") from None
+
+
+
 # -- labels ------------------------------------------------------------------------------
 
 

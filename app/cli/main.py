@@ -21,6 +21,7 @@ from app.cli import common
 from app.cli.analytics import analytics_cli, gate_cli, history_cli
 from app.cli.browse import sessions, show, tail
 from app.cli.common import CliError, DatabaseUrl, check_database, err, mask, resolve_url
+from app.cli.consumers import consumers_cli
 from app.cli.demo import demo
 from app.cli.store import rebuild, replay
 from app.cli.transfer import export, import_
@@ -200,6 +201,7 @@ cli.command()(export)
 cli.add_typer(gate_cli, name="gate")
 cli.add_typer(history_cli, name="history")
 cli.add_typer(analytics_cli, name="analytics")
+cli.add_typer(consumers_cli, name="consumers")
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ options, shows progress bars (stderr) and prints the summary (stdout).
 from __future__ import annotations
 
 import asyncio
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -37,6 +38,7 @@ from app.cli.common import (
     settings_for,
     table,
     warn,
+    with_services,
 )
 
 if TYPE_CHECKING:
@@ -157,17 +159,58 @@ def _detail(problem: dict[str, Any]) -> str:
     return detail
 
 
+class ExportFormat(StrEnum):
+    npz = "npz"
+    parquet = "parquet"
+
+
+def _export_parquet(url: str, filters: dict[str, str], out_file: Path, as_json: bool) -> None:
+    from app.services import build_services
+    from app.transfer.parquet import ParquetReport, export_parquet
+
+    async def go() -> ParquetReport:
+        svc = build_services(settings_for(url))
+        try:
+            with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                          MofNCompleteColumn(), TextColumn("{task.fields[samples]} samples"),
+                          TimeRemainingColumn(), console=err(), transient=True) as bar:
+                task = bar.add_task("exporting sessions", total=None, samples=0)
+
+                def advance(done: int, total: int, samples: int) -> None:
+                    bar.update(task, completed=done, total=total, samples=samples)
+
+                return await export_parquet(svc, filters, out_file, progress=advance)
+        finally:
+            await svc.db.dispose()
+
+    report = asyncio.run(go())
+    if as_json:
+        echo_json(report.to_json())
+        return
+    out().print(f"wrote {escape(str(out_file))}: {report.sessions} session(s), "
+                f"{report.samples} sample(s) in {report.row_groups} row group(s), "
+                f"{report.r3_tensors} R3 tensor(s)"
+                + (f", [yellow]{report.r3_errors} unreadable R3[/]" if report.r3_errors
+                   else "") + f", {report.bytes} bytes", soft_wrap=True)
+
+
 def export(
     run_id: Annotated[str, typer.Option(help="Only sessions labelled run_id=RUN")],
     out_file: Annotated[Path, typer.Option(
-        "--out", dir_okay=False, help="The .npz file to write")],
+        "--out", dir_okay=False, help="The file to write (.npz, or .parquet with --format)")],
     label: Labels = None,
     database_url: DatabaseUrl = None,
     compress: Annotated[bool, typer.Option(help="Deflate the entries (np.savez_compressed)")]
     = False,
+    fmt: Annotated[ExportFormat, typer.Option(
+        "--format", help="npz (numpy) or parquet (one row per sample, pyarrow)")]
+    = ExportFormat.npz,
     as_json: AsJson = False,
 ) -> None:
-    """Write the samples of the matching closed sessions to one .npz file.
+    """Write the samples of the matching closed sessions to one .npz or Parquet file.
+
+    Parquet (`--format parquet`): one row per sample, written in row groups;
+    columns are documented in docs/trainers.md.
 
     Keys: `{session_id}/{index}/tokens` (int64), `…/loss_mask` (uint8),
     `…/rollout_log_probs` (float64), `…/r3` (int32, when readable), plus
@@ -182,16 +225,23 @@ def export(
     check_database(url)
     wanted = " ".join(f"{k}={v}" for k, v in filters.items())
 
+    async def matched(svc: Any) -> None:
+        open_sessions = await _count(svc, "open", filters)
+        if open_sessions:
+            warn(f"skipping {open_sessions} open session(s) labelled {wanted}: only "
+                 "closed sessions have samples")
+        if not await _count(svc, "closed", filters, at_most=1):
+            raise CliError(f"nothing matched: no closed session labelled {wanted}; "
+                           f"{out_file} not written")
+
+    with_services(url, matched)
+    if fmt is ExportFormat.parquet:
+        _export_parquet(url, filters, out_file, as_json)
+        return
+
     async def go() -> ExportReport:
         svc = build_services(settings_for(url))
         try:
-            open_sessions = await _count(svc, "open", filters)
-            if open_sessions:
-                warn(f"skipping {open_sessions} open session(s) labelled {wanted}: only "
-                     "closed sessions have samples")
-            if not await _count(svc, "closed", filters, at_most=1):
-                raise CliError(f"nothing matched: no closed session labelled {wanted}; "
-                               f"{out_file} not written")
             with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                           MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
                           transient=True) as bar:

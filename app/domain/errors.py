@@ -200,3 +200,25 @@ class Unavailable(DomainError):
     slug = "unavailable"
     status = 503
     title = "Database unavailable"
+class ConsumerConflict(DomainError):
+    slug = "consumer-conflict"
+    status = 409
+    title = "Consumer group exists with another definition"
+
+
+class LeaseLost(DomainError):
+    slug = "lease-lost"
+    status = 409
+    title = "Another claim acknowledged or holds the session"
+
+
+class UnknownConsumer(DomainError):
+    slug = "unknown-consumer"
+    status = 404
+    title = "Unknown consumer group"
+
+
+class UnknownClaim(DomainError):
+    slug = "unknown-claim"
+    status = 404
+    title = "Unknown claim"

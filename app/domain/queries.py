@@ -41,6 +41,7 @@ class PageSize:
 EVENTS_PAGE = PageSize(default=1000, maximum=100_000)  # GET /v1/sessions/{id}/events
 SESSIONS_PAGE = PageSize(default=100, maximum=1000)  # GET /v1/sessions
 FEED_PAGE = PageSize(default=100, maximum=1000)  # GET /v1/events
+ACKS_PAGE = PageSize(default=100, maximum=1000)  # GET /v1/consumers/{group}/acks
 
 
 def parse_status(status: str | None) -> str | None:

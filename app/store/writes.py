@@ -40,6 +40,7 @@ from app.domain.samples import build_samples
 from app.domain.session import SessionDefinition, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import TurnBody, parse_turn
+from app.store.consumers import enqueue_closed
 from app.store.db import Database, now_us
 from app.store.loader import StateCache, load_patches, load_state, session_row
 from app.store.schema import (
@@ -253,6 +254,7 @@ class Writer:
             rows = [sample_row(session_id, sample) for sample in result.samples]
             if rows:
                 await conn.execute(samples.insert(), rows)
+            await enqueue_closed(conn, session_id, state.definition.labels, recorded)
             await conn.execute(
                 sessions.update().where(sessions.c.session_id == session_id)
                 .values(**closed_head(closed, result, recorded))
