@@ -27,7 +27,7 @@ def npy(content: bytes) -> np.ndarray:
 async def play(client, sid, *, version="v2", mode="retract", layers=2, seed=0, turns=12,
                no_r3=0.0, close=None):
     config = SimConfig(session_id=sid, version=version, pause_generation_mode=mode,
-                       num_layers=layers, spec=True, max_trim_tokens=seed % 2,
+                       num_layers=layers, speculative=True, max_trim_tokens=seed % 2,
                        labels={"run_id": "wire", "rollout_id": seed})
     sim = SessionSimulator(config, random.Random(seed), SimRates(no_r3=no_r3))
     assert (await client.post("/v1/sessions", json=sim.open_body())).status_code == 201
