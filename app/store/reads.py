@@ -179,7 +179,7 @@ class Reader:
         if status is not None:
             query = query.where(sessions.c.status == status)
         async with self.db.read() as conn:
-            fence = feed_fence(conn, sessions.c.xid)
+            fence = await feed_fence(conn, sessions.c.xid)
             if fence is not None:
                 query = query.where(fence)
             rows = (await conn.execute(query)).mappings().all()
@@ -198,7 +198,7 @@ class Reader:
                 .order_by(events.c.xid, events.c.position)
                 .limit(limit)
             )
-            fence = feed_fence(conn)
+            fence = await feed_fence(conn)
             if fence is not None:
                 query = query.where(fence)
             return list(await conn.execute(query))
