@@ -84,8 +84,10 @@ async def rebuild_session(db: Database, session_id: str) -> None:
             await conn.execute(table.delete().where(table.c.session_id == session_id))
             if rows[name]:
                 await conn.execute(table.insert(), rows[name])
+        # The key is not rewritten (Citus refuses any SET of the distribution column).
+        head = {k: v for k, v in rows["sessions"][0].items() if k != "session_id"}
         await conn.execute(sessions.update().where(sessions.c.session_id == session_id)
-                           .values(**rows["sessions"][0]))
+                           .values(**head))
 
 
 @dataclass
