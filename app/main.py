@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from app import __version__
 from app.api import (
     analytics,
+    consumers,
     feed,
     gates,
     health,
@@ -48,7 +49,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, tokens=TokenTable(settings.token_scopes))
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
-    for module in (health, telemetry, sessions, samples, feed, analytics, history, gates):
+    for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
+                   consumers):
         app.include_router(module.router)
     return app
 

@@ -37,6 +37,15 @@ class ApiMetrics:
             "(PostgreSQL; 0 on SQLite; NaN if the database could not be asked)",
             registry=self.registry)
 
+        self.consumer_sessions = Gauge(
+            "turnlog_consumer_sessions",
+            "Sessions of a consumer group by state: acked, leased (live lease), available",
+            ["group", "state"], registry=self.registry)
+        self.consumer_lag = Gauge(
+            "turnlog_consumer_lag_seconds",
+            "Age of the oldest session a consumer group could hand out (0 when none waits)",
+            ["group"], registry=self.registry)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

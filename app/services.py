@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from app.metrics import ApiMetrics
 from app.settings import Settings
 from app.store.analytics import Analytics
+from app.store.consumers import Consumers
 from app.store.db import Database
 from app.store.gates import Gates
 from app.store.history import History, metric_keys
@@ -32,20 +33,24 @@ class Services:
     analytics: Analytics
     history: History
     gates: Gates
+    consumers: Consumers
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
 
 
 def build_services(settings: Settings) -> Services:
     db = Database(settings.database_url, settings)
     cache = StateCache(settings.state_cache_sessions)
+    reader = Reader(db, cache)
     return Services(
         settings=settings,
         db=db,
         cache=cache,
         writer=Writer(db, cache, settings.max_nodes),
-        reader=Reader(db, cache),
+        reader=reader,
         samples=SampleReader(db, cache),
         analytics=Analytics(db),
         history=History(db, metric_keys(settings.metric_keys)),
         gates=Gates(db),
+        # Closes notify the reader; claims waiting for sessions wake on the same event.
+        consumers=Consumers(db, wakeup=lambda: reader.new_events),
     )

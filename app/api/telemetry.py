@@ -69,7 +69,21 @@ async def metrics(svc: ServicesDep) -> Response:
         log.warning("fence lag unavailable", error=repr(exc))
         lag = float("nan")
     svc.metrics.fence_lag.set(lag)
+    await _consumer_gauges(svc)
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _consumer_gauges(svc: Any) -> None:
+    try:
+        async with asyncio.timeout(SCRAPE_DB_TIMEOUT):
+            groups = await svc.consumers.gauges()
+    except Exception as exc:  # as above: the scrape answers without them
+        log.warning("consumer gauges unavailable", error=repr(exc))
+        return
+    for doc, lag in groups:
+        for state in ("acked", "leased", "available"):
+            svc.metrics.consumer_sessions.labels(doc["group"], state).set(doc[state])
+        svc.metrics.consumer_lag.labels(doc["group"]).set(lag)
 
 
 def _event_id(body: Any) -> Any:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from app.cli.analytics import analytics_cli, gate_cli, history_cli
+from app.cli.consumers import consumers_cli
 from app.cli.demo import demo
 from app.cli.store import rebuild, replay
 from app.cli.transfer import export, import_
@@ -21,6 +22,7 @@ cli = typer.Typer(no_args_is_help=True, help="turnlog: event-sourced session sto
 cli.add_typer(gate_cli, name="gate")
 cli.add_typer(history_cli, name="history")
 cli.add_typer(analytics_cli, name="analytics")
+cli.add_typer(consumers_cli, name="consumers")
 cli.command()(rebuild)
 cli.command()(replay)
 cli.command()(demo)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -154,16 +155,57 @@ def _detail(problem: dict[str, Any]) -> str:
     return detail
 
 
+class ExportFormat(StrEnum):
+    npz = "npz"
+    parquet = "parquet"
+
+
+def _export_parquet(url: str, filters: dict[str, str], out: Path, as_json: bool) -> None:
+    from app.services import build_services
+    from app.transfer.parquet import ParquetReport, export_parquet
+
+    async def go() -> ParquetReport:
+        svc = build_services(Settings(database_url=url))
+        try:
+            with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                          MofNCompleteColumn(), TextColumn("{task.fields[samples]} samples"),
+                          TimeRemainingColumn(), console=console, transient=True) as bar:
+                task = bar.add_task("exporting sessions", total=None, samples=0)
+
+                def advance(done: int, total: int, samples: int) -> None:
+                    bar.update(task, completed=done, total=total, samples=samples)
+
+                return await export_parquet(svc, filters, out, progress=advance)
+        finally:
+            await svc.db.dispose()
+
+    report = asyncio.run(go())
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        return
+    console.print(f"wrote {escape(str(out))}: {report.sessions} session(s), "
+                  f"{report.samples} sample(s) in {report.row_groups} row group(s), "
+                  f"{report.r3_tensors} R3 tensor(s)"
+                  + (f", [yellow]{report.r3_errors} unreadable R3[/]" if report.r3_errors
+                     else "") + f", {report.bytes} bytes")
+
+
 def export(
     run_id: Annotated[str, typer.Option(help="Only sessions labelled run_id=RUN")],
-    out: Annotated[Path, typer.Option(dir_okay=False, help="The .npz file to write")],
+    out: Annotated[Path, typer.Option(dir_okay=False, help="The file to write")],
     label: Labels = None,
     database_url: DatabaseUrl = None,
     compress: Annotated[bool, typer.Option(help="Deflate the entries (np.savez_compressed)")]
     = False,
+    fmt: Annotated[ExportFormat, typer.Option(
+        "--format", help="npz (numpy) or parquet (one row per sample, pyarrow)")]
+    = ExportFormat.npz,
     as_json: AsJson = False,
 ) -> None:
-    """Write the samples of the matching closed sessions to one .npz file.
+    """Write the samples of the matching closed sessions to one .npz or Parquet file.
+
+    Parquet (`--format parquet`): one row per sample, written in row groups;
+    columns are documented in docs/trainers.md.
 
     Keys: `{session_id}/{index}/tokens` (int64), `…/loss_mask` (uint8),
     `…/rollout_log_probs` (float64), `…/r3` (int32, when readable), plus
@@ -175,6 +217,9 @@ def export(
 
     url = _url(database_url)
     filters = {**parse_labels(label), "run_id": run_id}
+    if fmt is ExportFormat.parquet:
+        _export_parquet(url, filters, out, as_json)
+        return
 
     async def go() -> ExportReport:
         svc = build_services(Settings(database_url=url))

@@ -27,9 +27,11 @@ import httpx
 import msgspec
 import numpy as np
 
+from app.client.consumers import Claim, ConsumerCalls, bounds
 from app.client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
 
 __all__ = [
+    "Claim",
     "FeedPage",
     "TurnlogClient",
     "new_event_id",
@@ -96,7 +98,7 @@ def _label_params(labels: Mapping[str, Any] | None) -> dict[str, str]:
     return out
 
 
-class TurnlogClient:
+class TurnlogClient(ConsumerCalls):
     """Async client. Use as `async with TurnlogClient(url) as tl: ...` (or call `aclose`).
 
     `retries` is the number of resends after the first attempt; `retry_deadline`
@@ -309,15 +311,24 @@ class TurnlogClient:
 
     # -- samples -------------------------------------------------------------------
 
-    async def samples(self, session_id: str, *, arrays: bool = True) -> dict[str, Any]:
-        """The samples of a closed session (409 `session-open` while open)."""
+    async def samples(self, session_id: str, *, arrays: bool = True,
+                      format: str = "json") -> Any:
+        """The samples of a closed session (409 `session-open` while open). With
+        `format="safetensors"`: the miles samples wire as `{name: ndarray}`."""
+        if format == "safetensors":
+            return await self.samples_wire(session_id)
         result: dict[str, Any] = await self._json(
             "GET", f"/v1/sessions/{session_id}/samples",
-            params={"arrays": "true" if arrays else "false"})
+            params={"arrays": "true" if arrays else "false", "format": format})
         return result
 
-    async def r3(self, session_id: str, index: int) -> np.ndarray:
-        """A sample's R3 tensor, int32 `[len(tokens) - 1, num_layers, topk]`."""
+    async def r3(self, session_id: str, index: int, *, rows: Any = None,
+                 layers: Any = None) -> np.ndarray:
+        """A sample's R3 tensor, int32 `[len(tokens) - 1, num_layers, topk]`, or its
+        `[rows, layers, :]` slice (`"a:b"`, a `slice` or an `(a, b)` pair each)."""
+        if rows is not None or layers is not None:
+            return await self.r3_slice(session_id, index, rows=bounds(rows),
+                                       layers=bounds(layers))
         response = await self._send("GET", f"/v1/sessions/{session_id}/samples/{index}/r3")
         array: np.ndarray = np.load(io.BytesIO(response.content), allow_pickle=False)
         return array

@@ -9,11 +9,12 @@ the async client's, bound by name, so the two can never drift apart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from app.client.async_client import TurnlogClient
+from app.client.async_client import Claim, TurnlogClient
 
 __all__ = ["SyncTurnlogClient"]
 
@@ -107,4 +108,27 @@ class SyncTurnlogClient:
     iter_sessions = _bind_iter("iter_sessions")
     follow = _bind_iter("follow")
     follow_pages = _bind_iter("follow_pages")
+    define_group = _bind("define_group")
+    group = _bind("group")
+    groups = _bind("groups")
+    acks = _bind("acks")
+    claim_sessions = _bind("claim_sessions")
+    ack = _bind("ack")
+    release = _bind("release")
+    samples_wire = _bind("samples_wire")
+    r3_slice = _bind("r3_slice")
+    iter_claims = _bind_iter("iter_claims")
     del _bind, _bind_iter
+
+    @contextlib.contextmanager
+    def claim(self, group: str, **options: Any) -> Iterator[Claim]:
+        """`with tl.claim(group, limit=32) as c:` — acknowledged with `c.step` when
+        the block succeeds, released when it raises."""
+        context = self._client.claim(group, **options)
+        claim = self._run(context.__aenter__())
+        try:
+            yield claim
+        except BaseException as exc:
+            self._run(context.__aexit__(type(exc), exc, exc.__traceback__))
+            raise
+        self._run(context.__aexit__(None, None, None))

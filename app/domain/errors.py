@@ -166,3 +166,27 @@ class Forbidden(DomainError):
     slug = "forbidden"
     status = 403
     title = "API token lacks the required scope"
+
+
+class ConsumerConflict(DomainError):
+    slug = "consumer-conflict"
+    status = 409
+    title = "Consumer group exists with another definition"
+
+
+class LeaseLost(DomainError):
+    slug = "lease-lost"
+    status = 409
+    title = "Another claim acknowledged or holds the session"
+
+
+class UnknownConsumer(DomainError):
+    slug = "unknown-consumer"
+    status = 404
+    title = "Unknown consumer group"
+
+
+class UnknownClaim(DomainError):
+    slug = "unknown-claim"
+    status = 404
+    title = "Unknown claim"

@@ -51,6 +51,9 @@ class Sample:
     # Raised when the tensor is read, not when the sample is built: a gap
     # costs the trainer the replay tensor, never the rest of the sample.
     r3_error: R3Gap | None = None
+    # The miles samples wire's text fields (`app/domain/samples_wire.py`).
+    response: str = ""
+    prefix_cache_info: dict[str, int] = field(default_factory=dict)
 
     def read_plan(self) -> R3Plan:
         """The plan `…/samples/{index}/r3` streams: 404 without R3, 422 on a gap."""
@@ -89,6 +92,7 @@ class SamplesResult:
     errors: list[dict[str, Any]] = field(default_factory=list)
     empty_reason: str | None = None
     session_metrics: dict[str, Any] | None = None
+    labels: dict[str, Any] = field(default_factory=dict)
 
     def sample(self, index: int) -> Sample:
         if not 0 <= index < len(self.samples):
@@ -186,6 +190,11 @@ def _sample(state: SessionState, close: CloseSpec, index: int, item: MergedPath,
         r3=r3,
         r3_plan=plan,
         r3_error=gap,
+        response="".join(node.facts.content for node in item.turns),
+        prefix_cache_info={
+            "cached_tokens": sum(node.facts.cached_tokens or 0 for node in item.turns),
+            "total_prompt_tokens": sum(node.facts.prompt_tokens for node in item.turns),
+        },
     )
 
 
@@ -194,7 +203,7 @@ def build_samples(state: SessionState, close: CloseSpec) -> SamplesResult:
     sid, version = state.spec.session_id, state.spec.version
     carrier = session_carrier(state)
     if not state.nodes:
-        return SamplesResult(sid, version, [], [], NO_TURNS, carrier)
+        return SamplesResult(sid, version, [], [], NO_TURNS, carrier, state.spec.labels)
     merged: list[MergedPath] = []
     errors: list[dict[str, Any]] = []
     for leaf in pick_leaves(state):
@@ -213,4 +222,5 @@ def build_samples(state: SessionState, close: CloseSpec) -> SamplesResult:
         # Every picked leaf was either unalignable or truncated away; any
         # error is the actionable cause, so it wins over truncation.
         empty_reason = ASSEMBLY_ERROR if errors else ALL_TRUNCATED
-    return SamplesResult(sid, version, samples, errors, empty_reason, carrier)
+    return SamplesResult(sid, version, samples, errors, empty_reason, carrier,
+                         state.spec.labels)

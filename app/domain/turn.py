@@ -80,6 +80,10 @@ class TurnFacts:
     cached_tokens: int | None
     timestamp: float | None
     mismatch: list[Any] | None = field(default=None)
+    # For the miles samples wire: the message text (no tokenizer here) and the
+    # prompt token count as reported (a value that is not a counter counts 0).
+    content: str = ""
+    prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -204,6 +208,17 @@ def _counter(meta: dict[str, Any], name: str) -> int | None:
         raise _invalid(f"{name} must be a non-negative integer", f"{META}.{name}",
                        f"integer in [0, {COUNTER_MAX}]", value)
     return int(value)
+
+
+def _lenient_counter(meta: dict[str, Any], name: str) -> int:
+    value = meta.get(name)
+    return int(value) if is_int(value) and value >= 0 else 0
+
+
+def _content(choice: dict[str, Any]) -> str:
+    message = choice.get("message")
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, str) else ""
 
 
 def read_spec(meta: dict[str, Any], output_len: int) -> SpecCounters:
@@ -375,6 +390,8 @@ def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = 
         cached_tokens=_counter(meta, "cached_tokens"),
         timestamp=None if timestamp is None else float(timestamp),
         mismatch=_mismatch(metadata),
+        content=_content(choice),
+        prompt_tokens=_lenient_counter(meta, "prompt_tokens"),
     )
     return TurnBody(event_id=event_id, parent=parent, record=record, metadata=metadata,
                     facts=facts)

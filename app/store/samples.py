@@ -15,13 +15,19 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from app.domain.assembly import R3Plan, check_slice, plan_shape, take
+from app.domain.assembly import PlanSlice, R3Plan, check_slice, plan_shape, take
 from app.domain.errors import R3Gap, SessionOpen
-from app.domain.r3 import Patch, npy_header
+from app.domain.r3 import DTYPES, Patch, npy_header
+from app.domain.r3_slices import Bounds, parse_bounds, restrict, slice_blocks, slice_shape
 from app.domain.samples import SamplesResult, build_samples
+from app.domain.samples_wire import WireLayout, wire_layout
 from app.store.db import Database
 from app.store.loader import StateCache, load_state, session_row
 from app.store.schema import r3_patches
+
+# Rows are widened to int32 in blocks of about this size, so a reply never
+# holds a second copy of a large tensor.
+WIRE_BLOCK_BYTES = 4 << 20
 
 
 class SampleReader:
@@ -66,18 +72,20 @@ class SampleReader:
                                    num_layers=row.num_layers, topk=row.topk, dtype=row.dtype,
                                    data=row.data) for row in rows}
 
-    async def read_patches(self, session_id: str, plan: R3Plan) -> dict[int, Patch]:
-        """The plan's patches, narrowed as stored (a quarter of the tensor for uint8),
+    async def read_patches(self, session_id: str, *plans: R3Plan) -> dict[int, Patch]:
+        """The plans' patches, narrowed as stored (a quarter of the tensor for uint8),
         checked before the response starts so a broken log answers 422, not a
-        truncated 200."""
-        patches = await self._patches(session_id, sorted({p.seq for p in plan.slices}))
-        for piece in plan.slices:
-            patch = patches.get(piece.seq)
-            if patch is None:
-                raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
-                            field="routed_experts", expected="a stored patch", actual="none",
-                            status=422, extra={"seq": piece.seq})
-            check_slice(piece, patch, plan)
+        truncated 200. A patch shared by several plans is read once."""
+        patches = await self._patches(
+            session_id, sorted({p.seq for plan in plans for p in plan.slices}))
+        for plan in plans:
+            for piece in plan.slices:
+                patch = patches.get(piece.seq)
+                if patch is None:
+                    raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
+                                field="routed_experts", expected="a stored patch",
+                                actual="none", status=422, extra={"seq": piece.seq})
+                check_slice(piece, patch, plan)
         return patches
 
     @staticmethod
@@ -93,3 +101,94 @@ class SampleReader:
         for piece in plan.slices:
             # A memoryview hands the widened block to the transport without a copy.
             yield take(piece, patches[piece.seq], plan).data.cast("B")
+
+    async def wire(self, session_id: str) -> tuple[WireLayout, dict[int, Patch]]:
+        """The samples as a safetensors file: its layout and every patch its R3
+        tensors read, checked before the reply starts (a gap is a 422, never a
+        truncated 200)."""
+        layout = wire_layout(await self.result(session_id))
+        patches = await self.read_patches(session_id, *layout.plans.values())
+        return layout, patches
+
+    @staticmethod
+    async def stream_wire(
+        layout: WireLayout, patches: dict[int, Patch]
+    ) -> AsyncIterator[bytes | memoryview]:
+        """Header, the small tensors as laid out, and each R3 tensor one widened
+        block of at most `WIRE_BLOCK_BYTES` at a time."""
+        yield layout.header
+        for tensor in layout.tensors:
+            if tensor.data is not None:
+                yield tensor.data
+                continue
+            assert tensor.r3_index is not None
+            plan = layout.plans[tensor.r3_index]
+            for piece in plan.slices:
+                patch = patches[piece.seq]
+                step = max(1, WIRE_BLOCK_BYTES // (4 * plan.num_layers * max(plan.topk, 1)))
+                for row in range(piece.row_from, piece.row_to, step):
+                    block = patch.rows_array(row, min(row + step, piece.row_to))
+                    yield block.data.cast("B")
+
+    async def r3_slice(self, session_id: str, index: int, rows: str | None,
+                       layers: str | None) -> tuple[R3Plan, Bounds, dict[int, Patch]]:
+        """Rows `a:b` and layers `c:d` of a sample's R3: the no-R3 and gap answers
+        first, then the bounds; only the stored rows the range touches are read."""
+        plan = await self.r3_plan(session_id, index)
+        row_bounds = parse_bounds(rows, plan.rows, "rows")
+        layer_bounds = parse_bounds(layers, plan.num_layers, "layers")
+        restricted = restrict(plan, row_bounds)
+        patches = await self._patch_rows(session_id, restricted)
+        rebased = R3Plan(plan.num_layers, plan.topk, tuple(
+            PlanSlice(p.seq, 0, p.row_to - p.row_from) for p in restricted.slices))
+        return rebased, layer_bounds, patches
+
+    async def _patch_rows(self, session_id: str, plan: R3Plan) -> dict[int, Patch]:
+        """For each slice, only its rows of the stored patch (a byte range of the blob),
+        as a patch of its own; each slice of a restricted plan reads a distinct patch."""
+        seqs = [p.seq for p in plan.slices]
+        if not seqs:
+            return {}
+        rp = r3_patches.c
+        async with self.db.read() as conn:
+            shapes = {row.seq: row for row in await conn.execute(
+                sa.select(rp.seq, rp.start_row, rp.end_row, rp.num_layers, rp.topk, rp.dtype)
+                .where(rp.session_id == session_id, rp.seq.in_(seqs)))}
+            out: dict[int, Patch] = {}
+            for piece in plan.slices:
+                shape = shapes.get(piece.seq)
+                if shape is None:
+                    raise R3Gap(f"turn {piece.seq}'s patch is missing from the log",
+                                field="routed_experts", expected="a stored patch",
+                                actual="none", status=422, extra={"seq": piece.seq})
+                stored = Patch(start=shape.start_row, end=shape.end_row,
+                               num_layers=shape.num_layers, topk=shape.topk,
+                               dtype=shape.dtype, data=b"")
+                if (stored.num_layers, stored.topk) != (plan.num_layers, plan.topk) or \
+                        not 0 <= piece.row_from < piece.row_to <= stored.rows:
+                    # The full patch is needed for the exact 422 answer.
+                    full = await self._patches(session_id, [piece.seq])
+                    check_slice(piece, full[piece.seq], plan)
+                row_bytes = shape.num_layers * shape.topk * DTYPES[shape.dtype].itemsize
+                data = (await conn.execute(
+                    sa.select(sa.func.substr(rp.data, piece.row_from * row_bytes + 1,
+                                             (piece.row_to - piece.row_from) * row_bytes,
+                                             type_=sa.LargeBinary))
+                    .where(rp.session_id == session_id, rp.seq == piece.seq))).scalar_one()
+                out[piece.seq] = Patch(start=shape.start_row + piece.row_from,
+                                       end=shape.start_row + piece.row_to,
+                                       num_layers=shape.num_layers, topk=shape.topk,
+                                       dtype=shape.dtype, data=bytes(data))
+        return out
+
+    @staticmethod
+    def slice_length(plan: R3Plan, layers: Bounds) -> int:
+        rows, width, topk = slice_shape(plan, layers)
+        return len(npy_header((rows, width, topk))) + rows * width * topk * 4
+
+    @staticmethod
+    async def stream_slice(plan: R3Plan, layers: Bounds, patches: dict[int, Patch]
+                           ) -> AsyncIterator[bytes | memoryview]:
+        yield npy_header(slice_shape(plan, layers))
+        for block in slice_blocks(plan, patches, layers):
+            yield block.data.cast("B")

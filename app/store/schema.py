@@ -151,6 +151,63 @@ samples = sa.Table(
 
 PROJECTIONS = ("sessions", "nodes", "samples")
 
+# Consumer groups (not projections: acknowledgements are facts of their own,
+# never recomputed from events). `consumer_groups` is small (a reference table
+# when distributed); `consumer_sessions` is keyed by `session_id` first and
+# holds one row per (session, group) once a group consumes the session: its
+# holder claim and lease, and whether it was acknowledged; `consumer_acks`
+# is insert-only, in ack order, fenced like the feed by the writer's xid.
+consumer_groups = sa.Table(
+    "consumer_groups",
+    metadata,
+    sa.Column("group_name", sa.String(64), primary_key=True),
+    sa.Column("labels", sa.Text, nullable=False),
+    sa.Column("start", sa.String(16), nullable=False),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("created_us", sa.BigInteger, nullable=False),
+)
+
+consumer_claims = sa.Table(
+    "consumer_claims",
+    metadata,
+    sa.Column("group_name", sa.String(64), primary_key=True),
+    sa.Column("claim_id", sa.String(128), primary_key=True),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("expires_us", sa.BigInteger, nullable=False),
+    sa.Column("sessions", sa.Text, nullable=False),
+    sa.Column("created_us", sa.BigInteger, nullable=False),
+)
+
+consumer_sessions = sa.Table(
+    "consumer_sessions",
+    metadata,
+    sa.Column("session_id", sa.String(128), primary_key=True),
+    sa.Column("group_name", sa.String(64), primary_key=True),
+    sa.Column("closed_us", sa.BigInteger, nullable=False),
+    sa.Column("claim_id", sa.String(128), nullable=True),
+    sa.Column("epoch", sa.BigInteger, nullable=True),
+    sa.Column("expires_us", sa.BigInteger, nullable=True),
+    sa.Column("acked_us", sa.BigInteger, nullable=True),
+    sa.Column("step", sa.BigInteger, nullable=True),
+    sa.Index("ix_consumer_sessions_group_name_acked_us_closed_us",
+             "group_name", "acked_us", "closed_us", "session_id"),
+)
+
+consumer_acks = sa.Table(
+    "consumer_acks",
+    metadata,
+    sa.Column("position", BigId, primary_key=True, autoincrement=True),
+    sa.Column("session_id", sa.String(128), nullable=False),
+    sa.Column("group_name", sa.String(64), nullable=False),
+    sa.Column("claim_id", sa.String(128), nullable=False),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("step", sa.BigInteger, nullable=True),
+    sa.Column("acked_us", sa.BigInteger, nullable=False),
+    sa.Column("xid", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    sa.Index("ix_consumer_acks_group_name_xid_position", "group_name", "xid", "position"),
+)
+
 # CI metric history: one row per submission (idempotent on its fingerprint
 # within a run attempt) and its whitelisted points in submission order. A
 # non-finite value keeps `value` NULL and its marker in `non_finite` (SQLite

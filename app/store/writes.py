@@ -39,6 +39,7 @@ from app.domain.samples import build_samples
 from app.domain.session import SessionSpec, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import TurnBody, parse_turn
+from app.store.consumers import enqueue_closed
 from app.store.db import Database
 from app.store.loader import StateCache, load_state, session_row
 from app.store.schema import events, nodes, r3_patches, samples, session_labels, sessions
@@ -236,6 +237,7 @@ class Writer:
             rows = [sample_row(session_id, sample) for sample in result.samples]
             if rows:
                 await conn.execute(samples.insert(), rows)
+            await enqueue_closed(conn, session_id, state.spec.labels, recorded)
             await conn.execute(
                 sessions.update().where(sessions.c.session_id == session_id)
                 .values(**closed_head(closed, result, recorded))

@@ -1,0 +1,229 @@
+"""Consumer groups: the rules of the exactly-once hand-off of closed sessions to trainers.
+
+Owns parsing the group definition, claim, ack and release bodies (limits,
+defaults, the group and claim id patterns), which sessions a group consumes
+(label matching), which of a group's sessions a claim may take (neither
+acknowledged nor held under a live lease, oldest close first) and the ack
+verdict (a late ack wins only when nobody else acknowledged or holds the
+session). Pure: the store locks rows, reads the clock and persists; every
+decision it takes about a session's hand-off is a function here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.domain.errors import InvalidRequest, LeaseLost, UnknownConsumer
+from app.domain.session import (
+    LABEL_KEY_RE,
+    SESSION_ID_RE,
+    describe,
+    is_int,
+    label_text,
+    reject_unknown,
+    require_object,
+    require_text,
+)
+
+GROUP_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+FROM_BEGINNING = "beginning"
+FROM_NOW = "now"
+GROUP_FIELDS = frozenset({"labels", "from"})
+CLAIM_FIELDS = frozenset({"claim_id", "limit", "lease_seconds", "wait"})
+ACK_FIELDS = frozenset({"sessions", "step"})
+RELEASE_FIELDS = frozenset({"sessions"})
+MAX_CLAIM = 1000
+MAX_LEASE_SECONDS = 86_400
+MAX_WAIT_SECONDS = 30.0
+DEFAULT_LEASE_SECONDS = 600
+MAX_STEP = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    group: str
+    labels: dict[str, Any]
+    start: str  # "beginning" | "now" (the body's `from`)
+
+    def body(self) -> dict[str, Any]:
+        """The definition as compared by a repeated PUT (defaults filled in)."""
+        return {"labels": self.labels, "from": self.start}
+
+    def label_texts(self) -> dict[str, str]:
+        """The labels as the session label index stores them (strings unquoted)."""
+        return {key: label_text(value) for key, value in self.labels.items()}
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    claim_id: str
+    limit: int
+    lease_seconds: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class AckRequest:
+    sessions: list[str] | None  # None: all of the claim
+    step: int | None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Where one session of a group stands: who holds it, until when, and whether
+    (and by which claim) it was acknowledged."""
+
+    session_id: str
+    claim_id: str | None
+    expires_us: int | None
+    acked: bool
+
+    def live(self, now_us: int) -> bool:
+        """Held under a lease that has not expired."""
+        return self.claim_id is not None and self.expires_us is not None \
+            and self.expires_us > now_us
+
+
+def validate_group(group: str) -> str:
+    if not GROUP_RE.match(group):
+        raise InvalidRequest("consumer group names are 1-64 characters of [A-Za-z0-9._:-]",
+                             field="group", expected="[A-Za-z0-9._:-]{1,64}",
+                             actual=describe(group))
+    return group
+
+
+def known_group(group: str) -> str:
+    """A group name outside the pattern names no group: 404, as one never created."""
+    if not GROUP_RE.match(group):
+        raise UnknownConsumer(f"no consumer group {describe(group)!r}", field="group",
+                              expected="an existing consumer group", actual=describe(group))
+    return group
+
+
+def parse_group(group: str, raw: Any) -> GroupSpec:
+    validate_group(group)
+    body = require_object(raw, "body")
+    reject_unknown(body, GROUP_FIELDS, "")
+    labels = require_object(body.get("labels", {}), "labels")
+    for key, value in labels.items():
+        if not LABEL_KEY_RE.match(key):
+            raise InvalidRequest("label names are 1-64 characters of [A-Za-z0-9._:-]",
+                                 field=f"labels.{describe(key)}",
+                                 expected="[A-Za-z0-9._:-]{1,64}", actual=describe(key))
+        require_text(label_text(value), f"labels.{key}")
+    start = body.get("from", FROM_BEGINNING)
+    if start not in (FROM_BEGINNING, FROM_NOW):
+        raise InvalidRequest('from must be "beginning" or "now"', field="from",
+                             expected='"beginning" | "now"', actual=describe(start))
+    return GroupSpec(group=group, labels=dict(labels), start=start)
+
+
+def _int_in(body: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name, default)
+    if not is_int(value) or not low <= value <= high:
+        raise InvalidRequest(f"{name} must be an integer in [{low}, {high}]", field=name,
+                             expected=f"integer in [{low}, {high}]", actual=describe(value))
+    return value
+
+
+def parse_claim(raw: Any) -> ClaimRequest:
+    body = require_object(raw, "body")
+    reject_unknown(body, CLAIM_FIELDS, "")
+    claim_id = body.get("claim_id")
+    if not isinstance(claim_id, str) or not SESSION_ID_RE.match(claim_id):
+        raise InvalidRequest("claim_id is required: 1-128 characters of [A-Za-z0-9._:-]",
+                             field="claim_id", expected="[A-Za-z0-9._:-]{1,128}",
+                             actual=describe(claim_id))
+    wait = body.get("wait", 0)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) \
+            or not 0 <= wait <= MAX_WAIT_SECONDS:
+        raise InvalidRequest(f"wait must be a number of seconds in [0, {MAX_WAIT_SECONDS:g}]",
+                             field="wait", expected=f"number in [0, {MAX_WAIT_SECONDS:g}]",
+                             actual=describe(wait))
+    return ClaimRequest(
+        claim_id=claim_id,
+        limit=_int_in(body, "limit", 1, 1, MAX_CLAIM),
+        lease_seconds=_int_in(body, "lease_seconds", DEFAULT_LEASE_SECONDS, 1,
+                              MAX_LEASE_SECONDS),
+        wait=float(wait),
+    )
+
+
+def _session_list(body: Mapping[str, Any]) -> list[str] | None:
+    value = body.get("sessions")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequest("sessions must be a list of session ids", field="sessions",
+                             expected="array of strings", actual=describe(value))
+    # A session named twice is acknowledged (or released) once.
+    return list(dict.fromkeys(value))
+
+
+def parse_ack(raw: Any) -> AckRequest:
+    body = require_object(raw, "body")
+    reject_unknown(body, ACK_FIELDS, "")
+    step = body.get("step")
+    if step is not None and (not is_int(step) or not 0 <= step <= MAX_STEP):
+        raise InvalidRequest("step must be a non-negative integer or null", field="step",
+                             expected="integer >= 0 | null", actual=describe(step))
+    return AckRequest(sessions=_session_list(body), step=step)
+
+
+def parse_release(raw: Any) -> list[str] | None:
+    body = require_object(raw, "body")
+    reject_unknown(body, RELEASE_FIELDS, "")
+    return _session_list(body)
+
+
+def matches(group_labels: Mapping[str, str], session_labels: Mapping[str, Any]) -> bool:
+    """A session belongs to a group when every group label equals the session's,
+    both written as label text (the label filters' matching; `{}` matches all)."""
+    return all(key in session_labels and label_text(session_labels[key]) == text
+               for key, text in group_labels.items())
+
+
+def requested(claimed: Sequence[str], wanted: list[str] | None, field: str = "sessions"
+              ) -> list[str]:
+    """The sessions an ack or release names: all of the claim by default; a session
+    the claim never held is the client's mistake (422)."""
+    if wanted is None:
+        return list(claimed)
+    held = set(claimed)
+    strangers = [sid for sid in wanted if sid not in held]
+    if strangers:
+        raise InvalidRequest(f"{len(strangers)} session(s) are not in this claim",
+                             field=field, expected="sessions of this claim",
+                             actual=strangers[:10])
+    return wanted
+
+
+def claimable(holding: Holding, now_us: int) -> bool:
+    """Neither acknowledged nor held under a live lease."""
+    return not holding.acked and not holding.live(now_us)
+
+
+def ack_verdict(claim_id: str, holdings: Iterable[Holding], acked_by: Mapping[str, str],
+                now_us: int) -> list[str]:
+    """The sessions of this ack that are not already this claim's: raises `LeaseLost`
+    (nothing acknowledged) if another claim acknowledged one or holds it under a
+    live lease. `acked_by` maps acknowledged sessions to the claim that did it."""
+    fresh: list[str] = []
+    lost: list[str] = []
+    for holding in holdings:
+        if holding.acked:
+            if acked_by.get(holding.session_id) != claim_id:
+                lost.append(holding.session_id)
+        elif holding.claim_id != claim_id and holding.live(now_us):
+            lost.append(holding.session_id)
+        else:
+            fresh.append(holding.session_id)
+    if lost:
+        raise LeaseLost(f"{len(lost)} session(s) were acknowledged or re-claimed by another "
+                        "claim; nothing was acknowledged", field="sessions",
+                        expected=f"sessions claim {claim_id!r} still owns",
+                        actual=lost[:100], extra={"sessions": lost})
+    return fresh

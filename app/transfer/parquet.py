@@ -1,0 +1,171 @@
+"""Exporting closed sessions' samples as one Parquet dataset (pyarrow), one row per sample.
+
+Owns the table layout that pyarrow, polars and Hugging Face `datasets` load
+as-is (`SCHEMA`): identifiers and labels, `tokens` (list<int64>),
+`loss_mask` (list<uint8>), `rollout_log_probs` (list<float64>), `status`,
+`reward` (float64; the exact JSON value in `reward_json`), the SpecInfo
+struct, and R3 in its own column: `r3` holds the int32 tensor's raw
+little-endian C-order bytes and `r3_shape` its `[rows, num_layers, topk]`
+(`np.frombuffer(row["r3"], "<i4").reshape(row["r3_shape"])`); an unreadable
+tensor leaves `r3` null and says why in `r3_error`.
+
+Rows are written in row groups of bounded size as sessions are read, so the
+export never holds more than one row group; the file replaces `out` only
+when complete. Refuses to own what a sample is: everything comes from the
+samples projection the API serves, R3 bytes from the same stream as `…/r3`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from app.domain.errors import DomainError
+from app.domain.samples import Sample
+from app.services import Services
+from app.transfer.npz import closed_sessions
+
+Progress = Callable[[int, int, int], None]  # sessions done, sessions total, samples written
+ROW_GROUP_ROWS = 1024
+ROW_GROUP_BYTES = 128 << 20
+
+SPEC_INFO = pa.struct([(name, pa.int64()) for name in (
+    "spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_verify_ct",
+    "completion_tokens")])
+SCHEMA = pa.schema([
+    ("session_id", pa.string()),
+    ("index", pa.int32()),
+    ("leaf", pa.int32()),
+    ("path", pa.list_(pa.int32())),
+    ("version", pa.string()),
+    ("labels", pa.string()),  # JSON text: labels are free JSON
+    ("status", pa.string()),
+    ("reward", pa.float64()),
+    ("reward_json", pa.string()),
+    ("response_length", pa.int32()),
+    ("tokens", pa.list_(pa.int64())),
+    ("loss_mask", pa.list_(pa.uint8())),
+    ("rollout_log_probs", pa.list_(pa.float64())),
+    ("weight_versions", pa.string()),  # JSON text: any JSON per turn
+    ("spec_info", SPEC_INFO),
+    ("metadata", pa.string()),  # JSON text
+    ("r3_shape", pa.list_(pa.int32())),
+    ("r3", pa.large_binary()),
+    ("r3_error", pa.string()),  # problem+json text when the tensor is unreadable
+])
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _reward(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+@dataclass
+class ParquetReport:
+    out: Path
+    sessions: int = 0
+    samples: int = 0
+    r3_tensors: int = 0
+    r3_errors: int = 0
+    row_groups: int = 0
+    bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"out": str(self.out), "format": "parquet", "sessions": self.sessions,
+                "samples": self.samples, "r3_tensors": self.r3_tensors,
+                "r3_errors": self.r3_errors, "row_groups": self.row_groups,
+                "bytes": self.bytes}
+
+
+@dataclass
+class _RowGroup:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+async def _r3_bytes(svc: Services, session_id: str, sample: Sample) -> bytes:
+    plan = sample.read_plan()
+    patches = await svc.samples.read_patches(session_id, plan)
+    return b"".join([bytes(chunk) async for chunk in svc.samples.stream(plan, patches)][1:])
+
+
+async def _row(svc: Services, summary: dict[str, Any], sample: Sample,
+               report: ParquetReport) -> dict[str, Any]:
+    sid = summary["session_id"]
+    row: dict[str, Any] = {
+        "session_id": sid, "index": sample.index, "leaf": sample.leaf, "path": sample.path,
+        "version": summary["version"], "labels": _json(summary["labels"]),
+        "status": sample.status, "reward": _reward(sample.reward),
+        "reward_json": _json(sample.reward), "response_length": sample.response_length,
+        "tokens": sample.tokens, "loss_mask": sample.loss_mask,
+        "rollout_log_probs": sample.rollout_log_probs,
+        "weight_versions": _json(sample.weight_versions), "spec_info": sample.spec_info,
+        "metadata": _json(sample.metadata),
+        "r3_shape": None if sample.r3 is None else sample.r3["shape"],
+        "r3": None, "r3_error": None,
+    }
+    if sample.r3 is not None:
+        try:
+            row["r3"] = await _r3_bytes(svc, sid, sample)
+        except DomainError as exc:
+            row["r3_error"] = _json(exc.problem())
+            report.r3_errors += 1
+        else:
+            report.r3_tensors += 1
+    return row
+
+
+def _flush(writer: pq.ParquetWriter, group: _RowGroup, report: ParquetReport) -> None:
+    if not group.rows:
+        return
+    writer.write_table(pa.Table.from_pylist(group.rows, schema=SCHEMA),
+                       row_group_size=len(group.rows))
+    report.row_groups += 1
+    group.rows.clear()
+    group.nbytes = 0
+
+
+async def export_parquet(svc: Services, filters: dict[str, str], out: Path, *,
+                         progress: Progress | None = None, row_group_rows: int = ROW_GROUP_ROWS,
+                         row_group_bytes: int = ROW_GROUP_BYTES) -> ParquetReport:
+    """Write every matching closed session's samples to `out` (replaced atomically)."""
+    summaries = await closed_sessions(svc, filters)
+    report = ParquetReport(out=out, sessions=len(summaries))
+    partial = out.with_name(out.name + ".partial")
+    writer = pq.ParquetWriter(partial, SCHEMA, compression="zstd")
+    group = _RowGroup()
+    try:
+        for done, summary in enumerate(summaries):
+            result = await svc.samples.result(summary["session_id"])
+            for sample in result.samples:
+                row = await _row(svc, summary, sample, report)
+                group.rows.append(row)
+                group.nbytes += len(row["r3"] or b"") + 13 * len(sample.tokens)
+                report.samples += 1
+                if len(group.rows) >= row_group_rows or group.nbytes >= row_group_bytes:
+                    _flush(writer, group, report)
+            if progress is not None:
+                progress(done + 1, len(summaries), report.samples)
+        _flush(writer, group, report)
+        writer.close()
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, out)
+    report.bytes = out.stat().st_size
+    return report

@@ -1,0 +1,122 @@
+"""The trainer side of `app.client`: claim contexts, iter_claims, the samples wire, R3 slices."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+
+from app.client import Claim, TurnlogClient, TurnlogError
+from app.main import create_app
+from tests.factory import open_body, r3_b64, turn
+
+
+@pytest.fixture
+async def app(settings):
+    app = create_app(settings)
+    yield app
+    await app.state.services.db.dispose()
+
+
+@pytest.fixture
+async def tl(app):
+    async with TurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app),
+                             backoff=0.001) as client:
+        yield client
+
+
+async def closed(tl, labels, r3=False) -> str:
+    sid = f"s-{uuid.uuid4().hex}"
+    if r3:
+        await tl.open(open_body(sid, labels=labels, r3={"num_layers": 3}))
+        await tl.append_body(sid, turn([1, 2, 3], [4, 5], r3=r3_b64(4, 3, 2)))
+    else:
+        await tl.open(open_body(sid, labels=labels))
+        await tl.append_body(sid, turn([1, 2], [3]))
+    await tl.close(sid)
+    return sid
+
+
+async def new_group(tl) -> tuple[str, dict[str, str]]:
+    labels = {"run_id": uuid.uuid4().hex}
+    name = f"g-{uuid.uuid4().hex[:10]}"
+    await tl.define_group(name, labels)
+    return name, labels
+
+
+async def test_claim_context_acks_with_its_step_on_success(tl):
+    name, labels = await new_group(tl)
+    sids = [await closed(tl, labels) for _ in range(2)]
+    async with tl.claim(name, limit=5) as claim:
+        assert isinstance(claim, Claim) and claim.sessions == sids
+        claim.step = 4
+    doc = await tl.group(name)
+    assert doc["acked"] == 2
+    assert [a["step"] for a in (await tl.acks(name))["acks"]] == [4, 4]
+
+
+async def test_claim_context_releases_on_an_exception(tl):
+    name, labels = await new_group(tl)
+    sid = await closed(tl, labels)
+    with pytest.raises(RuntimeError):
+        async with tl.claim(name) as claim:
+            assert claim.sessions == [sid]
+            raise RuntimeError("trainer crashed")
+    doc = await tl.group(name)
+    assert (doc["acked"], doc["leased"], doc["available"]) == (0, 0, 1)
+
+
+async def test_iter_claims_acks_each_claim_when_the_loop_moves_on(tl):
+    name, labels = await new_group(tl)
+    sids = [await closed(tl, labels) for _ in range(5)]
+    seen = []
+    async for claim in tl.iter_claims(name, limit=2, wait=0, until_idle=True):
+        seen += claim.sessions
+        claim.step = len(seen)
+    assert seen == sids
+    assert (await tl.group(name))["acked"] == 5
+
+
+async def test_lease_lost_is_a_typed_error(tl):
+    name, labels = await new_group(tl)
+    await closed(tl, labels)
+    first = await tl.claim_sessions(name, lease_seconds=1)
+    await asyncio.sleep(1.1)
+    await tl.claim_sessions(name)
+    with pytest.raises(TurnlogError) as exc:
+        await first.ack()
+    assert exc.value.slug == "lease-lost" and exc.value.status == 409
+
+
+async def test_samples_wire_and_r3_slices(tl):
+    sid = await closed(tl, {"run_id": "x"}, r3=True)
+    tensors = await tl.samples(sid, format="safetensors")
+    doc = await tl.samples(sid)
+    assert tensors["tokens.0"].tolist() == doc["samples"][0]["tokens"]
+    full = await tl.r3(sid, 0)
+    assert np.array_equal(tensors["rollout_routed_experts.0"], full)
+    assert np.array_equal(await tl.r3(sid, 0, rows="1:3", layers=slice(1, None)),
+                          full[1:3, 1:, :])
+    assert np.array_equal(await tl.r3(sid, 0, layers=(0, 1)), full[:, 0:1, :])
+
+
+def test_sync_claim_context(settings):
+    from app.client.sync import SyncTurnlogClient
+
+    app = create_app(settings)
+    with SyncTurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app)) as tl:
+        labels = {"run_id": uuid.uuid4().hex}
+        sid = f"s-{uuid.uuid4().hex}"
+        tl.open(open_body(sid, labels=labels))
+        tl.append_body(sid, turn([1, 2], [3]))
+        tl.close(sid)
+        name = f"g-{uuid.uuid4().hex[:10]}"
+        tl.define_group(name, labels)
+        with tl.claim(name) as claim:
+            assert claim.sessions == [sid]
+            claim.step = 1
+        assert tl.group(name)["acked"] == 1
+        assert [c.sessions for c in tl.iter_claims(name, wait=0, until_idle=True)] == []
