@@ -37,6 +37,15 @@ DISTRIBUTED: tuple[str, ...] = ("sessions", "session_labels", "events", "r3_patc
                                 "samples")
 # Small shared tables: one full copy per node.
 REFERENCE: tuple[str, ...] = ("metric_submissions", "metric_points", "gate_baselines")
+# Consumer-group tables stay plain tables on the coordinator: a claim takes any
+# sessions of a group with `FOR UPDATE SKIP LOCKED`, which Citus cannot run over
+# shards, and an ack touches many sessions at once, which on shards would be a
+# two-phase commit — whose worker commits follow the coordinator's, breaking
+# the ack list's transaction-id fence. On the coordinator both are one node's.
+# A close still enqueues its session in the same transaction: the close's
+# worker commits first (one-phase), then the coordinator's own rows.
+COORDINATOR_LOCAL: tuple[str, ...] = ("consumer_groups", "consumer_claims",
+                                      "consumer_sessions", "consumer_acks")
 # Primary keys without the distribution column: (table, constraint, columns elsewhere).
 WIDENED_KEYS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("sessions", "pk_sessions", ("id",)),

@@ -39,6 +39,8 @@ async def test_session_tables_are_colocated_and_shared_tables_are_references(cit
         assert kinds[table][:2] == ("h", "session_id")
     for table in citus.REFERENCE:
         assert kinds[table][0] == "n"
+    for table in citus.COORDINATOR_LOCAL:
+        assert table not in kinds
 
 
 async def test_every_shard_of_the_log_carries_the_immutability_trigger(citus_url):
