@@ -16,6 +16,7 @@ from app.api import (
     health,
     history,
     problems,
+    retention,
     samples,
     sessions,
     telemetry,
@@ -50,7 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BearerAuth, tokens=TokenTable(settings.token_scopes))
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
     for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
-                   consumers):
+                   consumers, retention):
         app.include_router(module.router)
     return app
 

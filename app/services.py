@@ -18,6 +18,7 @@ from app.store.gates import Gates
 from app.store.history import History, metric_keys
 from app.store.loader import StateCache
 from app.store.reads import Reader
+from app.store.retention import Retention
 from app.store.samples import SampleReader
 from app.store.writes import Writer
 
@@ -34,6 +35,7 @@ class Services:
     history: History
     gates: Gates
     consumers: Consumers
+    retention: Retention
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
 
 
@@ -53,4 +55,5 @@ def build_services(settings: Settings) -> Services:
         gates=Gates(db),
         # Closes notify the reader; claims waiting for sessions wake on the same event.
         consumers=Consumers(db, wakeup=lambda: reader.new_events),
+        retention=Retention(db, cache),
     )

@@ -14,6 +14,7 @@ from rich.console import Console
 from app.cli.analytics import analytics_cli, gate_cli, history_cli
 from app.cli.consumers import consumers_cli
 from app.cli.demo import demo
+from app.cli.retention import retention_cli
 from app.cli.store import rebuild, replay
 from app.cli.transfer import export, import_
 from app.settings import get_settings
@@ -23,6 +24,7 @@ cli.add_typer(gate_cli, name="gate")
 cli.add_typer(history_cli, name="history")
 cli.add_typer(analytics_cli, name="analytics")
 cli.add_typer(consumers_cli, name="consumers")
+cli.add_typer(retention_cli, name="retention")
 cli.command()(rebuild)
 cli.command()(replay)
 cli.command()(demo)

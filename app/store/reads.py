@@ -125,6 +125,9 @@ class Reader:
             rows = (await conn.execute(query)).mappings().all()
             patches: dict[int, Patch] = {}
             seqs = [r["seq"] for r in rows if r["seq"] is not None]
+            # Freed by retention: turns read back as with include_r3=false, marked.
+            pruned = row["r3_pruned_bytes"] is not None
+            include_r3 = include_r3 and not pruned
             if include_r3 and seqs:
                 for p in await conn.execute(
                     sa.select(r3_patches).where(r3_patches.c.session_id == session_id)
@@ -133,8 +136,13 @@ class Reader:
                     patches[p.seq] = Patch(start=p.start_row, end=p.end_row,
                                            num_layers=p.num_layers, topk=p.topk,
                                            dtype=p.dtype, data=p.data)
-        return [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
-                or r["seq"] < len(state.nodes)]
+        out = [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
+               or r["seq"] < len(state.nodes)]
+        if pruned:
+            for event in out:
+                if event["type"] == TURN_RECORDED:
+                    event["r3_pruned"] = True
+        return out
 
     @staticmethod
     def _event(row: Any, state: Any, patches: dict[int, Patch],

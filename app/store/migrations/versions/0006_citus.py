@@ -8,7 +8,7 @@ immutability triggers land on every shard). A migration added after this
 one that creates a session table on Citus calls `citus.distribute` with it.
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-01
 """
 
@@ -18,7 +18,7 @@ from alembic import op
 from app.store import citus
 
 revision: str = "0006"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
