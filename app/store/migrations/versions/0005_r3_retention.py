@@ -70,8 +70,7 @@ def _pg_trigger(function: str) -> None:
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("sessions") as batch:
-        batch.add_column(sa.Column("r3_pruned_bytes", sa.BigInteger, nullable=True))
+    op.add_column("sessions", sa.Column("r3_pruned_bytes", sa.BigInteger, nullable=True))
     if op.get_bind().dialect.name == "postgresql":
         op.execute(PG_GUARD_FN)
         _pg_trigger("turnlog_r3_guard")
@@ -87,5 +86,6 @@ def downgrade() -> None:
     else:
         op.execute("DROP TRIGGER r3_patches_immutable_update")
         op.execute(SQLITE_ALWAYS)
-    with op.batch_alter_table("sessions") as batch:
-        batch.drop_column("r3_pruned_bytes")
+    # A plain DROP COLUMN (SQLite >= 3.35): batch mode would copy `sessions`, which the
+    # analytics views name.
+    op.execute("ALTER TABLE sessions DROP COLUMN r3_pruned_bytes")
