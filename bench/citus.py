@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import time
 import uuid
 
 import asyncpg
@@ -66,6 +67,47 @@ async def no_fence(url: str) -> None:
         await conn.close()
 
 
+async def micro(url: str, count: int) -> float:
+    """Median seconds of one append-shaped transaction (lock the session row, insert an
+    event, update the session), serially, on one connection: no HTTP, no JSON."""
+    conn = await asyncpg.connect(pg_dsn(url))
+    sid = f"micro-{uuid.uuid4().hex[:8]}"
+    try:
+        await conn.execute(
+            "INSERT INTO sessions (session_id, version, pause_generation_mode, spec, "
+            "max_trim_tokens, labels, open_fingerprint, created_us, status, num_nodes, "
+            "spec_correct, spec_proposed, spec_verify, spec_completion) VALUES "
+            "($1, 'v2', 'retract', false, 0, '{}', 'x', 0, 'open', 0, 0, 0, 0, 0)", sid)
+        times = []
+        for i in range(count):
+            t0 = time.perf_counter()
+            async with conn.transaction():
+                await conn.execute("SELECT 1 FROM sessions WHERE session_id = $1 "
+                                   "FOR NO KEY UPDATE", sid)
+                await conn.execute("INSERT INTO events (session_id, seq, type, event_id, "
+                                   "payload, recorded_us) VALUES ($1, $2, 'turn_recorded', "
+                                   "$3, '{}', 0)", sid, i, str(i))
+                await conn.execute("UPDATE sessions SET num_nodes = $2 WHERE session_id = $1",
+                                   sid, i + 1)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        await conn.close()
+
+
+def _report(results: dict[str, list[float]], sizes: dict[str, int], turns: int, raw: int,
+            clients: int) -> None:
+    print()
+    print(f"{'store':14s} {'turns/s':>8s} {'ms/append':>10s} {'stored/raw int32':>17s}")
+    median = {name: statistics.median(times) for name, times in results.items()}
+    for name, elapsed in median.items():
+        print(f"{name:14s} {turns / elapsed:8.2f} {elapsed * 1000 * clients / turns:10.1f} "
+              f"{sizes[name] / raw:17.3f}")
+    print(f"\nCitus / PostgreSQL time per append: {median['citus'] / median['postgres']:.2f}x; "
+          f"the fence stamp: {median['citus'] / median['citus-nofence']:.2f}x of Citus "
+          "without it")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,6 +121,9 @@ async def main() -> None:
     parser.add_argument("--analytics-sessions", type=int, default=0,
                         help="sessions for the analytics load (default: turns / 20)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=0,
+                        help="also time this many serial append-shaped transactions on "
+                        "PostgreSQL, Citus and Citus without the stamp (no HTTP)")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test clusters' fsync=off")
     args = parser.parse_args()
@@ -93,6 +138,7 @@ async def main() -> None:
     results: dict[str, list[float]] = {"postgres": [], "citus": [], "citus-nofence": []}
     sizes: dict[str, int] = {}
     turns = args.sessions * args.turns
+    rows = 0
     for round_ in range(args.rounds):
         plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]
         rows = sum(t.r3_rows for p in plans for t in p.turns)
@@ -113,15 +159,27 @@ async def main() -> None:
                   f"({elapsed * 1000 * args.clients / turns:7.1f} ms per append at "
                   f"{args.clients} clients)", flush=True)
     raw = rows * LAYERS * TOPK * 4
-    print()
-    print(f"{'store':14s} {'turns/s':>8s} {'ms/append':>10s} {'stored/raw int32':>17s}")
-    median = {name: statistics.median(times) for name, times in results.items()}
-    for name, elapsed in median.items():
-        print(f"{name:14s} {turns / elapsed:8.2f} {elapsed * 1000 * args.clients / turns:10.1f} "
-              f"{sizes[name] / raw:17.3f}")
-    print(f"\nCitus / PostgreSQL time per append: {median['citus'] / median['postgres']:.2f}x; "
-          f"the fence stamp: {median['citus'] / median['citus-nofence']:.2f}x of Citus "
-          "without it")
+    if args.rounds:
+        _report(results, sizes, turns, raw, args.clients)
+
+    if args.micro:
+        print(f"\n{args.micro} serial append-shaped transactions, median ms "
+              "(3 interleaved rounds):")
+        micro_urls = {}
+        for name in results:
+            tag = uuid.uuid4().hex[:6]
+            url = (create_database(pg, f"bench_mi_{tag}") if name == "postgres"
+                   else create_citus_database(cluster, f"bench_mi_{tag}"))
+            await migrate.upgrade_async(url)
+            if name == "citus-nofence":
+                await no_fence(url)
+            micro_urls[name] = url
+        medians: dict[str, list[float]] = {name: [] for name in results}
+        for round_ in range(3):
+            for name in (list(results) if round_ % 2 == 0 else list(reversed(results))):
+                medians[name].append(await micro(micro_urls[name], args.micro))
+        for name, values in medians.items():
+            print(f"  {name:14s} {statistics.median(values) * 1000:7.2f} ms")
 
     if args.analytics_turns:
         from bench.analytics import bench as analytics_bench
