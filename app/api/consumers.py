@@ -76,7 +76,8 @@ async def release(group: str, claim_id: str, svc: ServicesDep, body: BodyDep) ->
 async def acks(
     group: str,
     svc: ServicesDep,
-    step: Annotated[int | None, Blank, Query(ge=0, lt=2**63)] = None,
+    # Range-checked by the store: pydantic's bounds would also run on a blank (None).
+    step: Annotated[int | None, Blank, Query(description="training step >= 0")] = None,
     after: OptStr = None,
     limit: OptLimit = None,
 ) -> JSONText:

@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.domain import jsonio
 from app.domain.consumers import (
     FROM_BEGINNING,
+    MAX_STEP,
     ClaimRequest,
     GroupSpec,
     Holding,
@@ -220,7 +221,10 @@ class Consumers:
             wakeup = self.wakeup() if self.wakeup is not None else None
             final = time.monotonic() >= deadline
             try:
-                return await self._claim_once(group, request, allow_empty=final)
+                # While waiting, a read probes first: an empty attempt would take the
+                # write lock (SQLite) for nothing on every wake-up.
+                if final or await self._worth_trying(group, request.claim_id):
+                    return await self._claim_once(group, request, allow_empty=final)
             except _NothingYet:
                 pass
             except IntegrityError:
@@ -237,6 +241,20 @@ class Consumers:
                                            timeout=max(0.0, min(remaining, POLL_SECONDS)))
             else:
                 await asyncio.sleep(max(0.0, min(remaining, POLL_SECONDS)))
+
+    async def _worth_trying(self, group: str, claim_id: str) -> bool:
+        """A repeated claim_id, or some session claimable now."""
+        cs = consumer_sessions.c
+        async with self.db.read() as conn:
+            await self._group_row(conn, group)
+            if await self._claim_row(conn, group, claim_id) is not None:
+                return True
+            found = (await conn.execute(
+                sa.select(cs.session_id)
+                .where(cs.group_name == group, cs.acked_us.is_(None))
+                .where(sa.or_(cs.claim_id.is_(None), cs.expires_us <= now_us()))
+                .limit(1))).first()
+        return found is not None
 
     @staticmethod
     async def _claim_row(conn: AsyncConnection, group: str, claim_id: str) -> Any:
@@ -356,9 +374,9 @@ class Consumers:
     async def acks(self, group: str, step: int | None, after: str | None,
                    limit: int | None) -> dict[str, Any]:
         limit = check_limit(limit, 100, 1000)
-        if step is not None and step < 0:
+        if step is not None and not 0 <= step <= MAX_STEP:
             raise InvalidRequest("step must be a non-negative integer", field="step",
-                                 expected="integer >= 0", actual=step)
+                                 expected=f"integer in [0, {MAX_STEP}]", actual=step)
         start = cursor.decode(after, 2)
         ca = consumer_acks.c
         query = (sa.select(consumer_acks).where(ca.group_name == group)

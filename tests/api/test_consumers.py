@@ -117,6 +117,9 @@ async def test_a_repeated_claim_id_answers_200_with_the_original_body(client):
     first = await claim(client, name, "c-1", limit=5)
     repeat = await claim(client, name, "c-1", limit=1, lease_seconds=5)
     assert repeat.status_code == 200 and repeat.json() == first.json()
+    # Even with a long wait and nothing left, the repeat answers at once.
+    repeat = await asyncio.wait_for(claim(client, name, "c-1", wait=20), 3)
+    assert repeat.status_code == 200 and repeat.json() == first.json()
 
 
 @pytest.mark.parametrize("body", [{"limit": 0}, {"limit": 1001}, {"lease_seconds": 0},
@@ -287,3 +290,13 @@ async def test_metrics_show_consumer_counts_and_lag(client):
     text = (await client.get("/metrics")).text
     assert f'turnlog_consumer_sessions{{group="{name}",state="available"}} 1.0' in text
     assert f'turnlog_consumer_lag_seconds{{group="{name}"}}' in text
+
+
+@pytest.mark.parametrize("step", ["", "-1", str(2**63), "x"])
+async def test_ack_list_step_filter_is_checked(client, step):
+    name = await group(client, run_labels())
+    r = await client.get(f"/v1/consumers/{name}/acks", params={"step": step})
+    if step == "":
+        assert r.status_code == 200
+    else:
+        problem(r, 422, "invalid-request")

@@ -8,10 +8,12 @@ import json
 import random
 import struct
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load, save
 
+from app.main import create_app
 from app.simulator import SessionSimulator, SimConfig, SimRates
 from tests.factory import open_body, r3_b64, turn
 
@@ -127,7 +129,7 @@ async def test_wire_of_a_session_without_turns_carries_only_the_meta(client, sid
         "session_metrics": None, "errors": []}}
 
 
-async def test_response_and_prefix_cache_info_sum_the_kept_turns(client, sid):
+async def test_response_and_prefix_cache_info_sum_the_kept_turns(client, sid, settings):
     await client.post("/v1/sessions", json=open_body(sid, r3={"num_layers": 2},
                                                      pause_generation_mode="in_place"))
     first = turn([1, 2, 3], [1001, 1002], r3=r3_b64(4, 2, 2), start=0)
@@ -145,6 +147,13 @@ async def test_response_and_prefix_cache_info_sum_the_kept_turns(client, sid):
     (entry,) = meta["samples"]
     assert entry["response"] == "Hello"
     assert entry["prefix_cache_info"] == {"cached_tokens": 7, "total_prompt_tokens": 3}
+    # A fresh process folds the same facts back from the stored log.
+    app = create_app(settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://turnlog") as fresh:
+        again = await fresh.get(f"/v1/sessions/{sid}/samples", params={"format": "safetensors"})
+    await app.state.services.db.dispose()
+    assert again.content == await wire(client, sid)
 
 
 async def test_a_sample_whose_r3_has_a_gap_makes_the_whole_reply_422(client, sid):
