@@ -31,9 +31,10 @@ PROJECTIONS: dict[str, sa.Table] = {
 
 def _columns(table: sa.Table) -> list[sa.Column[Any]]:
     # `sessions.id` and `.xid` place the row in the list's order (its cursor), they are
-    # not values projected from events.
+    # not values projected from events; `.r3_pruned_bytes` is retention's mark, written
+    # with its `r3_pruned` event and never rewritten by a rebuild.
     return [c for c in table.columns
-            if not (table is sessions and c.name in ("id", "xid"))]
+            if not (table is sessions and c.name in ("id", "xid", "r3_pruned_bytes"))]
 
 
 async def projection_rows(
