@@ -156,7 +156,10 @@ def _pg_start(pg_ctl: str, cluster: _Cluster, role: str) -> str:
             f"-p {port} -k {shlex.quote(str(cluster.base))} -c listen_addresses=127.0.0.1 "
             "-c shared_preload_libraries=citus -c fsync=off -c synchronous_commit=off "
             "-c full_page_writes=off -c max_connections=300 -c max_prepared_transactions=300 "
-            f"-c citus.shard_count={SHARD_COUNT} -c citus.log_distributed_deadlock_detection=off"
+            f"-c citus.shard_count={SHARD_COUNT} -c citus.log_distributed_deadlock_detection=off "
+            # Two-phase commit records stay in pg_dist_transaction (recovery would clean
+            # them up every minute): tests count them to prove an append needs none.
+            "-c citus.recover_2pc_interval=-1"
         )
         subreaper = _set_child_subreaper(True)
         try:
