@@ -53,8 +53,7 @@ class GroupSpec:
         return {"labels": self.labels, "from": self.start}
 
     def label_texts(self) -> dict[str, str]:
-        """The labels as the session label index stores them (strings unquoted)."""
-        return {key: label_text(value) for key, value in self.labels.items()}
+        return label_texts(self.labels)
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,11 @@ class Holding:
         """Held under a lease that has not expired."""
         return self.claim_id is not None and self.expires_us is not None \
             and self.expires_us > now_us
+
+
+def label_texts(labels: Mapping[str, Any]) -> dict[str, str]:
+    """Labels as the session label index stores them (strings unquoted)."""
+    return {key: label_text(value) for key, value in labels.items()}
 
 
 def validate_group(group: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from app.domain.consumers import (
     Holding,
     ack_verdict,
     known_group,
+    label_texts,
     matches,
     parse_ack,
     parse_claim,
@@ -80,7 +81,7 @@ async def enqueue_closed(conn: AsyncConnection, session_id: str, labels: Mapping
     groups = (await conn.execute(
         sa.select(consumer_groups.c.group_name, consumer_groups.c.labels))).all()
     rows = [{"session_id": session_id, "group_name": g.group_name, "closed_us": closed_us}
-            for g in groups if matches(jsonio.loads(g.labels), labels)]
+            for g in groups if matches(label_texts(jsonio.loads(g.labels)), labels)]
     if rows:
         await conn.execute(consumer_sessions.insert(), rows)
 
@@ -101,9 +102,10 @@ class Claimed:
 
 
 class Consumers:
-    def __init__(self, db: Database, wakeup: Any = None) -> None:
+    def __init__(self, db: Database,
+                 wakeup: Callable[[], asyncio.Event] | None = None) -> None:
         self.db = db
-        # A callable returning an asyncio.Event set when a session closes here.
+        # The event a close in this process sets (waiting claims wake on it).
         self.wakeup = wakeup
 
     # -- groups ---------------------------------------------------------------
@@ -111,6 +113,14 @@ class Consumers:
     async def put_group(self, group: str, raw: Any) -> tuple[dict[str, Any], bool]:
         spec = parse_group(group, raw)
         fingerprint = jsonio.fingerprint(spec.body())
+        async with self.db.read() as conn:
+            # A repeat (every trainer defines its group at start) needs no lock.
+            stored = (await conn.execute(
+                sa.select(consumer_groups.c.fingerprint)
+                .where(consumer_groups.c.group_name == group))).scalar()
+        if stored is not None:
+            self._same(stored, fingerprint, group)
+            return await self.group(group), False
         try:
             async with self.db.write() as conn:
                 await _groups_lock(conn, shared=False)
@@ -141,7 +151,7 @@ class Consumers:
 
     async def _create(self, conn: AsyncConnection, spec: GroupSpec, fingerprint: str) -> None:
         await conn.execute(consumer_groups.insert().values(
-            group_name=spec.group, labels=jsonio.dumps(spec.label_texts()), start=spec.start,
+            group_name=spec.group, labels=jsonio.dumps(spec.labels), start=spec.start,
             fingerprint=fingerprint, epoch=0, created_us=now_us()))
         if spec.start != FROM_BEGINNING:
             return
@@ -223,7 +233,10 @@ class Consumers:
             try:
                 # While waiting, a read probes first: an empty attempt would take the
                 # write lock (SQLite) for nothing on every wake-up.
-                if final or await self._worth_trying(group, request.claim_id):
+                probe = True if final else await self._probe(group, request.claim_id)
+                if isinstance(probe, Claimed):
+                    return probe
+                if probe:
                     return await self._claim_once(group, request, allow_empty=final)
             except _NothingYet:
                 pass
@@ -242,13 +255,15 @@ class Consumers:
             else:
                 await asyncio.sleep(max(0.0, min(remaining, POLL_SECONDS)))
 
-    async def _worth_trying(self, group: str, claim_id: str) -> bool:
-        """A repeated claim_id, or some session claimable now."""
+    async def _probe(self, group: str, claim_id: str) -> Claimed | bool:
+        """The original reply of a repeated claim_id, else whether some session is
+        claimable now."""
         cs = consumer_sessions.c
         async with self.db.read() as conn:
             await self._group_row(conn, group)
-            if await self._claim_row(conn, group, claim_id) is not None:
-                return True
+            repeat = await self._claim_row(conn, group, claim_id)
+            if repeat is not None:
+                return Claimed(self._claim_body(repeat), created=False)
             found = (await conn.execute(
                 sa.select(cs.session_id)
                 .where(cs.group_name == group, cs.acked_us.is_(None))
@@ -271,10 +286,10 @@ class Consumers:
     async def _claim_once(self, group: str, request: ClaimRequest, allow_empty: bool
                           ) -> Claimed:
         cs = consumer_sessions.c
+        # A repeated claim_id is rare (a retry after a lost reply): it is caught by
+        # the claim row's primary key at the end, which rolls this attempt back,
+        # and `claim` answers the original; the common path pays no lookup.
         async with self.db.write() as conn:
-            repeat = await self._claim_row(conn, group, request.claim_id)
-            if repeat is not None:
-                return Claimed(self._claim_body(repeat), created=False)
             now = now_us()
             candidates = (await conn.execute(
                 sa.select(cs.session_id)

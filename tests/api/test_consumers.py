@@ -93,7 +93,10 @@ async def test_labels_match_as_label_filters_do(client):
     mine = await closed_session(client, labels)
     await closed_session(client, {**labels, "rollout_id": 13})
     name = await group(client, {"run_id": labels["run_id"], "rollout_id": 12})
-    assert (await claim(client, name, limit=10)).json()["sessions"] == [mine]
+    assert (await client.get(f"/v1/consumers/{name}")).json()["labels"] == \
+        {"run_id": labels["run_id"], "rollout_id": 12}
+    later = await closed_session(client, labels)
+    assert (await claim(client, name, limit=10)).json()["sessions"] == [mine, later]
 
 
 async def test_claims_hand_out_oldest_close_first_with_epochs_counting_every_claim(client):
@@ -300,3 +303,36 @@ async def test_ack_list_step_filter_is_checked(client, step):
         assert r.status_code == 200
     else:
         problem(r, 422, "invalid-request")
+
+
+async def test_sessions_closing_while_a_group_is_defined_join_it_exactly_once(client):
+    labels = run_labels()
+    opened = []
+    for _ in range(12):
+        sid = f"s-{uuid.uuid4().hex}"
+        await client.post("/v1/sessions", json=open_body(sid, labels=labels))
+        await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2], [3, 4]))
+        opened.append(sid)
+    name = f"g-{uuid.uuid4().hex[:12]}"
+
+    async def close(sid):
+        assert (await client.post(f"/v1/sessions/{sid}/close", json={})).status_code == 200
+
+    define = client.put(f"/v1/consumers/{name}", json={"labels": labels})
+    results = await asyncio.gather(define, *(close(sid) for sid in opened))
+    assert results[0].status_code == 201
+    got = (await claim(client, name, limit=100)).json()["sessions"]
+    assert sorted(got) == sorted(opened)
+
+
+async def test_the_same_claim_id_sent_twice_at_once_takes_one_batch(client):
+    labels = run_labels()
+    for _ in range(4):
+        await closed_session(client, labels)
+    name = await group(client, labels)
+    replies = await asyncio.gather(*(claim(client, name, "same", limit=2) for _ in range(4)))
+    assert sorted(r.status_code for r in replies) == [200, 200, 200, 201]
+    assert len({str(r.json()) for r in replies}) == 1
+    doc = (await client.get(f"/v1/consumers/{name}")).json()
+    assert (doc["leased"], doc["available"]) == (2, 2)
+    assert (await claim(client, name)).json()["epoch"] == 2
