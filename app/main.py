@@ -18,6 +18,7 @@ from app.api import (
     health,
     history,
     problems,
+    retention,
     samples,
     sessions,
     telemetry,
@@ -75,7 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        max_count=settings.max_headers)
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
     for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
-                   docs_ui, consumers):
+                   docs_ui, consumers, retention):
         app.include_router(module.router)
     ui.install(app)
     return app

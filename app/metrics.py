@@ -31,6 +31,12 @@ class ApiMetrics:
         self.r3_bytes = Counter(
             "turnlog_r3_stored_bytes", "Bytes of R3 patch data stored (narrowed dtype)",
             registry=self.registry)
+        self.r3_pruned_bytes = Counter(
+            "turnlog_r3_pruned_bytes", "Bytes of stored R3 freed by retention (narrowed dtype)",
+            registry=self.registry)
+        self.r3_pruned_sessions = Counter(
+            "turnlog_r3_pruned_sessions", "Sessions whose stored R3 retention freed",
+            registry=self.registry)
         self.fence_lag = Gauge(
             "turnlog_feed_fence_lag_seconds",
             "How long the feed fence holds committed events back: the wait of the oldest "

@@ -19,6 +19,7 @@ from app.store.history import History, metric_keys
 from app.store.integrity import IntegrityCheck
 from app.store.loader import StateCache
 from app.store.reads import Reader
+from app.store.retention import Retention
 from app.store.samples import SampleReader
 from app.store.writes import Writer
 
@@ -36,6 +37,7 @@ class Services:
     gates: Gates
     integrity: IntegrityCheck
     consumers: Consumers
+    retention: Retention
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
 
 
@@ -56,4 +58,5 @@ def build_services(settings: Settings) -> Services:
         integrity=IntegrityCheck(db, settings.integrity_check),
         # Closes notify the reader; claims waiting for sessions wake on the same event.
         consumers=Consumers(db, wakeup=lambda: reader.new_events),
+        retention=Retention(db, cache),
     )

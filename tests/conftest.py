@@ -1,8 +1,12 @@
-"""Shared fixtures: every store and API test runs on SQLite and a real PostgreSQL.
+"""Shared fixtures: every store and API test runs on SQLite, a real PostgreSQL and Citus.
 
-`db_url` is parametrized over both backends; the PostgreSQL server comes from
+`db_url` is parametrized over the three backends; the PostgreSQL server comes from
 `tests/pg/` (TEST_POSTGRES_URL, testcontainers, or a throwaway cluster
 from the installed binaries) and its absence fails the run, never skips it.
+The Citus cluster (one coordinator, two workers) comes from `tests/citusserver.py`;
+it is skipped only where the bundled installer says Citus does not apply to
+the machine (exit 3), any other failure fails. Tests marked `not_citus` (the
+slow property and fuzz suites) run on SQLite and PostgreSQL only.
 Each backend gets one fresh database per test process, built by the real
 migrations; tests isolate themselves with unique session ids.
 """
@@ -20,12 +24,31 @@ import pytest
 from app.main import create_app
 from app.settings import Settings
 from app.store import migrate
+from tests.citusserver import (
+    CitusCluster,
+    CitusUnavailable,
+    create_citus_database,
+    drop_citus_database,
+    start_citus,
+)
 from tests.pg import PostgresServer, create_database, drop_database, start_postgres
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres", "citus")
 # The in-process clients talk to "http://turnlog": without tokens the app answers only
 # loopback host names and TURNLOG_ALLOWED_HOSTS (tests/fuzz/test_hardening.py checks that).
 os.environ.setdefault("TURNLOG_ALLOWED_HOSTS", "turnlog")
+# Database URLs handed out on the Citus cluster (they look like any PostgreSQL URL).
+CITUS_URLS: set[str] = set()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `not_citus` keep their SQLite and PostgreSQL runs only."""
+    skip = pytest.mark.skip(reason="not run on Citus: slow property/fuzz suite (CI time)")
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if (callspec is not None and callspec.params.get("db_url") == "citus"
+                and item.get_closest_marker("not_citus")):
+            item.add_marker(skip)
 
 
 def _worker() -> str:
@@ -40,6 +63,16 @@ def postgres_server() -> PostgresServer:
         pytest.fail(f"PostgreSQL is required for the store tests: {exc}", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def citus_cluster() -> CitusCluster:
+    try:
+        return start_citus()
+    except CitusUnavailable as exc:
+        pytest.skip(str(exc))
+    except RuntimeError as exc:
+        pytest.fail(f"the Citus test cluster did not start: {exc}", pytrace=False)
+
+
 def sqlite_url(directory: Path, name: str) -> str:
     return f"sqlite+aiosqlite:///{directory / name}.db"
 
@@ -51,11 +84,18 @@ def fresh_database(
     """A factory `fresh(backend) -> url` of empty databases (not migrated)."""
     created: list[str] = []
     server: list[PostgresServer] = []
+    cluster_created: list[tuple[CitusCluster, str]] = []
 
     def fresh(backend: str) -> str:
         name = f"turnlog_{_worker()}_{uuid.uuid4().hex[:8]}"
         if backend == "sqlite":
             return sqlite_url(tmp_path_factory.mktemp("db"), name)
+        if backend == "citus":
+            cluster = request.getfixturevalue("citus_cluster")
+            cluster_created.append((cluster, name))
+            url = create_citus_database(cluster, name)
+            CITUS_URLS.add(url)
+            return url
         if not server:
             server.append(request.getfixturevalue("postgres_server"))
         created.append(name)
@@ -64,6 +104,8 @@ def fresh_database(
     yield fresh
     for name in created:
         drop_database(server[0], name)
+    for cluster, name in cluster_created:
+        drop_citus_database(cluster, name)
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
@@ -74,9 +116,15 @@ def db_url(request: pytest.FixtureRequest, fresh_database: object) -> str:
     return url
 
 
+def backend_of(url: str) -> str:
+    if url.startswith("sqlite"):
+        return "sqlite"
+    return "citus" if url in CITUS_URLS else "postgres"
+
+
 @pytest.fixture
 def backend(db_url: str) -> str:
-    return "sqlite" if db_url.startswith("sqlite") else "postgres"
+    return backend_of(db_url)
 
 
 POSTGRES_ONLY = "PostgreSQL only"
@@ -85,7 +133,7 @@ POSTGRES_ONLY = "PostgreSQL only"
 @pytest.fixture(autouse=True)
 def _postgres_only(request: pytest.FixtureRequest) -> None:
     """`@pytest.mark.postgres_only`: on SQLite the test is reported "skipped: PostgreSQL
-    only" (counted as such), never a pass that checked nothing.
+    only" (counted as such), never a pass that checked nothing. Citus is PostgreSQL.
 
     Decided from the test's `db_url` parameter before any database is touched.
     """
@@ -96,7 +144,7 @@ def _postgres_only(request: pytest.FixtureRequest) -> None:
     param = None if callspec is None else callspec.params.get("db_url")
     if param is None:
         raise pytest.UsageError(f"{request.node.nodeid}: postgres_only needs the db_url fixture")
-    if param != "postgres":
+    if param == "sqlite":
         pytest.skip(marker.kwargs.get("reason", POSTGRES_ONLY))
 
 

@@ -23,6 +23,7 @@ from app.cli.browse import sessions, show, tail
 from app.cli.common import CliError, DatabaseUrl, check_database, err, mask, resolve_url
 from app.cli.consumers import consumers_cli
 from app.cli.demo import demo
+from app.cli.retention import retention_cli
 from app.cli.store import rebuild, replay
 from app.cli.transfer import export, import_
 from app.settings import get_settings
@@ -202,6 +203,7 @@ cli.add_typer(gate_cli, name="gate")
 cli.add_typer(history_cli, name="history")
 cli.add_typer(analytics_cli, name="analytics")
 cli.add_typer(consumers_cli, name="consumers")
+cli.add_typer(retention_cli, name="retention")
 
 
 def main() -> None:

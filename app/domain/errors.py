@@ -222,3 +222,9 @@ class UnknownClaim(DomainError):
     slug = "unknown-claim"
     status = 404
     title = "Unknown claim"
+
+
+class R3Pruned(DomainError):
+    slug = "r3-pruned"
+    status = 410
+    title = "R3 was freed by retention"

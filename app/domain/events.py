@@ -26,7 +26,9 @@ from app.domain.turn import OMITTED, TurnBody, TurnFacts, parse_turn
 SESSION_OPENED = "session_opened"
 TURN_RECORDED = "turn_recorded"
 SESSION_CLOSED = "session_closed"
-EVENT_TYPES = (SESSION_OPENED, TURN_RECORDED, SESSION_CLOSED)
+# The session's stored R3 was freed by retention (`{"bytes": n}`); folds ignore it.
+R3_PRUNED = "r3_pruned"
+EVENT_TYPES = (SESSION_OPENED, TURN_RECORDED, SESSION_CLOSED, R3_PRUNED)
 TOKEN_DTYPE = np.dtype("<i4")
 
 

@@ -60,7 +60,7 @@ async def recent_sessions(
         # The feed head first: anything committed after it reaches the page live.
         head = sa.select(events.c.xid, events.c.position).order_by(
             events.c.xid.desc(), events.c.position.desc()).limit(1)
-        event_fence = feed_fence(conn)
+        event_fence = await feed_fence(conn)
         if event_fence is not None:
             head = head.where(event_fence)
         last_event = (await conn.execute(head)).first()
@@ -68,7 +68,7 @@ async def recent_sessions(
                  .order_by(sessions.c.xid.desc(), sessions.c.id.desc()).limit(limit))
         if status is not None:
             query = query.where(sessions.c.status == status)
-        fence = feed_fence(conn, sessions.c.xid)
+        fence = await feed_fence(conn, sessions.c.xid)
         if fence is not None:
             query = query.where(fence)
         rows = (await conn.execute(query)).mappings().all()

@@ -398,7 +398,7 @@ class Consumers:
             query = query.where(ca.step == step)
         async with self.db.read() as conn:
             await self._group_row(conn, group)
-            fence = feed_fence(conn, ca.xid)
+            fence = await feed_fence(conn, ca.xid)
             if fence is not None:
                 query = query.where(fence)
             rows = (await conn.execute(query)).all()

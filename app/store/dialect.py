@@ -17,6 +17,21 @@ transaction id is below the oldest transaction still running in its snapshot
 a later one was read can never be skipped. SQLite has a single writer and its
 rowid order is commit order, so it needs no fence. Also the append's row
 lock, the upsert and code-point text order.
+
+The horizon is read by a statement of its own, before the page query, and
+bound as a value. On a single PostgreSQL that changes nothing (a transaction
+below the horizon committed before it was read, so the page's later snapshot
+sees it). On Citus it is what makes the fence valid at all: transaction ids
+are per node, and a function in a query over distributed tables runs on the
+workers, against the workers' own ids. turnlog's rows carry the
+*coordinator's* transaction id (the column default is evaluated on the
+coordinator, where every insert is planned), and the horizon must be the
+coordinator's too. It holds because every write transaction of turnlog
+touches one session, so one worker: Citus commits such a transaction on the
+worker (one-phase commit) before the coordinator's own commit ends it, so
+once the coordinator no longer sees it running, its rows are visible on the
+worker. (A transaction spanning two workers would use two-phase commit,
+whose COMMIT PREPARED follows the coordinator's commit; turnlog has none.)
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from app.settings import Settings
 from app.store.schema import events
 
-PG_XMIN = "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+PG_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 
 
 def _is_postgres(conn: AsyncConnection) -> bool:
@@ -123,13 +138,18 @@ def create_engines(url: str, settings: Settings) -> tuple[AsyncEngine, AsyncEngi
 
 # -- SQL --------------------------------------------------------------------------
 
-def feed_fence(
+async def feed_fence(
     conn: AsyncConnection, xid: ColumnElement[int] = events.c.xid
 ) -> ColumnElement[bool] | None:
     """Rows of transactions that can no longer commit behind a reader (PG only)."""
-    if _is_postgres(conn):
-        return xid < sa.text(PG_XMIN)
-    return None
+    if not _is_postgres(conn):
+        return None
+    return xid < await _horizon(conn)
+
+
+async def _horizon(conn: AsyncConnection) -> int:
+    """The coordinator's transaction horizon, read by a statement of its own (see above)."""
+    return int((await conn.execute(sa.text(PG_XMIN))).scalar_one())
 
 
 async def fence_lag_seconds(conn: AsyncConnection, now_us: int) -> float:
@@ -144,7 +164,7 @@ async def fence_lag_seconds(conn: AsyncConnection, now_us: int) -> float:
     if not _is_postgres(conn):
         return 0.0
     held_us = (await conn.execute(
-        sa.select(sa.func.min(events.c.recorded_us)).where(events.c.xid >= sa.text(PG_XMIN))
+        sa.select(sa.func.min(events.c.recorded_us)).where(events.c.xid >= await _horizon(conn))
     )).scalar()
     running = (await conn.execute(sa.text(
         "SELECT EXTRACT(EPOCH FROM clock_timestamp() - min(xact_start)) "

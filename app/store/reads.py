@@ -78,17 +78,21 @@ class EventsPage:
     a 100,000-event reply never exists as Python objects all at once."""
 
     def __init__(self, rows: list[Any], state: Any, patches: dict[int, Patch],
-                 include_r3: bool) -> None:
+                 include_r3: bool, pruned: bool = False) -> None:
         self.rows = rows
         self.state = state
         self.patches = patches
         self.include_r3 = include_r3
+        self.pruned = pruned  # the session's R3 was freed by retention
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def event(self, index: int) -> dict[str, Any]:
-        return Reader._event(self.rows[index], self.state, self.patches, self.include_r3)
+        event = Reader._event(self.rows[index], self.state, self.patches, self.include_r3)
+        if self.pruned and event["type"] == TURN_RECORDED:
+            event["r3_pruned"] = True
+        return event
 
     def encoded(self, start: int, stop: int) -> bytes:
         """Events `[start, stop)` as JSON array members, comma-separated (no brackets)."""
@@ -147,11 +151,14 @@ class Reader:
                 query = query.where(events.c.position > after)
             rows = (await conn.execute(query)).mappings().all()
             patches: dict[int, Patch] = {}
+            # Freed by retention: turns read back as with include_r3=false, marked.
+            pruned = row["r3_pruned_bytes"] is not None
+            include_r3 = include_r3 and not pruned
             if include_r3:
                 patches = await load_patches(
                     conn, session_id, (r["seq"] for r in rows if r["seq"] is not None))
         kept = [r for r in rows if r["seq"] is None or r["seq"] < len(state.nodes)]
-        return EventsPage(kept, state, patches, include_r3)
+        return EventsPage(kept, state, patches, include_r3, pruned)
 
     @staticmethod
     def _event(row: Any, state: Any, patches: dict[int, Patch],
@@ -191,7 +198,7 @@ class Reader:
         if status is not None:
             query = query.where(sessions.c.status == status)
         async with self.db.read() as conn:
-            fence = feed_fence(conn, sessions.c.xid)
+            fence = await feed_fence(conn, sessions.c.xid)
             if fence is not None:
                 query = query.where(fence)
             rows = (await conn.execute(query)).mappings().all()
@@ -210,7 +217,7 @@ class Reader:
                 .order_by(events.c.xid, events.c.position)
                 .limit(limit)
             )
-            fence = feed_fence(conn)
+            fence = await feed_fence(conn)
             if fence is not None:
                 query = query.where(fence)
             return list(await conn.execute(query))
@@ -220,7 +227,7 @@ class Reader:
         async with self.db.read() as conn:
             query = (sa.select(events.c.xid, events.c.position)
                      .order_by(events.c.xid.desc(), events.c.position.desc()).limit(1))
-            fence = feed_fence(conn)
+            fence = await feed_fence(conn)
             if fence is not None:
                 query = query.where(fence)
             last = (await conn.execute(query)).first()

@@ -34,9 +34,10 @@ PROJECTIONS: dict[str, sa.Table] = {
 
 def _columns(table: sa.Table) -> list[sa.Column[Any]]:
     # `sessions.id` and `.xid` place the row in the list's order (its cursor), they are
-    # not values projected from events.
+    # not values projected from events; `.r3_pruned_bytes` is retention's mark, written
+    # with its `r3_pruned` event and never rewritten by a rebuild.
     return [c for c in table.columns
-            if not (table is sessions and c.name in ("id", "xid"))]
+            if not (table is sessions and c.name in ("id", "xid", "r3_pruned_bytes"))]
 
 
 async def projection_rows(
@@ -87,8 +88,10 @@ async def rebuild_session(db: Database, session_id: str) -> None:
             await conn.execute(table.delete().where(table.c.session_id == session_id))
             if rows[name]:
                 await conn.execute(table.insert(), rows[name])
+        # The key is not rewritten (Citus refuses any SET of the distribution column).
+        head = {k: v for k, v in rows["sessions"][0].items() if k != "session_id"}
         await conn.execute(sessions.update().where(sessions.c.session_id == session_id)
-                           .values(**rows["sessions"][0]))
+                           .values(**head))
 
 
 @dataclass

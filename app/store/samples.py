@@ -16,14 +16,14 @@ from typing import Any
 import sqlalchemy as sa
 
 from app.domain.assembly import PlanSlice, R3Plan, check_patches, check_slice, plan_shape, take
-from app.domain.errors import R3Gap, SessionOpen
+from app.domain.errors import R3Gap, R3Pruned, SessionOpen
 from app.domain.r3 import DTYPES, Patch, npy_header
 from app.domain.r3_slices import Bounds, parse_bounds, restrict, slice_blocks, slice_shape
 from app.domain.samples import SamplesResult, build_samples
 from app.domain.samples_wire import WireLayout, wire_layout
 from app.store.db import Database
 from app.store.loader import StateCache, load_patches, load_state, session_row
-from app.store.schema import r3_patches
+from app.store.schema import r3_patches, sessions
 
 # Rows are widened to int32 in blocks of about this size, so a reply never
 # holds a second copy of a large tensor.
@@ -37,6 +37,24 @@ class SampleReader:
         self.capacity = capacity
         # A closed session never changes, so its samples can be kept as built.
         self._closed: OrderedDict[str, SamplesResult] = OrderedDict()
+        # Sessions whose R3 retention freed: that never reverts, so it can be kept.
+        self._pruned: set[str] = set()
+
+    async def pruned(self, session_id: str) -> bool:
+        """Whether retention freed this session's R3 (asked of the database until it has)."""
+        if session_id in self._pruned:
+            return True
+        async with self.db.read() as conn:
+            freed = (await conn.execute(sa.select(sessions.c.r3_pruned_bytes).where(
+                sessions.c.session_id == session_id))).scalar()
+        if freed is not None:
+            self._pruned.add(session_id)
+        return freed is not None
+
+    @staticmethod
+    def _gone(session_id: str) -> R3Pruned:
+        return R3Pruned(f"the R3 of session {session_id!r} was freed by retention",
+                        field="r3", expected="stored R3", actual="pruned")
 
     async def result(self, session_id: str) -> SamplesResult:
         kept = self._closed.get(session_id)
@@ -57,10 +75,18 @@ class SampleReader:
         return result
 
     async def samples(self, session_id: str, arrays: bool) -> dict[str, Any]:
-        return (await self.result(session_id)).to_json(arrays)
+        body = (await self.result(session_id)).to_json(arrays)
+        if await self.pruned(session_id):
+            for sample in body["samples"]:
+                if sample["r3"] is not None:
+                    sample["r3"] = {**sample["r3"], "pruned": True}
+        return body
 
     async def r3_plan(self, session_id: str, index: int) -> R3Plan:
-        return (await self.result(session_id)).sample(index).read_plan()
+        sample = (await self.result(session_id)).sample(index)
+        if sample.r3 is not None and await self.pruned(session_id):
+            raise self._gone(session_id)
+        return sample.read_plan()
 
     async def _patches(self, session_id: str, seqs: list[int]) -> dict[int, Patch]:
         async with self.db.read() as conn:
@@ -73,6 +99,10 @@ class SampleReader:
         patches = await self._patches(
             session_id, sorted({p.seq for plan in plans for p in plan.slices}))
         for plan in plans:
+            for piece in plan.slices:
+                patch = patches.get(piece.seq)
+                if patch is not None and not patch.data and piece.row_to > piece.row_from:
+                    raise self._gone(session_id)  # freed after the sample was planned
             check_patches(plan, patches)
         return patches
 
@@ -94,7 +124,10 @@ class SampleReader:
         """The samples as a safetensors file: its layout and every patch its R3
         tensors read, checked before the reply starts (a gap is a 422, never a
         truncated 200)."""
-        layout = wire_layout(await self.result(session_id))
+        result = await self.result(session_id)
+        if any(s.r3 is not None for s in result.samples) and await self.pruned(session_id):
+            raise self._gone(session_id)
+        layout = wire_layout(result)
         patches = await self.read_patches(session_id, *layout.plans.values())
         return layout, patches
 
@@ -163,6 +196,8 @@ class SampleReader:
                                              (piece.row_to - piece.row_from) * row_bytes,
                                              type_=sa.LargeBinary))
                     .where(rp.session_id == session_id, rp.seq == piece.seq))).scalar_one()
+                if len(data) != (piece.row_to - piece.row_from) * row_bytes:
+                    raise self._gone(session_id)  # freed after the sample was planned
                 out[piece.seq] = Patch(start=shape.start_row + piece.row_from,
                                        end=shape.start_row + piece.row_to,
                                        num_layers=shape.num_layers, topk=shape.topk,

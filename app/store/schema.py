@@ -69,6 +69,9 @@ sessions = sa.Table(
     # samples projection, session level
     sa.Column("empty_reason", sa.String(32), nullable=True),
     sa.Column("sample_errors", sa.Text, nullable=True),
+    # R3 retention: bytes freed (NULL while the session's R3 is stored). Written with
+    # the `r3_pruned` event; like `id` and `xid` it is not rewritten by rebuild.
+    sa.Column("r3_pruned_bytes", sa.BigInteger, nullable=True),
     sa.Index("ix_sessions_xid_id", "xid", "id"),
 )
 

@@ -28,6 +28,9 @@ from app.settings import Settings
 from tests.factory import open_body, r3_b64, turn
 from tests.fuzz.budget import DERANDOMIZE, examples
 
+# Hundreds of appends per backend: run on SQLite and PostgreSQL, not repeated on Citus.
+pytestmark = pytest.mark.not_citus
+
 MAX_EXAMPLES = examples(25)
 PROBLEM_KEYS = ("type", "title", "status", "detail")
 

@@ -30,6 +30,9 @@ from app.simulator import fold_in_memory
 from tests.factory import open_body, r3_b64, turn
 from tests.fuzz.budget import DERANDOMIZE, examples
 
+# Hundreds of appends per backend: run on SQLite and PostgreSQL, not repeated on Citus.
+pytestmark = pytest.mark.not_citus
+
 L, K = 2, 2
 Path = tuple[str | int, ...]
 META: Path = ("record", "response", "choices", 0, "meta_info")

@@ -87,6 +87,51 @@ async def test_feed_never_skips_a_slow_transaction(client, db_url, sid):
     assert [e["type"] for e in page["events"]] == ["session_opened", "turn_recorded"]
 
 
+async def worker_of(conn, session_id):
+    return (await conn.execute(sa.text(
+        "SELECT nodeport FROM citus_shards WHERE table_name = 'events'::regclass "
+        "AND shardid = get_shard_id_for_distribution_column('events', CAST(:s AS text))"),
+        {"s": session_id})).scalar_one()
+
+
+async def test_feed_never_skips_a_slow_transaction_on_another_worker(client, db_url, backend,
+                                                                    sid):
+    """Citus: transaction ids and snapshots are per node. A writer held open on one
+    worker must hold back a later, committed append on the other worker."""
+    if backend != "citus":
+        pytest.skip("Citus only: needs two workers")
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.connect() as conn:
+            slow_sid, fast_sid = f"{sid}-slow", None
+            slow_port = await worker_of(conn, slow_sid)
+            for i in range(64):
+                if await worker_of(conn, f"{sid}-fast{i}") != slow_port:
+                    fast_sid = f"{sid}-fast{i}"
+                    break
+        assert fast_sid is not None
+        for s in (slow_sid, fast_sid):
+            assert (await client.post("/v1/sessions", json=open_body(s))).status_code == 201
+        cur = await tail_cursor(client)
+        async with engine.connect() as slow:
+            await slow.begin()
+            await slow.execute(sa.text(
+                "INSERT INTO events (session_id, type, payload, recorded_us) "
+                "VALUES (:s, 'session_opened', '{\"session\": {}}', 0)"), {"s": slow_sid})
+            for i in range(3):
+                fast = await client.post(f"/v1/sessions/{fast_sid}/turns",
+                                         json=turn([1, 2 + i], [3]))
+                assert fast.status_code == 201
+            page = (await client.get("/v1/events", params={"after": cur})).json()
+            assert page == {"events": [], "next": cur}  # the fence holds the fast worker back
+            await slow.commit()
+    finally:
+        await engine.dispose()
+    page = (await client.get("/v1/events", params={"after": cur})).json()
+    assert [(e["session_id"], e["type"]) for e in page["events"]] == [
+        (slow_sid, "session_opened")] + [(fast_sid, "turn_recorded")] * 3
+
+
 async def test_list_sessions_filters_by_labels_and_status(client, sid):
     run = sid
     await client.post("/v1/sessions", json=open_body(f"{sid}-a", labels={

@@ -12,7 +12,7 @@ from app.store import migrate
 from app.store.schema import metadata
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", "postgres", "citus"])
 def empty_url(request, fresh_database):
     return fresh_database(request.param)
 

@@ -8,6 +8,7 @@ import random
 import uuid
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -41,6 +42,7 @@ async def play(client, config, seed, turns, max_seq_len):
     return sim, bodies, close
 
 
+@pytest.mark.not_citus  # a property suite: SQLite and PostgreSQL (CI time)
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cfg=configs, seed=st.integers(0, 2**32), turns=st.integers(1, 9),

@@ -1,0 +1,68 @@
+"""`turnlog retention r3 --consumer G --acked-before T [--dry-run]`: free acknowledged R3.
+
+Runs against the store directly (`--database-url`, default
+TURNLOG_DATABASE_URL), one session per transaction behind a progress bar,
+then VACUUMs the patch table on PostgreSQL so the freed pages are reusable
+at once. The rules are the store's (`app/store/retention.py`); this prints.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+from app.cli.common import (
+    AsJson,
+    DatabaseUrl,
+    check_database,
+    echo_json,
+    err,
+    out,
+    resolve_url,
+    with_services,
+)
+from app.domain.retention import parse_r3_retention
+
+retention_cli = typer.Typer(no_args_is_help=True,
+                            help="Retention: free R3 a consumer group has trained on.")
+
+
+@retention_cli.command("r3")
+def retention_r3(
+    consumer: Annotated[str, typer.Option(help="Consumer group whose acks count")],
+    acked_before: Annotated[str, typer.Option(
+        help="ISO-8601 time (UTC without a zone): sessions acked strictly before it")],
+    dry_run: Annotated[bool, typer.Option(help="Report what would be freed, change nothing")]
+    = False,
+    vacuum: Annotated[bool, typer.Option(
+        help="VACUUM r3_patches afterwards (PostgreSQL) so the space is reusable now")] = True,
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
+) -> None:
+    """Free the stored R3 of every session CONSUMER acknowledged before ACKED_BEFORE."""
+    # A bad argument is a DomainError: the common error path reports it (exit 2).
+    request = parse_r3_retention({"consumer": consumer, "acked_before": acked_before,
+                                  "dry_run": dry_run})
+
+    async def run(svc: Any) -> Any:
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
+                      transient=True) as bar:
+            task = bar.add_task("checking sessions" if dry_run else "freeing R3", total=None)
+            result = await svc.retention.prune(
+                request, lambda done, total: bar.update(task, completed=done, total=total))
+        if result.sessions and vacuum and not dry_run:
+            await svc.retention.vacuum()
+        return result
+
+    store = resolve_url(database_url)
+    check_database(store)
+    result = with_services(store, run)
+    body = {"sessions": result.sessions, "bytes": result.bytes, "dry_run": dry_run}
+    if as_json:
+        echo_json(body)
+        return
+    verb = "would free" if dry_run else "freed"
+    out().print(f"{verb} {result.bytes} bytes of R3 in {result.sessions} session(s)")

@@ -1,0 +1,129 @@
+"""R3 retention: free the stored R3 of sessions a consumer group acknowledged.
+
+One short transaction per session, locked like an append (so on Citus it is
+one worker's, like every write): skip a session already freed or without
+stored R3; else append an `r3_pruned` event (`{"bytes": n}`, seen in the
+session's events and the feed), mark the session (`r3_pruned_bytes`) and
+empty the `data` of its patch rows. Everything else of a patch row — its
+rows, layers, topk, dtype — stays, so the tree and `/state` still report
+the rows each turn covered, and folds, rebuild and replay are unchanged.
+
+The immutability trigger allows exactly this update (migration 0005): on
+PostgreSQL only while the transaction-local setting `turnlog.r3_prune` is
+on (on Citus the setting is propagated to the worker with
+`citus.propagate_set_commands`); on SQLite only once the session row is
+marked. On PostgreSQL the freed bytes were TOAST chunks (R3 is stored
+EXTERNAL, out of line): after the update they are dead tuples, and VACUUM
+(autovacuum, or `vacuum()` here) makes their pages reusable by new patches,
+so the table stops growing; returning the pages to the operating system
+needs `VACUUM FULL` / pg_repack, which lock the table.
+
+Refuses: deciding which sessions a group acknowledged (the consumer tables
+say), and anything but R3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from app.domain import jsonio
+from app.domain.errors import UnknownConsumer
+from app.domain.events import R3_PRUNED
+from app.domain.retention import R3Retention
+from app.store.citus import DETECT
+from app.store.db import Database
+from app.store.loader import StateCache, session_row
+from app.store.schema import consumer_groups, consumer_sessions, events, r3_patches, sessions
+from app.store.writes import now_us
+
+
+@dataclass(frozen=True)
+class Pruned:
+    sessions: int
+    bytes: int
+    # (session_id, bytes) of each session freed (or that would be, on a dry run).
+    freed: tuple[tuple[str, int], ...] = ()
+
+
+class Retention:
+    def __init__(self, db: Database, cache: StateCache) -> None:
+        self.db = db
+        self.cache = cache
+        self._citus: bool | None = None
+
+    async def candidates(self, request: R3Retention) -> list[str]:
+        """Sessions the group acknowledged strictly before the time, oldest ack first."""
+        cs = consumer_sessions.c
+        async with self.db.read() as conn:
+            known = (await conn.execute(sa.select(consumer_groups.c.group_name).where(
+                consumer_groups.c.group_name == request.consumer))).first()
+            if known is None:
+                raise UnknownConsumer(f"no consumer group {request.consumer!r}",
+                                      field="consumer", expected="an existing consumer group",
+                                      actual=request.consumer)
+            return list((await conn.execute(
+                sa.select(cs.session_id)
+                .where(cs.group_name == request.consumer, cs.acked_us.is_not(None),
+                       cs.acked_us < request.acked_before_us)
+                .order_by(cs.acked_us, cs.session_id))).scalars())
+
+    async def _is_citus(self) -> bool:
+        if self._citus is None:
+            if (self.db.dialect == "sqlite"):
+                self._citus = False
+            else:
+                async with self.db.read() as conn:
+                    self._citus = (await conn.execute(sa.text(DETECT))).first() is not None
+        return self._citus
+
+    async def prune_session(self, session_id: str, dry_run: bool) -> int:
+        """Free one session's R3; the bytes freed (0: already freed or none stored)."""
+        rp = r3_patches.c
+        async with self.db.write() as conn:
+            if not dry_run and self.db.dialect != "sqlite":
+                # Set first, so Citus sends it to the worker before the statements there.
+                if await self._is_citus():
+                    await conn.execute(sa.text(
+                        "SET LOCAL citus.propagate_set_commands = 'local'"))
+                await conn.execute(sa.text("SET LOCAL turnlog.r3_prune = 'on'"))
+            row = await session_row(conn, session_id, lock=True)
+            if row["r3_pruned_bytes"] is not None:
+                return 0
+            stored = int((await conn.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(rp.data)), 0))
+                .where(rp.session_id == session_id))).scalar_one())
+            if stored == 0 or dry_run:
+                return stored
+            await conn.execute(events.insert().values(
+                session_id=session_id, type=R3_PRUNED, payload=jsonio.dumps({"bytes": stored}),
+                recorded_us=now_us()))
+            await conn.execute(sessions.update().where(sessions.c.session_id == session_id)
+                               .values(r3_pruned_bytes=stored))
+            await conn.execute(r3_patches.update().where(rp.session_id == session_id)
+                               .values(data=b""))
+        self.cache.forget(session_id)
+        return stored
+
+    async def prune(self, request: R3Retention,
+                    progress: Callable[[int, int], None] | None = None) -> Pruned:
+        ids = await self.candidates(request)
+        freed: list[tuple[str, int]] = []
+        for done, session_id in enumerate(ids, start=1):
+            count = await self.prune_session(session_id, request.dry_run)
+            if count:
+                freed.append((session_id, count))
+            if progress is not None:
+                progress(done, len(ids))
+        return Pruned(len(freed), sum(n for _, n in freed), tuple(freed))
+
+    async def vacuum(self) -> None:
+        """Make the freed TOAST pages reusable now rather than at autovacuum's next pass
+        (PostgreSQL and Citus; SQLite reuses freed pages by itself)."""
+        if (self.db.dialect == "sqlite"):
+            return
+        async with self.db.writer.connect() as conn:
+            auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            await auto.execute(sa.text("VACUUM r3_patches"))
