@@ -32,24 +32,39 @@ from typing import Any
 
 from sqlalchemy.engine import URL, make_url
 
-from tests.pgserver import (
-    DB_SUPERUSER,
-    MAINTENANCE_DB,
+from tests.pg.admin import _terminate_and_drop
+from tests.pg.admin import connect as _connect
+from tests.pg.admin import quote_ident as _quote_ident
+from tests.pg.admin import run_in_thread as _run_in_thread
+from tests.pg.binaries import as_postgres_user as _as_postgres_user
+from tests.pg.binaries import ensure_os_user as _ensure_os_user
+from tests.pg.binaries import run as _run
+from tests.pg.cluster import (
     PG_CTL_TIMEOUT_S,
-    _as_postgres_user,
-    _Cluster,
-    _connect,
-    _ensure_os_user,
     _free_port,
     _make_base_dir,
-    _quote_ident,
     _read_postmaster_pid,
-    _run,
-    _run_in_thread,
     _set_child_subreaper,
+    _stop_cluster,
     _tail,
-    _terminate_and_drop,
 )
+from tests.pg.common import DB_SUPERUSER, MAINTENANCE_DB
+
+
+@dataclass
+class _Cluster:
+    """One node's data directory and postmaster, stopped by its owner process only."""
+
+    pg_ctl: str
+    base: Path
+    owner_pid: int
+    postmaster_pid: int | None = None
+
+    def cleanup(self) -> None:
+        if os.getpid() != self.owner_pid:  # forked child: not ours to stop
+            return
+        _stop_cluster(self.pg_ctl, self.base, self.postmaster_pid)
+
 
 __all__ = ["CitusCluster", "CitusUnavailable", "create_citus_database",
            "drop_citus_database", "start_citus"]
