@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 
-from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, json_body
+from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, turn_body, wants_msgpack
 from app.api.docs import OPEN_BODY, TURN_BODY
 from app.api.problems import JSONText
 from app.api.telemetry import turn_appended, turn_rejected
+from app.domain import msgpackio
 from app.domain.errors import DomainError
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -51,7 +52,7 @@ async def get_session(session_id: str, svc: ServicesDep) -> JSONText:
 async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JSONText:
     started, body = time.perf_counter(), None
     try:
-        body = await json_body(request)
+        body = await turn_body(request)
         written = await svc.writer.append_turn(session_id, body)
     except DomainError as exc:
         turn_rejected(svc.metrics, session_id, body, exc, started)
@@ -62,14 +63,24 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
     return JSONText(written.body, status_code=201 if written.created else 200)
 
 
-@router.get("/{session_id}/events")
+@router.get("/{session_id}/events",
+            responses={200: {"content": {"application/json": {}, msgpackio.MEDIA_TYPE: {}}}})
 async def session_events(
     session_id: str,
     svc: ServicesDep,
+    request: Request,
     after: Annotated[int | None, Blank, Query(ge=0, lt=2**63)] = None,
     limit: OptLimit = None,
     include_r3: bool = True,
-) -> JSONText:
+) -> Response:
+    """`Accept: application/msgpack` answers the same page as MessagePack, R3 as bin."""
+    if wants_msgpack(request):
+        page = await svc.reader.session_events(session_id, after, limit, include_r3,
+                                               r3_raw=True)
+        try:
+            return Response(msgpackio.dumps(page), media_type=msgpackio.MEDIA_TYPE)
+        except UnicodeEncodeError:
+            pass  # a JSON-appended lone surrogate has no UTF-8 form: answer JSON, as allowed
     return JSONText(await svc.reader.session_events(session_id, after, limit, include_r3))
 
 

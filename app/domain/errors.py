@@ -166,3 +166,11 @@ class Forbidden(DomainError):
     slug = "forbidden"
     status = 403
     title = "API token lacks the required scope"
+
+
+class UnsupportedMediaType(DomainError):
+    """A request body in a content type the route does not read (docs/ingest.md)."""
+
+    slug = "unsupported-media-type"
+    status = 415
+    title = "Unsupported media type"

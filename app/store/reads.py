@@ -112,8 +112,10 @@ class Reader:
         return state.resume(leaf)
 
     async def session_events(
-        self, session_id: str, after: int | None, limit: int | None, include_r3: bool
+        self, session_id: str, after: int | None, limit: int | None, include_r3: bool,
+        r3_raw: bool = False,
     ) -> list[dict[str, Any]]:
+        """The page of events; `r3_raw` gives R3 payloads as int32 bytes, not base64."""
         limit = check_limit(limit, 1000, 100_000)
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
@@ -133,12 +135,12 @@ class Reader:
                     patches[p.seq] = Patch(start=p.start_row, end=p.end_row,
                                            num_layers=p.num_layers, topk=p.topk,
                                            dtype=p.dtype, data=p.data)
-        return [self._event(r, state, patches, include_r3) for r in rows if r["seq"] is None
-                or r["seq"] < len(state.nodes)]
+        return [self._event(r, state, patches, include_r3, r3_raw) for r in rows
+                if r["seq"] is None or r["seq"] < len(state.nodes)]
 
     @staticmethod
     def _event(row: Any, state: Any, patches: dict[int, Patch],
-               include_r3: bool = True) -> dict[str, Any]:
+               include_r3: bool = True, r3_raw: bool = False) -> dict[str, Any]:
         payload = jsonio.loads(row["payload"])
         out: dict[str, Any] = {
             "position": row["position"],
@@ -151,8 +153,8 @@ class Reader:
             node = state.nodes[row["seq"]]
             patch = patches.get(row["seq"])
             out["parent"] = payload["parent"]
-            record = restore_record(payload, node.facts.prompt,
-                                    None if patch is None else patch.base64())
+            r3 = None if patch is None else patch.raw() if r3_raw else patch.base64()
+            record = restore_record(payload, node.facts.prompt, r3)
             # A payload that was never moved to a patch row (`""`, null) is
             # still in the stored JSON: `include_r3=false` leaves it out too.
             out["record"] = record if include_r3 else without_r3(record)
