@@ -91,7 +91,8 @@ def _too_deep() -> InvalidRequest:
 def _check(value: Any) -> None:
     """One iterative walk: types, keys, floats, depth. Scalar lists cost one C-level scan."""
     if type(value) not in _VALUES:
-        raise _invalid("the body is not a map", type(value).__name__)
+        name = "bin" if type(value) is bytes else type(value).__name__
+        raise _invalid(f"{name} is not allowed here", name)
     if type(value) is not dict and type(value) is not list:
         return
     stack: list[tuple[Any, int]] = [(value, 1)]

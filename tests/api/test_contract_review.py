@@ -130,9 +130,12 @@ async def test_malformed_json_is_422_naming_the_body(client, sid):
     assert problem["field"] == "body" and "expected" in problem and "actual" in problem
 
 
-async def test_a_json_body_is_read_whatever_its_content_type(client, sid):
+async def test_a_body_in_another_content_type_is_415(client, sid):
     r = await client.post("/v1/sessions", content=b'{"session_id": "%s", "version": "v2"}'
                           % sid.encode(), headers={"content-type": "text/plain"})
+    assert assert_problem(r, 415, "unsupported-media-type")["field"] == "content-type"
+    r = await client.post("/v1/sessions", content=b'{"session_id": "%s", "version": "v2"}'
+                          % sid.encode(), headers={"content-type": "application/json; v=1"})
     assert r.status_code == 201, r.text
 
 

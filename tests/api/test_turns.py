@@ -1,4 +1,7 @@
-"""POST /v1/sessions/{sid}/turns: replies, derived parents and every status of CONTRACT §1."""
+"""POST /v1/sessions/{sid}/turns: replies, derived parents and every status of CONTRACT §1.
+
+Every test here runs on both wires: JSON and MessagePack (tests/wire.py).
+"""
 
 import base64
 
@@ -6,6 +9,13 @@ import numpy as np
 import pytest
 
 from tests.factory import open_body, r3_b64, turn
+from tests.wire import WireClient
+
+
+@pytest.fixture(params=["json", "msgpack"])
+def client(request, client):
+    """The API client of conftest, sending turn bodies on the parametrized wire."""
+    return WireClient(client, request.param)
 
 L = 2  # layers
 K = 2  # topk
