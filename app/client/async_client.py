@@ -7,6 +7,11 @@ ids, generating them when the caller does not, and every request goes
 through the retry policy of `client_errors.py`. Failed answers become the
 `TurnlogError`s defined there.
 
+Owns the wire too: turns go as MessagePack by default (`wire="json"` opts
+out) with the record taken as the session server wrote it and its base64 R3
+decoded once here into the raw int32 bin the server stores without another
+decode (docs/ingest.md); R3 tensors stream into one preallocated array.
+
 Refuses to own any rule of the store: answers are returned as the JSON the
 server sent (plain dicts), and R3 tensors as numpy arrays read from `.npy`.
 Also refuses the error types and retry policy (`client_errors.py`) and the
@@ -15,9 +20,12 @@ blocking facade (`client_sync.py`).
 
 from __future__ import annotations
 
+import ast
+import base64
+import binascii
 import contextlib
-import io
 import json
+import struct
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ from typing import Any
 import httpx
 import msgspec
 import numpy as np
+import pybase64
 
 from app.client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
 
@@ -36,6 +45,10 @@ __all__ = [
 ]
 
 OMITTED: Any = object()
+WIRES = ("msgpack", "json")
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+NPY_MAGIC = b"\x93NUMPY"
 
 
 def new_event_id() -> str:
@@ -55,6 +68,102 @@ def _encode(body: Any) -> bytes:
     # allow_nan=False: the server rejects non-finite numbers; fail before sending.
     return json.dumps(body, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode("ascii")
+
+
+def _r3_bin(text: str) -> bytes | None:
+    """The int32 bytes of a canonical base64 R3 payload, else None (sent as text).
+
+    Only canonical text (full padding, zero trailing bits) becomes a bin: the
+    server compares a bin with its canonical text, and must refuse the other
+    text exactly as it would on the JSON wire.
+    """
+    if not text or len(text) % 4:
+        return None
+    try:
+        raw = pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    tail = 3 - text.count("=", len(text) - 2)
+    if base64.b64encode(raw[len(raw) - tail:]).decode("ascii") != text[-4:]:
+        return None
+    return raw
+
+
+def _with_r3_bin(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`body` with its R3 text as a bin, copying only the maps on the payload's path."""
+    try:
+        record = body["record"]
+        response = record["response"]
+        choice = response["choices"][0]
+        meta = choice["meta_info"]
+        payload = meta["routed_experts"]
+    except (KeyError, IndexError, TypeError):
+        return body
+    raw = _r3_bin(payload) if isinstance(payload, str) else None
+    if raw is None:
+        return body
+    choices = list(response["choices"])
+    choices[0] = {**choice, "meta_info": {**meta, "routed_experts": raw}}
+    return {**body, "record": {**record, "response": {**response, "choices": choices}}}
+
+
+def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
+    """A turn body on `wire`; what MessagePack cannot carry (ints beyond 64 bits) goes
+    as JSON, for the server to judge."""
+    if wire == "msgpack":
+        with contextlib.suppress(OverflowError, TypeError):
+            return msgspec.msgpack.encode(_with_r3_bin(body)), MSGPACK
+    return _encode(body), JSON
+
+
+def _npy_header(head: bytes | bytearray) -> tuple[np.dtype, tuple[int, ...], int] | None:
+    """dtype, shape and header length of a `.npy` prefix, or None if more is needed."""
+    if len(head) < 10:
+        return None
+    if head[:6] != NPY_MAGIC:
+        raise ValueError("R3 reply is not a .npy document")
+    major = head[6]
+    if major == 1:
+        size, start = struct.unpack("<H", head[8:10])[0], 10
+    elif len(head) < 12:
+        return None
+    else:
+        size, start = struct.unpack("<I", head[8:12])[0], 12
+    if len(head) < start + size:
+        return None
+    meta = ast.literal_eval(bytes(head[start:start + size]).decode("latin-1"))
+    if meta.get("fortran_order") or not isinstance(meta.get("shape"), tuple):
+        raise ValueError("R3 reply is not a C-ordered .npy array")
+    dtype = np.dtype(meta["descr"])
+    if dtype.hasobject:
+        raise ValueError("R3 reply holds Python objects")
+    return dtype, meta["shape"], start + size
+
+
+async def _read_npy(response: httpx.Response) -> np.ndarray:
+    """Stream a `.npy` reply into one preallocated array (one copy of each chunk)."""
+    head = bytearray()
+    array: np.ndarray | None = None
+    out = memoryview(b"")
+    filled = 0
+    async for chunk in response.aiter_bytes():
+        if array is None:
+            head += chunk
+            parsed = _npy_header(head)
+            if parsed is None:
+                continue
+            dtype, shape, offset = parsed
+            array = np.empty(shape, dtype)
+            out = array.reshape(-1).view(np.uint8).data
+            chunk = bytes(head[offset:])
+        end = filled + len(chunk)
+        if end > len(out):
+            raise ValueError("R3 reply is longer than its .npy header says")
+        out[filled:end] = chunk
+        filled = end
+    if array is None or filled != len(out):
+        raise ValueError("R3 reply is shorter than its .npy header says")
+    return array
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -103,6 +212,8 @@ class TurnlogClient:
     (seconds, optional) bounds the total time spent retrying one call.
     `backoff` / `max_backoff` shape the jittered exponential wait between
     attempts. `transport` lets tests plug in `httpx.ASGITransport(app=...)`.
+    `wire` is how turns are sent: "msgpack" (default, R3 as raw int32 bytes) or
+    "json" (the record exactly as given); every other call is JSON.
     """
 
     def __init__(
@@ -117,9 +228,13 @@ class TurnlogClient:
         max_backoff: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
+        wire: str = "msgpack",
     ) -> None:
         if retries < 0:
             raise ValueError("retries must be >= 0")
+        if wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}")
+        self.wire = wire
         all_headers = {"accept": "application/json, application/problem+json",
                        **dict(headers or {})}
         if token:
@@ -150,9 +265,12 @@ class TurnlogClient:
         params: Mapping[str, Any] | None = None,
         event_id: str | None = None,
         timeout: httpx.Timeout | None = None,
+        encoded: tuple[bytes, str] | None = None,
     ) -> httpx.Response:
-        content = None if body is None else _encode(body)
-        headers = None if body is None else {"content-type": "application/json"}
+        if encoded is None and body is not None:
+            encoded = _encode(body), JSON
+        content = None if encoded is None else encoded[0]
+        headers = None if encoded is None else {"content-type": encoded[1]}
         query = {k: v for k, v in (params or {}).items() if v is not None}
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
@@ -212,9 +330,10 @@ class TurnlogClient:
         payload = dict(body)
         if payload.get("event_id") is None:
             payload["event_id"] = new_event_id()
+        # Encoded once, outside the retries: a resend sends the very same bytes.
         result: dict[str, Any] = await self._json(
-            "POST", f"/v1/sessions/{session_id}/turns", body=payload,
-            event_id=payload["event_id"])
+            "POST", f"/v1/sessions/{session_id}/turns",
+            encoded=_encode_turn(payload, self.wire), event_id=payload["event_id"])
         return result
 
     async def close(
@@ -317,10 +436,24 @@ class TurnlogClient:
         return result
 
     async def r3(self, session_id: str, index: int) -> np.ndarray:
-        """A sample's R3 tensor, int32 `[len(tokens) - 1, num_layers, topk]`."""
-        response = await self._send("GET", f"/v1/sessions/{session_id}/samples/{index}/r3")
-        array: np.ndarray = np.load(io.BytesIO(response.content), allow_pickle=False)
-        return array
+        """A sample's R3 tensor, int32 `[len(tokens) - 1, num_layers, topk]`.
+
+        Streamed: the `.npy` header is parsed from the first bytes, then the body
+        is copied chunk by chunk into one preallocated array (no joined body,
+        no second parse).
+        """
+        path = f"/v1/sessions/{session_id}/samples/{index}/r3"
+        async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
+            with attempt:
+                try:
+                    async with self._http.stream("GET", path) as response:
+                        if response.status_code >= 400:
+                            await response.aread()
+                            raise _error(response, None)
+                        return await _read_npy(response)
+                except httpx.TransportError as exc:
+                    raise TurnlogConnectionError(exc) from exc
+        raise AssertionError("unreachable: tenacity re-raises the last error")
 
     # -- feed ----------------------------------------------------------------------
 
