@@ -68,7 +68,7 @@ def _too_deep() -> InvalidRequest:
     )
 
 
-def loads(raw: bytes | str) -> Any:
+def loads(raw: bytes | bytearray | str) -> Any:
     """Parse a request body; every failure is an `InvalidRequest` naming `body`.
 
     msgspec is the fast path (exact floats and big integers, ~5x the standard
@@ -87,7 +87,7 @@ def loads(raw: bytes | str) -> Any:
     return value
 
 
-def _loads_stdlib(raw: bytes | str) -> Any:
+def _loads_stdlib(raw: bytes | bytearray | str) -> Any:
     try:
         return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except InvalidRequest:

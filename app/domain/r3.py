@@ -57,7 +57,7 @@ class Patch:
         return self.array().tobytes()
 
     def base64(self) -> str:
-        return pybase64.b64encode(self.array()).decode("ascii")
+        return pybase64.b64encode(self.array().data).decode("ascii")
 
 
 def decode_payload(text: str, field: str) -> np.ndarray:
