@@ -129,11 +129,12 @@ def stored_facts(
 
     `patch_geometry` is `(start, topk)` of the stored patch, if any.
     """
-    record = restore_record(payload, prompt, None)
-    body: dict[str, Any] = {"event_id": "stored", "record": record}
+    # The stored record lacks `input_ids` (the prompt is given) and perhaps its moved
+    # R3 payload (the geometry is given): no copy of the record is needed.
+    body: dict[str, Any] = {"event_id": "stored", "record": payload["record"]}
     if "metadata" in payload:
         body["metadata"] = payload["metadata"]
-    return parse_turn(body, spec, stored_r3=patch_geometry).facts
+    return parse_turn(body, spec, stored_r3=patch_geometry, prompt=prompt).facts
 
 
 def stored_content(

@@ -326,11 +326,14 @@ def _r3(
     return True, start, values, topk
 
 
-def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = None) -> TurnBody:
+def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = None,
+               prompt: np.ndarray | None = None) -> TurnBody:
     """Validate a turn body against the session definition.
 
     `stored_r3` = `(start, topk)` when re-reading a stored turn whose payload was
-    moved to a patch row: the geometry is taken as already validated.
+    moved to a patch row: the geometry is taken as already validated. `prompt`
+    is a stored turn's restored prompt, standing in for `request.input_ids`
+    (which the stored record leaves out).
     """
     body = require_object(raw, "body")
     reject_unknown(body, TURN_FIELDS, "")
@@ -356,7 +359,8 @@ def parse_turn(raw: Any, spec: SessionSpec, stored_r3: tuple[int, int] | None = 
     metadata_raw = body.get("metadata")
     metadata = None if metadata_raw is None else require_object(metadata_raw, "metadata")
 
-    prompt = token_array(request.get("input_ids"), "record.request.input_ids")
+    if prompt is None:
+        prompt = token_array(request.get("input_ids"), "record.request.input_ids")
     if prompt.size == 0:
         raise _invalid("prompt (record.request.input_ids) must not be empty",
                        "record.request.input_ids", "at least one token id", [])

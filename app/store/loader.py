@@ -127,7 +127,7 @@ def fold_rows(
     `geometry` maps a turn's seq to its stored patch's `(start_row, topk)`.
     """
     for row in rows:
-        payload = jsonio.loads(row.payload)
+        payload = jsonio.loads_stored(row.payload)
         if row.type == SESSION_OPENED:
             if log is not None:
                 log.opened_us = row.recorded_us

@@ -141,7 +141,7 @@ class Reader:
     @staticmethod
     def _event(row: Any, state: Any, patches: dict[int, Patch],
                include_r3: bool = True, r3_raw: bool = False) -> dict[str, Any]:
-        payload = jsonio.loads(row["payload"])
+        payload = jsonio.loads_stored(row["payload"])
         out: dict[str, Any] = {
             "position": row["position"],
             "type": row["type"],

@@ -195,7 +195,7 @@ class Writer:
         b64 = None if patch is None else Patch(
             start=patch.start_row, end=patch.end_row, num_layers=patch.num_layers,
             topk=patch.topk, dtype=patch.dtype, data=patch.data).base64()
-        first = stored_content(jsonio.loads(event.payload), body.event_id,
+        first = stored_content(jsonio.loads_stored(event.payload), body.event_id,
                                state.nodes[seq].facts.prompt, b64)
         if not jsonio.strict_equal(first, body.content()):
             raise IdempotencyConflict(
