@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -304,3 +305,69 @@ async def test_r3_of_an_unknown_session_is_a_typed_error(tl, sid):
     with pytest.raises(TurnlogError) as caught:
         await tl.r3(sid, 0)
     assert caught.value.slug == "unknown-session"
+
+
+async def canned_server(reply: bytes, size: int):
+    """A loopback HTTP server answering every request with `reply`, `size` bytes a write."""
+    requests: list[bytes] = []
+
+    async def handle(reader, writer):
+        requests.append(await reader.readuntil(b"\r\n\r\n"))
+        for i in range(0, len(reply), size):
+            writer.write(reply[i:i + size])
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], requests
+
+
+def http_reply(status: int, body: bytes, content_type: str = "application/x-npy") -> bytes:
+    return (f"HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("size", [1, 5, 100, 1 << 20])
+async def test_r3_fast_path_receives_into_the_array(size):
+    array = np.arange(7 * 3 * 2, dtype="<i4").reshape(7, 3, 2)
+    server, port, requests = await canned_server(http_reply(200, npy_bytes(array)), size)
+    async with server, TurnlogClient(f"http://127.0.0.1:{port}/prefix", token="t") as client:
+        assert client._fast is not None
+        got = await client.r3("s1", 0)
+    assert got.shape == (7, 3, 2) and got.tobytes() == array.tobytes()
+    head = requests[0].decode().lower()
+    assert head.startswith("get /prefix/v1/sessions/s1/samples/0/r3 http/1.1")
+    assert "authorization: bearer t" in head and "accept-encoding: identity" in head
+
+
+async def test_r3_fast_path_turns_problems_into_typed_errors():
+    problem = json.dumps({"type": "urn:turnlog:session-open", "title": "x", "status": 409,
+                          "detail": "open"}).encode()
+    server, port, _ = await canned_server(http_reply(409, problem, "application/problem+json"),
+                                          7)
+    async with server, TurnlogClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(TurnlogError) as caught:
+            await client.r3("s1", 0)
+    assert caught.value.slug == "session-open" and caught.value.status == 409
+
+
+@pytest.mark.parametrize("mangle", [lambda b: b[:-4], lambda b: b + b"\0" * 4,
+                                    lambda b: b"NOTNPY" + b[6:]])
+async def test_r3_fast_path_refuses_a_damaged_body(mangle):
+    body = mangle(npy_bytes(np.zeros((4, 2, 2), dtype="<i4")))
+    # A short body ends with the connection (a connection error), a long or foreign one
+    # is refused as soon as it is seen (ValueError): never a wrong array.
+    server, port, _ = await canned_server(http_reply(200, body), 16)
+    async with server, TurnlogClient(f"http://127.0.0.1:{port}", retries=0) as client:
+        with pytest.raises((ValueError, TurnlogConnectionError)):
+            await client.r3("s1", 0)
+
+
+async def test_r3_fast_path_connection_refused_is_a_connection_error():
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    async with TurnlogClient(f"http://127.0.0.1:{port}", retries=1, backoff=0.001) as client:
+        with pytest.raises(TurnlogConnectionError):
+            await client.r3("s1", 0)

@@ -20,12 +20,10 @@ blocking facade (`client_sync.py`).
 
 from __future__ import annotations
 
-import ast
 import base64
 import binascii
 import contextlib
 import json
-import struct
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ import numpy as np
 import pybase64
 
 from app.client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
+from app.client.npy_stream import HttpReply, fast_path_url, get_npy, read_chunks
 
 __all__ = [
     "FeedPage",
@@ -48,7 +47,6 @@ OMITTED: Any = object()
 WIRES = ("msgpack", "json")
 MSGPACK = "application/msgpack"
 JSON = "application/json"
-NPY_MAGIC = b"\x93NUMPY"
 
 
 def new_event_id() -> str:
@@ -114,56 +112,6 @@ def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
         with contextlib.suppress(OverflowError, TypeError):
             return msgspec.msgpack.encode(_with_r3_bin(body)), MSGPACK
     return _encode(body), JSON
-
-
-def _npy_header(head: bytes | bytearray) -> tuple[np.dtype, tuple[int, ...], int] | None:
-    """dtype, shape and header length of a `.npy` prefix, or None if more is needed."""
-    if len(head) < 10:
-        return None
-    if head[:6] != NPY_MAGIC:
-        raise ValueError("R3 reply is not a .npy document")
-    major = head[6]
-    if major == 1:
-        size, start = struct.unpack("<H", head[8:10])[0], 10
-    elif len(head) < 12:
-        return None
-    else:
-        size, start = struct.unpack("<I", head[8:12])[0], 12
-    if len(head) < start + size:
-        return None
-    meta = ast.literal_eval(bytes(head[start:start + size]).decode("latin-1"))
-    if meta.get("fortran_order") or not isinstance(meta.get("shape"), tuple):
-        raise ValueError("R3 reply is not a C-ordered .npy array")
-    dtype = np.dtype(meta["descr"])
-    if dtype.hasobject:
-        raise ValueError("R3 reply holds Python objects")
-    return dtype, meta["shape"], start + size
-
-
-async def _read_npy(response: httpx.Response) -> np.ndarray:
-    """Stream a `.npy` reply into one preallocated array (one copy of each chunk)."""
-    head = bytearray()
-    array: np.ndarray | None = None
-    out = memoryview(b"")
-    filled = 0
-    async for chunk in response.aiter_bytes():
-        if array is None:
-            head += chunk
-            parsed = _npy_header(head)
-            if parsed is None:
-                continue
-            dtype, shape, offset = parsed
-            array = np.empty(shape, dtype)
-            out = array.reshape(-1).view(np.uint8).data
-            chunk = bytes(head[offset:])
-        end = filled + len(chunk)
-        if end > len(out):
-            raise ValueError("R3 reply is longer than its .npy header says")
-        out[filled:end] = chunk
-        filled = end
-    if array is None or filled != len(out):
-        raise ValueError("R3 reply is shorter than its .npy header says")
-    return array
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -241,6 +189,8 @@ class TurnlogClient:
             all_headers["authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
                                        headers=all_headers, transport=transport)
+        # Plain HTTP on the default transport: R3 tensors take the in-place fast path.
+        self._fast = None if transport is not None else fast_path_url(base_url)
         self.retries = retries
         self.retry_deadline = retry_deadline
         self._wait = Backoff(backoff, max_backoff)
@@ -445,15 +395,36 @@ class TurnlogClient:
         path = f"/v1/sessions/{session_id}/samples/{index}/r3"
         async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
             with attempt:
+                if self._fast is not None:
+                    return await self._r3_fast(path)
                 try:
                     async with self._http.stream("GET", path) as response:
                         if response.status_code >= 400:
                             await response.aread()
                             raise _error(response, None)
-                        return await _read_npy(response)
+                        return await read_chunks(response.aiter_bytes())
                 except httpx.TransportError as exc:
                     raise TurnlogConnectionError(exc) from exc
         raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def _r3_fast(self, path: str) -> np.ndarray:
+        """The R3 GET over a plain socket, received into the array (npy_stream.py)."""
+        assert self._fast is not None
+        host, port = self._fast
+        target = self._http.base_url.raw_path.decode("ascii").rstrip("/") + path
+        headers = {k: v for k, v in self._http.headers.items()
+                   if k.lower() not in ("host", "connection", "accept-encoding")}
+        try:
+            return await get_npy(host, port, target, headers, self._http.timeout.read)
+        except HttpReply as reply:
+            raise _error(httpx.Response(reply.status, headers=reply.headers,
+                                        content=reply.body), None) from None
+        except TimeoutError as exc:
+            raise TurnlogConnectionError(httpx.ReadTimeout(str(exc) or "timed out")) from exc
+        except OSError as exc:
+            cause = httpx.ConnectError(str(exc)) if isinstance(exc, ConnectionRefusedError) \
+                else httpx.ReadError(str(exc))
+            raise TurnlogConnectionError(cause) from exc
 
     # -- feed ----------------------------------------------------------------------
 
