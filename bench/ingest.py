@@ -31,6 +31,7 @@ import base64
 import json
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,7 +42,15 @@ import asyncpg
 import numpy as np
 
 from app.client.async_client import _encode_turn
-from bench.common import RawHttp, pg_dsn, postgres, start_server, stop_server
+from bench.common import (
+    ROOT,
+    RawHttp,
+    free_port,
+    pg_dsn,
+    postgres,
+    start_server,
+    stop_server,
+)
 from tests.pgserver import create_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -169,6 +178,42 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
+        stop_server(proc)
+
+
+async def bench_http_floor(plans: list[SessionPlan], clients: int, wire: str) -> float:
+    """The same requests to `bench.http_floor` (uvicorn reading the body, nothing else)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "bench.http_floor:app", "--port", str(port),
+         "--log-level", "warning", "--no-access-log"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                async with RawHttp(base) as probe:
+                    await probe.post_json("/readyz", b"{}")
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        connections = [RawHttp(base) for _ in range(clients)]
+        for conn in connections:
+            await conn.__aenter__()
+
+        async def work(i: int, plan: SessionPlan) -> None:
+            for turn in plan.turns:
+                body, kind = (turn.msgpack, MSGPACK) if wire == "msgpack" else \
+                    (turn.body, "application/json")
+                status, _reply = await connections[i].post_json("/turns", body, kind)
+                assert status == 201
+
+        try:
+            return await run_workers(plans, clients, work)
+        finally:
+            for conn in connections:
+                await conn.__aexit__()
+    finally:
         stop_server(proc)
 
 
@@ -302,7 +347,13 @@ async def main() -> None:
         for wire in wires:
             phases.append((f"{wire} w{workers}", ("turnlog", wire, workers)))
     phases += [("naive", ("naive", None, 0)), ("floor", ("floor", None, 0))]
+    phases += [(f"http {wire}", ("http", wire, 1)) for wire in wires]
     for name, (kind, wire, workers) in phases:
+        if kind == "http":
+            elapsed = await bench_http_floor(plans, args.clients, wire)
+            results[name] = (elapsed, 0)
+            print(f"  {name:12s} {elapsed:7.2f} s", flush=True)
+            continue
         url = create_database(server, f"bench_{kind}_{uuid.uuid4().hex[:6]}")
         if kind == "turnlog":
             await migrate.upgrade_async(url)
@@ -321,8 +372,9 @@ async def main() -> None:
           f"{'x floor':>8s} {'x naive':>8s}")
     t_naive, t_floor = results["naive"][0], results["floor"][0]
     for name, (elapsed, size) in results.items():
+        stored = f"{size / raw_r3:11.3f}" if size else f"{'-':>11s}"
         print(f"{name:12s} {turns / elapsed:9.2f} {raw_r3 / 1e6 / elapsed:9.1f} "
-              f"{size / raw_r3:11.3f} {t_floor / elapsed:8.2f} {t_naive / elapsed:8.2f}")
+              f"{stored} {t_floor / elapsed:8.2f} {t_naive / elapsed:8.2f}")
     print()
     for name, (elapsed, _size) in results.items():
         if name.startswith("msgpack"):
@@ -331,7 +383,11 @@ async def main() -> None:
         elif name.startswith("json"):
             print(f"turnlog JSON ({name}) / floor:        {t_floor / elapsed:.2f}   "
                   f"(target >= 0.15)")
-    some = next(name for name in results if name not in ("naive", "floor"))
+    for wire in wires:
+        if f"http {wire}" in results:
+            print(f"uvicorn receiving the {wire} bodies alone / floor: "
+                  f"{t_floor / results[f'http {wire}'][0]:.2f}   (no parsing, no storing)")
+    some = next(name for name in results if name[:4] in ("json", "msgp"))
     print(f"turnlog bytes stored: {results[some][1] / raw_r3:.3f} x raw int32 R3   "
           f"(target <= 0.3)")
 
