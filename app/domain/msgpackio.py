@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from app.domain.errors import InvalidRequest
-from app.domain.jsonio import MAX_DEPTH, children_of
+from app.domain.jsonio import MAX_DEPTH, children_of, containers_in, gc_paused
 
 MEDIA_TYPES = frozenset({"application/msgpack", "application/vnd.msgpack",
                          "application/x-msgpack"})
@@ -63,7 +63,8 @@ def _r3_holder(value: Any) -> dict[str, Any] | None:
 def loads(raw: bytes | bytearray | memoryview) -> Any:
     """Decode a request body strictly; the R3 payload may be a bin, nothing else may."""
     try:
-        value = _DECODER.decode(raw)
+        with gc_paused():
+            value = _DECODER.decode(raw)
     except RecursionError:
         raise _too_deep() from None
     except msgspec.DecodeError as exc:
@@ -122,7 +123,7 @@ def _check(value: Any) -> None:
             raise _invalid("non-finite float", "NaN or Infinity")
         if dict not in kinds and list not in kinds:
             return
-        containers = [c for c in children if type(c) is dict or type(c) is list]
+        containers = containers_in(children)
 
 
 def dumps(value: Any) -> bytes:
