@@ -50,6 +50,9 @@ async def get_session(session_id: str, svc: ServicesDep) -> JSONText:
 
 @router.post("/{session_id}/turns", status_code=201, openapi_extra=TURN_BODY)
 async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JSONText:
+    """Append one turn. The body is JSON, or MessagePack (`application/msgpack`,
+    `application/vnd.msgpack`, `application/x-msgpack`) with `routed_experts` as a bin
+    of raw little-endian int32 (docs/ingest.md); any other content type is 415."""
     started, body = time.perf_counter(), None
     try:
         body = await turn_body(request)
