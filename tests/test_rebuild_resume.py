@@ -44,14 +44,15 @@ def test_an_interrupted_rebuild_resumes_after_its_last_batch(demo_url):
         raise Interrupted
 
     with pytest.raises(Interrupted):
-        run(demo_url, lambda db: rebuild(db, batch_sessions=1, on_batch=stop_after_first))
+        run(demo_url, lambda db: rebuild(db, batch_sessions=1, parallel=1,
+                                            on_batch=stop_after_first))
     (last_id, before), = saved
     keys = run(demo_url, session_keys)
     assert last_id == keys[0][0] and len(keys) == 3
     done: list[tuple[int, int]] = []
     report = run(demo_url, lambda db: rebuild(
         db, None, lambda d, t: done.append((d, t)), start_after=last_id, before=before,
-        batch_sessions=1))
+        batch_sessions=1, parallel=1))
     assert report.equal and report.sessions == 3
     assert done == [(1, 3), (2, 3), (3, 3)]  # the first session was not rebuilt again
     assert report.after == run(demo_url, checksums)
@@ -86,3 +87,11 @@ def test_a_checkpoint_of_another_database_or_restart_is_ignored(demo_url, tmp_pa
                                           "--checkpoint", str(checkpoint), *extra])
         assert result.exit_code == 0, result.output
         assert "resuming" not in result.output and result.output.count("equal") == 4
+
+
+def test_batches_in_parallel_rebuild_every_session_equal(demo_url):
+    steps: list[tuple[int, int]] = []
+    report = run(demo_url, lambda db: rebuild(db, None, lambda d, t: steps.append((d, t)),
+                                              batch_sessions=1, parallel=3))
+    assert report.equal and report.sessions == 3
+    assert steps[0] == (0, 3) and steps[-1] == (3, 3)

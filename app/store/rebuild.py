@@ -12,6 +12,7 @@ deletes and inserts. A batch is the unit of progress: `start_after` and
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from app.store.loader import FoldLog, fold_events, fold_rows, session_row
 from app.store.schema import events, nodes, r3_patches, samples, session_labels, sessions
 
 BATCH_SESSIONS = 200
+PARALLEL_BATCHES = 2
 
 PROJECTIONS: dict[str, sa.Table] = {
     "sessions": sessions,
@@ -167,12 +169,16 @@ async def rebuild(
     before: dict[str, str] | None = None,
     on_batch: Callable[[int, dict[str, str]], None] | None = None,
     batch_sessions: int = BATCH_SESSIONS,
+    parallel: int = PARALLEL_BATCHES,
 ) -> RebuildReport:
     """Rebuild every session (or one), checksummed before and after.
 
     Resuming: `start_after` is the last `sessions.id` already rebuilt and `before`
     the checksums taken when the interrupted run began; `on_batch(last_id,
-    before)` is called after each committed batch so a caller can persist both.
+    before)` is called once every batch up to `last_id` has committed, so a caller
+    can persist both. On PostgreSQL `parallel` batches run at once, each on its
+    own connection (their sessions are disjoint; while one batch waits for the
+    server another folds); SQLite has one writer and runs them one by one.
     """
     if session_id is not None:
         async with db.read() as conn:
@@ -189,12 +195,16 @@ async def rebuild(
     done = total - len(todo)
     if progress is not None:
         progress(done, total)
-    for i in range(0, len(todo), batch_sessions):
-        batch = todo[i:i + batch_sessions]
-        await rebuild_batch(db, [sid for _id, sid in batch])
-        done += len(batch)
+    width = 1 if db.is_sqlite else max(1, parallel)
+    batches = [todo[i:i + batch_sessions] for i in range(0, len(todo), batch_sessions)]
+    for w in range(0, len(batches), width):
+        # A wave of batches; the checkpoint only moves once the whole wave committed.
+        wave = batches[w:w + width]
+        await asyncio.gather(*(rebuild_batch(db, [sid for _id, sid in batch])
+                               for batch in wave))
+        done += sum(map(len, wave))
         if on_batch is not None:
-            on_batch(batch[-1][0], before)
+            on_batch(wave[-1][-1][0], before)
         if progress is not None:
             progress(done, total)
     after = await checksums(db, scope)
