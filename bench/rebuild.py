@@ -53,7 +53,7 @@ async def fill(url: str, sessions: int, turns: int) -> int:
     return written
 
 
-async def measure(url: str) -> tuple[float, bool, int, float]:
+async def measure(url: str, parallel: int = 2) -> tuple[float, bool, int, float]:
     from app.settings import Settings
     from app.store.db import Database
     from app.store.rebuild import checksums, rebuild
@@ -65,7 +65,7 @@ async def measure(url: str) -> tuple[float, bool, int, float]:
         print(f"  (one checksum pass over all projections: {time.perf_counter() - t0:.2f} s; "
               f"a rebuild takes two)", flush=True)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        report = await rebuild(db)
+        report = await rebuild(db, parallel=parallel)
         # CPU seconds of this process (all threads): what the rebuild costs on a free
         # core, whatever else the machine runs (PostgreSQL's own work is not in it).
         return (time.perf_counter() - t0, report.equal, report.sessions,
@@ -82,11 +82,13 @@ async def main() -> None:
     parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="both")
     parser.add_argument("--postgres-url", help="admin URL of a PostgreSQL server")
     parser.add_argument("--profile", action="store_true", help="cProfile the rebuild")
+    parser.add_argument("--parallel", type=int, default=2,
+                        help="batches at once on PostgreSQL (as `turnlog rebuild --parallel`)")
     parser.add_argument("--only-rebuild", metavar="URL",
                         help="rebuild this already filled database and stop (for profilers)")
     args = parser.parse_args()
     if args.only_rebuild:
-        elapsed, equal, sessions, cpu = await measure(args.only_rebuild)
+        elapsed, equal, sessions, cpu = await measure(args.only_rebuild, args.parallel)
         print(f"rebuilt {sessions} sessions in {elapsed:.2f} s ({cpu:.2f} CPU s), checksums "
               f"{'equal' if equal else 'DIFFER'}")
         return
@@ -112,11 +114,11 @@ async def main() -> None:
 
             profile = cProfile.Profile()
             profile.enable()
-            elapsed, equal, sessions, cpu = await measure(url)
+            elapsed, equal, sessions, cpu = await measure(url, args.parallel)
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         else:
-            elapsed, equal, sessions, cpu = await measure(url)
+            elapsed, equal, sessions, cpu = await measure(url, args.parallel)
         results.append((backend, sessions, turns, elapsed, equal, cpu))
 
     print()

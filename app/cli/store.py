@@ -53,6 +53,8 @@ def rebuild(
         ".turnlog-rebuild.json"),
     restart: Annotated[bool, typer.Option(
         help="Ignore a checkpoint left by an interrupted run and start over")] = False,
+    parallel: Annotated[int, typer.Option(
+        min=1, help="Batches rebuilt at once on PostgreSQL (SQLite: always one)")] = 2,
 ) -> None:
     """Drop and recompute every projection from the events; checksums must match.
 
@@ -99,7 +101,8 @@ def rebuild(
 
                 return await run_rebuild(db, session, advance,
                                          start_after=resume.get("last_id"),
-                                         before=resume.get("before"), on_batch=save)
+                                         before=resume.get("before"), on_batch=save,
+                                         parallel=parallel)
         finally:
             await db.dispose()
 
