@@ -44,15 +44,20 @@ async def read_body(request: Request) -> bytes | bytearray:
     With a Content-Length the chunks are written straight into a buffer of that
     size (Starlette's `request.body()` keeps the chunk list and their join, and
     caches the result on the request for its lifetime). The size limit was
-    enforced before any of this by the `BodyLimit` middleware.
+    enforced before any of this by the `BodyLimit` middleware (and the token by
+    `BearerAuth`); the buffer is allocated only once the first bytes arrive.
     """
     declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
         return await request.body()
-    buf = bytearray(int(declared))
+    buf = bytearray()
     view = memoryview(buf)
     filled = 0
     async for chunk in request.stream():
+        if not buf and chunk:
+            view.release()
+            buf = bytearray(int(declared))
+            view = memoryview(buf)
         end = filled + len(chunk)
         if end > len(buf):
             # More than declared (the HTTP server should not let it through): grow.
