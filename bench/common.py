@@ -86,10 +86,11 @@ class RawHttp:
         assert self.writer is not None
         self.writer.close()
 
-    async def post_json(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post_json(self, path: str, body: bytes,
+                        content_type: str = "application/json") -> tuple[int, bytes]:
         assert self.reader is not None and self.writer is not None
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+                f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n")
         self.writer.write(head.encode("ascii"))
         self.writer.write(body)
         await self.writer.drain()

@@ -1,20 +1,26 @@
-"""Ingest benchmark: turnlog over HTTP vs a naive JSONB store vs the raw-bytes floor.
+"""Ingest benchmark: turnlog over HTTP (JSON and MessagePack) vs a naive JSONB store vs
+the raw-bytes floor, and the server's peak memory on one very large turn.
 
 Run by hand (not in CI):
 
-    .venv/bin/python -m bench.ingest [--postgres-url postgresql://...] [--sessions 16]
+    .venv/bin/python -m bench.ingest [--postgres-url postgresql://...] [--sessions 8]
+                                     [--workers 1,2] [--big-turn-mb 100]
 
 Addition-mode (in_place) sessions with Qwen3-30B-A3B geometry (48 layers,
 top-8, 128 experts), 10 turns per session, ~2k new tokens per turn, appended
-by 4 concurrent clients. In the same run, with the same turns and
-concurrency, two references:
+by 4 concurrent clients. turnlog runs once per wire and per `--workers`
+count: JSON bodies as the session server writes them (base64 R3), and
+MessagePack bodies as `TurnlogClient` sends them by default (R3 as a bin).
+In the same run, with the same turns and concurrency, two references:
 - naive: one row per record as received (base64 R3 inside) in a JSONB column,
   inserted with asyncpg;
 - floor: raw asyncpg INSERTs of only the bytes turnlog must keep (the narrowed
   R3 and the token delta as bytea), no HTTP, no JSON.
 Without --postgres-url a throwaway cluster is started from the installed
 PostgreSQL binaries (tests/pg/). Every phase gets its own database so
-the stored sizes are clean.
+the stored sizes are clean. Last, `--big-turn-mb`: one turn of that many MB
+of JSON (and its MessagePack twin) is appended to a fresh `serve --workers 1`
+and the server's peak resident memory growth is reported against the body.
 """
 
 from __future__ import annotations
@@ -23,23 +29,41 @@ import argparse
 import asyncio
 import base64
 import json
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import asyncpg
 import numpy as np
 
-from bench.common import RawHttp, pg_dsn, postgres, start_server, stop_server
-from tests.pg import create_database
+from app.client.async_client import _encode_turn
+from bench.common import (
+    ROOT,
+    RawHttp,
+    free_port,
+    pg_dsn,
+    postgres,
+    start_server,
+    stop_server,
+)
+from tests.pg import create_database, drop_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")
 
 
+MSGPACK = "application/msgpack"
+
+
 @dataclass
 class Turn:
     body: bytes  # the JSON the session server sends
+    msgpack: bytes  # what TurnlogClient sends by default
     r3_rows: int
     r3_narrow: bytes  # what the floor keeps
     token_delta: bytes
@@ -94,7 +118,9 @@ def make_session(rng: np.random.Generator, turns: int, new_tokens: int) -> Sessi
             },
         }
         delta = np.asarray(prompt[len(tokens):], dtype="<i4").tobytes()
-        plan.append(Turn(json.dumps(body).encode(), rows, r3.astype(np.uint8).tobytes(), delta))
+        packed, _ = _encode_turn(body, "msgpack")
+        plan.append(Turn(json.dumps(body).encode(), packed, rows,
+                         r3.astype(np.uint8).tobytes(), delta))
         tokens = prompt + out
     return SessionPlan(sid, open_body, plan)
 
@@ -113,8 +139,17 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
     return time.perf_counter() - t0
 
 
-async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int) -> float:
+async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int,
+                        wire: str = "json", py_spy: str | None = None) -> float:
     proc, base = await start_server(url, workers)
+    spy = None
+    if py_spy:
+        # Sample the server (and its worker processes) for the whole phase.
+        spy = subprocess.Popen(["py-spy", "record", "--subprocesses", "--format", "raw",
+                                "--rate", "200", "-p", str(proc.pid),
+                                "-o", f"{py_spy}/{wire}-w{workers}.txt"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await asyncio.sleep(1.0)
     try:
         connections = [RawHttp(base) for _ in range(clients)]
         for conn in connections:
@@ -126,10 +161,52 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
             if status not in (200, 201):
                 raise RuntimeError(reply.decode())
             for turn in plan.turns:
-                status, reply = await http.post_json(f"/v1/sessions/{plan.session_id}/turns",
-                                                     turn.body)
+                path = f"/v1/sessions/{plan.session_id}/turns"
+                if wire == "msgpack":
+                    status, reply = await http.post_json(path, turn.msgpack, MSGPACK)
+                else:
+                    status, reply = await http.post_json(path, turn.body)
                 if status != 201:
                     raise RuntimeError(reply.decode())
+
+        try:
+            return await run_workers(plans, clients, work)
+        finally:
+            for conn in connections:
+                await conn.__aexit__()
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
+        stop_server(proc)
+
+
+async def bench_http_floor(plans: list[SessionPlan], clients: int, wire: str) -> float:
+    """The same requests to `bench.http_floor` (uvicorn reading the body, nothing else)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "bench.http_floor:app", "--port", str(port),
+         "--log-level", "warning", "--no-access-log"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                async with RawHttp(base) as probe:
+                    await probe.post_json("/readyz", b"{}")
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        connections = [RawHttp(base) for _ in range(clients)]
+        for conn in connections:
+            await conn.__aenter__()
+
+        async def work(i: int, plan: SessionPlan) -> None:
+            for turn in plan.turns:
+                body, kind = (turn.msgpack, MSGPACK) if wire == "msgpack" else \
+                    (turn.body, "application/json")
+                status, _reply = await connections[i].post_json("/turns", body, kind)
+                assert status == 201
 
         try:
             return await run_workers(plans, clients, work)
@@ -186,19 +263,65 @@ async def stored_bytes(url: str, tables: tuple[str, ...]) -> int:
         await conn.close()
 
 
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+async def big_turn_memory(url: str, megabytes: float) -> list[tuple[str, int, int]]:
+    """(wire, body bytes, peak RSS growth in bytes) for one turn of ~`megabytes` MB."""
+    tokens = int(megabytes * 1e6 / 2150)
+    rng = np.random.default_rng(11)
+    out: list[tuple[str, int, int]] = []
+    proc, base = await start_server(url, 1)
+    try:
+        async with RawHttp(base) as http:
+            for wire in ("json", "msgpack"):
+                plan = make_session(rng, 1, tokens)
+                turn = plan.turns[0]
+                body, kind = (turn.body, "application/json") if wire == "json" else \
+                    (turn.msgpack, MSGPACK)
+                status, reply = await http.post_json("/v1/sessions", plan.open_body)
+                assert status == 201, reply
+                before = rss_kib(proc.pid, "VmRSS")
+                Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # reset VmHWM
+                status, reply = await http.post_json(
+                    f"/v1/sessions/{plan.session_id}/turns", body, kind)
+                assert status == 201, reply[:300]
+                peak = rss_kib(proc.pid, "VmHWM")
+                out.append((wire, len(body), (peak - before) * 1024))
+                del plan, turn, body
+    finally:
+        stop_server(proc)
+    return out
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--postgres-url", help="admin URL of a PostgreSQL server "
                         "(default: a throwaway cluster from the installed binaries)")
-    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=1, help="turnlog server processes")
+    parser.add_argument("--workers", default="1",
+                        help="turnlog server processes, a comma-separated list (e.g. 1,2)")
+    parser.add_argument("--wires", default="json,msgpack")
+    parser.add_argument("--big-turn-mb", type=float, default=100,
+                        help="peak memory on one turn of this many MB (0: skip)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="run every phase this many times, interleaved; keep each "
+                             "phase's best (other load on the machine only slows a phase)")
+    parser.add_argument("--py-spy", metavar="DIR",
+                        help="record a py-spy profile of each turnlog phase into DIR")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
     args = parser.parse_args()
+    worker_counts = [int(w) for w in args.workers.split(",")]
+    wires = args.wires.split(",")
 
     server = postgres(args.postgres_url)
     if not args.postgres_url and not args.fast_unsafe:
@@ -215,39 +338,73 @@ async def main() -> None:
     rows = sum(t.r3_rows for p in plans for t in p.turns)
     raw_r3 = rows * LAYERS * TOPK * 4
     body_mb = sum(len(t.body) for p in plans for t in p.turns) / 1e6
+    packed_mb = sum(len(t.msgpack) for p in plans for t in p.turns) / 1e6
     print(f"{turns} turns, {rows} R3 rows, raw int32 R3 {raw_r3 / 1e6:.1f} MB, "
-          f"request bodies {body_mb:.1f} MB", flush=True)
+          f"request bodies {body_mb:.1f} MB JSON / {packed_mb:.1f} MB MessagePack", flush=True)
+
+    from app.store import migrate
 
     results: dict[str, tuple[float, int]] = {}
-    for name, fn, tables in (
-        ("turnlog", bench_turnlog, TURNLOG_TABLES),
-        ("naive", bench_naive, ("records",)),
-        ("floor", bench_floor, ("turns",)),
-    ):
-        url = create_database(server, f"bench_{name}_{uuid.uuid4().hex[:6]}")
-        if name == "turnlog":
-            from app.store import migrate
-
-            await migrate.upgrade_async(url)
-        if name == "turnlog":
-            elapsed = await bench_turnlog(url, plans, args.clients, args.workers)
-        else:
-            elapsed = await fn(url, plans, args.clients)
-        results[name] = (elapsed, await stored_bytes(url, tables))
-        print(f"  {name:8s} {elapsed:7.2f} s", flush=True)
+    phases: list[tuple[str, Any]] = []
+    for workers in worker_counts:
+        for wire in wires:
+            phases.append((f"{wire} w{workers}", ("turnlog", wire, workers)))
+    phases += [("naive", ("naive", None, 0)), ("floor", ("floor", None, 0))]
+    phases += [(f"http {wire}", ("http", wire, 1)) for wire in wires]
+    for round_no in range(1, args.rounds + 1):
+        print(f"round {round_no}/{args.rounds}", flush=True)
+        for name, (kind, wire, workers) in phases:
+            size = 0
+            if kind == "http":
+                elapsed = await bench_http_floor(plans, args.clients, wire)
+            else:
+                url = create_database(server, f"bench_{kind}_{uuid.uuid4().hex[:6]}")
+                if kind == "turnlog":
+                    await migrate.upgrade_async(url)
+                    elapsed = await bench_turnlog(url, plans, args.clients, workers, wire,
+                                                  args.py_spy)
+                    tables: tuple[str, ...] = TURNLOG_TABLES
+                elif kind == "naive":
+                    elapsed, tables = await bench_naive(url, plans, args.clients), ("records",)
+                else:
+                    elapsed, tables = await bench_floor(url, plans, args.clients), ("turns",)
+                size = await stored_bytes(url, tables)
+                drop_database(server, url.rsplit("/", 1)[1])
+            if name not in results or elapsed < results[name][0]:
+                results[name] = (elapsed, size)
+            print(f"  {name:12s} {elapsed:7.2f} s", flush=True)
 
     print()
-    print(f"{'store':8s} {'turns/s':>9s} {'R3 MB/s':>9s} {'stored/raw':>11s}")
+    print(f"{'store':12s} {'turns/s':>9s} {'R3 MB/s':>9s} {'stored/raw':>11s} "
+          f"{'x floor':>8s} {'x naive':>8s}")
+    t_naive, t_floor = results["naive"][0], results["floor"][0]
     for name, (elapsed, size) in results.items():
-        print(f"{name:8s} {turns / elapsed:9.2f} {raw_r3 / 1e6 / elapsed:9.1f} "
-              f"{size / raw_r3:11.3f}")
-    t_turnlog, t_naive, t_floor = (results[k][0] for k in ("turnlog", "naive", "floor"))
+        stored = f"{size / raw_r3:11.3f}" if size else f"{'-':>11s}"
+        print(f"{name:12s} {turns / elapsed:9.2f} {raw_r3 / 1e6 / elapsed:9.1f} "
+              f"{stored} {t_floor / elapsed:8.2f} {t_naive / elapsed:8.2f}")
     print()
-    print(f"turnlog / naive throughput: {t_naive / t_turnlog:.2f}x   (target >= 2x)")
-    print(f"turnlog / floor throughput: {t_floor / t_turnlog:.2f}    (target >= 0.5)")
-    per_session = results["turnlog"][1] / len(plans)
-    print(f"turnlog bytes per session: {per_session / 1e6:.2f} MB = "
-          f"{results['turnlog'][1] / raw_r3:.3f} x raw int32 R3   (target <= 0.3)")
+    for name, (elapsed, _size) in results.items():
+        if name.startswith("msgpack"):
+            print(f"turnlog MessagePack ({name}) / floor: {t_floor / elapsed:.2f}   "
+                  f"(target >= 0.5)")
+        elif name.startswith("json"):
+            print(f"turnlog JSON ({name}) / floor:        {t_floor / elapsed:.2f}   "
+                  f"(target >= 0.15)")
+    for wire in wires:
+        if f"http {wire}" in results:
+            print(f"uvicorn receiving the {wire} bodies alone / floor: "
+                  f"{t_floor / results[f'http {wire}'][0]:.2f}   (no parsing, no storing)")
+    some = next(name for name in results if name[:4] in ("json", "msgp"))
+    print(f"turnlog bytes stored: {results[some][1] / raw_r3:.3f} x raw int32 R3   "
+          f"(target <= 0.3)")
+
+    if args.big_turn_mb > 0:
+        url = create_database(server, f"bench_big_{uuid.uuid4().hex[:6]}")
+        await migrate.upgrade_async(url)
+        print()
+        for wire, size, growth in await big_turn_memory(url, args.big_turn_mb):
+            print(f"one {size / 1e6:.0f} MB {wire} turn: server peak RSS growth "
+                  f"{growth / 1e6:.0f} MB = {growth / size:.2f}x the body   (target <= 3x)")
 
 
 if __name__ == "__main__":

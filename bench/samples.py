@@ -8,6 +8,8 @@ A 10-turn addition-mode session of ~32k final tokens with Qwen3-30B-A3B
 geometry (48 layers, top-8) is appended to a `turnlog serve` subprocess and
 closed. Then, in the same run:
 - HTTP: `GET /v1/sessions/{sid}/samples/0/r3`, read fully and `np.load`ed;
+- client: `SyncTurnlogClient.r3()` (streams the `.npy` into one preallocated
+  array), the way a trainer reads it;
 - memory: `np.concatenate` of the same patches (already decoded int32 arrays).
 It prints the median times, their ratio (target: within 3x) and the server's
 peak resident memory while serving, relative to the tensor size (target:
@@ -30,6 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from app.client import SyncTurnlogClient
 from bench.common import postgres, start_server, stop_server
 from bench.ingest import LAYERS, TOPK, make_session
 from tests.pg import create_database
@@ -80,7 +83,9 @@ async def main() -> None:
             path = f"/v1/sessions/{plan.session_id}/samples/0/r3"
 
             http_times, mem_times, curl_times, peaks = [], [], [], []
+            client_times = []
             sync_http = httpx.Client(base_url=base, timeout=120)
+            trainer = SyncTurnlogClient(base, timeout=120)
             reference = None
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
@@ -99,6 +104,11 @@ async def main() -> None:
                 t0 = time.perf_counter()
                 subprocess.run(["curl", "-sf", "-o", "/dev/null", f"{base}{path}"], check=True)
                 curl_times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                streamed = trainer.r3(plan.session_id, 0)
+                client_times.append(time.perf_counter() - t0)
+                assert streamed.tobytes() == tensor.tobytes()
+            trainer.shutdown()
             assert reference is not None
             rows = reference.shape[0]
             tensor_bytes = reference.nbytes
@@ -110,14 +120,17 @@ async def main() -> None:
     http_ms = statistics.median(http_times) * 1000
     curl_ms = statistics.median(curl_times) * 1000
     mem_ms = statistics.median(mem_times) * 1000
+    client_ms = statistics.median(client_times) * 1000
     peak = max(peaks) * 1024
     backend = "sqlite" if args.sqlite else "postgresql"
     print(f"backend {backend}; tensor [{rows}, {LAYERS}, {TOPK}] int32 = "
           f"{tensor_bytes / 1e6:.1f} MB; {args.repeat} repetitions")
     print(f"HTTP  GET …/samples/0/r3 + np.load : {http_ms:8.1f} ms (median)")
+    print(f"SyncTurnlogClient.r3 (streamed)    : {client_ms:8.1f} ms (median)")
     print(f"curl (server side alone, to /dev/null): {curl_ms:5.1f} ms (median)")
     print(f"np.concatenate of the patches      : {mem_ms:8.1f} ms (median)")
     print(f"ratio HTTP / memory                : {http_ms / mem_ms:8.2f}x   (target <= 3x)")
+    print(f"ratio client r3() / memory         : {client_ms / mem_ms:8.2f}x   (target <= 3x)")
     print(f"ratio curl / memory                : {curl_ms / mem_ms:8.2f}x")
     print(f"server peak RSS growth while serving: {peak / 1e6:.1f} MB = "
           f"{peak / tensor_bytes:.2f}x the tensor   (target < 2.5x)")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import io
 import json
 import random
 import uuid
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
@@ -15,7 +19,7 @@ from app.client.errors import TurnlogConnectionError, TurnlogError
 from app.client.sync import SyncTurnlogClient
 from app.main import create_app
 from app.simulator import SessionSimulator, SimConfig, route
-from tests.factory import turn
+from tests.factory import r3_b64, turn
 
 
 @pytest.fixture
@@ -32,6 +36,15 @@ async def tl(app):
         yield client
 
 
+def decoded(request: httpx.Request) -> dict:
+    """A sent body, whichever wire it went on."""
+    if not request.content:
+        return {}
+    if request.headers.get("content-type") == "application/msgpack":
+        return msgspec.msgpack.decode(request.content)
+    return json.loads(request.content)
+
+
 def flaky(app, failures: list[object]):
     """A transport that fails the first requests as listed (a status or an exception),
     then hands over to the app; it records every body it was sent."""
@@ -40,7 +53,7 @@ def flaky(app, failures: list[object]):
 
     class Flaky(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request):
-            sent.append(json.loads(request.content) if request.content else {})
+            sent.append(decoded(request))
             if failures:
                 failure = failures.pop(0)
                 if isinstance(failure, Exception):
@@ -157,3 +170,204 @@ def test_sync_client(settings, sid):
             assert [s["session_id"] for s in tl.iter_sessions(status="closed")][-1:] == [sid]
         finally:
             tl._run(app.state.services.db.dispose())
+
+
+def recording(app):
+    """A transport that hands every request to the app and keeps it."""
+    inner = httpx.ASGITransport(app=app)
+    seen: list[httpx.Request] = []
+
+    class Recording(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            seen.append(request)
+            return await inner.handle_async_request(request)
+
+    return Recording(), seen
+
+
+def r3_turn(seed: int = 0, **over):
+    body = turn([1, 2, 3], [4, 5], r3=r3_b64(4, 2, 2, seed=seed), start=0, **over)
+    return body["record"]
+
+
+def meta_of(record):
+    return record["response"]["choices"][0]["meta_info"]
+
+
+async def test_turns_go_as_msgpack_with_r3_as_bin_by_default(app, sid):
+    transport, seen = recording(app)
+    record = r3_turn()
+    before = json.dumps(record)
+    async with TurnlogClient("http://turnlog", transport=transport) as client:
+        assert client.wire == "msgpack"
+        await client.open(session_id=sid, version="v2", pause_generation_mode="in_place",
+                          r3={"num_layers": 2})
+        reply = await client.append(sid, record, event_id="e0")
+        assert reply["r3"] == {"start": 0, "end": 4}
+        events = await client.events(sid)
+    sent = seen[1]
+    assert sent.headers["content-type"] == "application/msgpack"
+    body = msgspec.msgpack.decode(sent.content)
+    assert meta_of(body["record"])["routed_experts"] == base64.b64decode(
+        meta_of(record)["routed_experts"])
+    assert json.dumps(record) == before  # the caller's record is left as it was
+    assert events[1]["record"] == record  # read back as the session server wrote it
+
+
+async def test_wire_json_sends_the_record_as_is_and_repeats_match(app, sid):
+    transport, seen = recording(app)
+    record = r3_turn()
+    async with TurnlogClient("http://turnlog", transport=transport, wire="json") as as_json, \
+            TurnlogClient("http://turnlog", transport=transport) as as_msgpack:
+        await as_json.open(session_id=sid, version="v2", pause_generation_mode="in_place",
+                           r3={"num_layers": 2})
+        first = await as_msgpack.append(sid, record, event_id="e0")
+        again = await as_json.append(sid, record, event_id="e0")
+    assert again == first
+    assert seen[-1].headers["content-type"] == "application/json"
+    assert json.loads(seen[-1].content)["record"] == record
+    with pytest.raises(ValueError):
+        TurnlogClient("http://turnlog", wire="cbor")
+
+
+@pytest.mark.parametrize("wire", ["msgpack", "json"])
+async def test_a_non_canonical_base64_payload_is_refused_on_both_wires(app, sid, wire):
+    record = r3_turn()
+    text = meta_of(record)["routed_experts"]
+    meta_of(record)["routed_experts"] = text[:-2] + ("B" if text[-2] != "B" else "C") + "="
+    async with TurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app),
+                             wire=wire) as client:
+        await client.open(session_id=sid, version="v2", pause_generation_mode="in_place",
+                          r3={"num_layers": 2})
+        with pytest.raises(TurnlogError) as caught:
+            await client.append(sid, record)
+    assert caught.value.slug == "invalid-r3"
+
+
+async def test_ints_beyond_64_bits_go_as_json_for_the_server_to_refuse(app, sid):
+    record = turn([1, 2**70], [3])["record"]
+    transport, seen = recording(app)
+    async with TurnlogClient("http://turnlog", transport=transport) as client:
+        await client.open(session_id=sid, version="v2")
+        with pytest.raises(TurnlogError) as caught:
+            await client.append(sid, record)
+    assert caught.value.field == "record.request.input_ids[1]"
+    assert seen[-1].headers["content-type"] == "application/json"
+
+
+class NpyTransport(httpx.AsyncBaseTransport):
+    """Serves fixed bytes for every request, in chunks of `size` bytes."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self.data, self.size = data, size
+
+    async def handle_async_request(self, request):
+        data, size = self.data, self.size
+
+        class Stream(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                for i in range(0, len(data), size):
+                    yield data[i:i + size]
+
+        return httpx.Response(200, headers={"content-type": "application/x-npy"},
+                              stream=Stream())
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 128, 1 << 20])
+async def test_r3_streams_into_one_array_whatever_the_chunking(size):
+    array = np.arange(5 * 3 * 2, dtype="<i4").reshape(5, 3, 2)
+    async with TurnlogClient("http://t", transport=NpyTransport(npy_bytes(array), size)) as c:
+        got = await c.r3("s", 0)
+    assert got.dtype == np.dtype("<i4") and got.shape == (5, 3, 2)
+    assert got.tobytes() == array.tobytes()
+
+
+@pytest.mark.parametrize("mangle", [
+    lambda b: b[:-4],            # short
+    lambda b: b + b"\0\0\0\0",   # long
+    lambda b: b[:20],            # header cut
+    lambda b: b"NOTNPY" + b[6:],  # not .npy
+])
+async def test_a_damaged_npy_reply_is_an_error_not_a_wrong_array(mangle):
+    data = mangle(npy_bytes(np.zeros((4, 2, 2), dtype="<i4")))
+    async with TurnlogClient("http://t", transport=NpyTransport(data, 16)) as c:
+        with pytest.raises(ValueError):
+            await c.r3("s", 0)
+
+
+async def test_r3_of_an_unknown_session_is_a_typed_error(tl, sid):
+    with pytest.raises(TurnlogError) as caught:
+        await tl.r3(sid, 0)
+    assert caught.value.slug == "unknown-session"
+
+
+async def canned_server(reply: bytes, size: int):
+    """A loopback HTTP server answering every request with `reply`, `size` bytes a write."""
+    requests: list[bytes] = []
+
+    async def handle(reader, writer):
+        requests.append(await reader.readuntil(b"\r\n\r\n"))
+        for i in range(0, len(reply), size):
+            writer.write(reply[i:i + size])
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], requests
+
+
+def http_reply(status: int, body: bytes, content_type: str = "application/x-npy") -> bytes:
+    return (f"HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("size", [1, 5, 100, 1 << 20])
+async def test_r3_fast_path_receives_into_the_array(size):
+    array = np.arange(7 * 3 * 2, dtype="<i4").reshape(7, 3, 2)
+    server, port, requests = await canned_server(http_reply(200, npy_bytes(array)), size)
+    async with server, TurnlogClient(f"http://127.0.0.1:{port}/prefix", token="t") as client:
+        assert client._fast is not None
+        got = await client.r3("s1", 0)
+    assert got.shape == (7, 3, 2) and got.tobytes() == array.tobytes()
+    head = requests[0].decode().lower()
+    assert head.startswith("get /prefix/v1/sessions/s1/samples/0/r3 http/1.1")
+    assert "authorization: bearer t" in head and "accept-encoding: identity" in head
+
+
+async def test_r3_fast_path_turns_problems_into_typed_errors():
+    problem = json.dumps({"type": "urn:turnlog:session-open", "title": "x", "status": 409,
+                          "detail": "open"}).encode()
+    server, port, _ = await canned_server(http_reply(409, problem, "application/problem+json"),
+                                          7)
+    async with server, TurnlogClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(TurnlogError) as caught:
+            await client.r3("s1", 0)
+    assert caught.value.slug == "session-open" and caught.value.status == 409
+
+
+@pytest.mark.parametrize("mangle", [lambda b: b[:-4], lambda b: b + b"\0" * 4,
+                                    lambda b: b"NOTNPY" + b[6:]])
+async def test_r3_fast_path_refuses_a_damaged_body(mangle):
+    body = mangle(npy_bytes(np.zeros((4, 2, 2), dtype="<i4")))
+    # A short body ends with the connection (a connection error), a long or foreign one
+    # is refused as soon as it is seen (ValueError): never a wrong array.
+    server, port, _ = await canned_server(http_reply(200, body), 16)
+    async with server, TurnlogClient(f"http://127.0.0.1:{port}", retries=0) as client:
+        with pytest.raises((ValueError, TurnlogConnectionError)):
+            await client.r3("s1", 0)
+
+
+async def test_r3_fast_path_connection_refused_is_a_connection_error():
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    async with TurnlogClient(f"http://127.0.0.1:{port}", retries=1, backoff=0.001) as client:
+        with pytest.raises(TurnlogConnectionError):
+            await client.r3("s1", 0)

@@ -1,9 +1,14 @@
-"""Dependencies shared by the routers: the store services and the raw JSON body."""
+"""Dependencies shared by the routers: the store services and the request body.
+
+Owns which wire a body is read as (its Content-Type: JSON everywhere,
+MessagePack too for turns; anything else is 415) and reading it into one
+buffer. The decoding rules themselves are the domain's (`jsonio`, `msgpackio`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -11,8 +16,11 @@ from fastapi import Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
-from app.domain import jsonio
+from app.domain import jsonio, msgpackio
+from app.domain.errors import UnsupportedMediaType
 from app.services import Services
+
+JSON = "application/json"
 
 
 def services(request: Request) -> Services:
@@ -20,18 +28,102 @@ def services(request: Request) -> Services:
     return svc
 
 
+def media_type(request: Request) -> str | None:
+    """The body's media type, lower-cased, parameters dropped; None when not sent."""
+    header = request.headers.get("content-type")
+    if header is None or not header.strip():
+        return None
+    return header.split(";", 1)[0].strip().lower()
+
+
+def _unsupported(found: str, accepted: tuple[str, ...]) -> UnsupportedMediaType:
+    return UnsupportedMediaType(f"this route does not read {found} bodies",
+                                field="content-type", expected=" | ".join(accepted),
+                                actual=found[:80])
+
+
+async def read_body(request: Request) -> bytes | bytearray:
+    """The whole body in one buffer, without keeping a second copy.
+
+    With a Content-Length the chunks are written straight into a buffer of that
+    size (Starlette's `request.body()` keeps the chunk list and their join, and
+    caches the result on the request for its lifetime). The size limit was
+    enforced before any of this by the `BodyLimit` middleware (and the token by
+    `BearerAuth`); the buffer is allocated only once the first bytes arrive.
+    """
+    declared = request.headers.get("content-length")
+    if declared is None or not declared.isdigit():
+        return await request.body()
+    buf = bytearray()
+    view = memoryview(buf)
+    filled = 0
+    async for chunk in request.stream():
+        if not buf and chunk:
+            view.release()
+            buf = bytearray(int(declared))
+            view = memoryview(buf)
+        end = filled + len(chunk)
+        if end > len(buf):
+            # More than declared (the HTTP server should not let it through): grow.
+            view.release()
+            buf.extend(bytes(end - len(buf)))
+            view = memoryview(buf)
+        view[filled:end] = chunk
+        filled = end
+    view.release()
+    if filled < len(buf):
+        del buf[filled:]
+    return buf
+
+
 async def json_body(request: Request) -> Any:
     """The request body parsed strictly (we validate it in the domain, not with models).
 
-    A large body is decoded on a worker thread, so it never stalls the event loop.
+    JSON only: no Content-Type or `application/json` (any parameters); else 415.
     """
-    raw = await request.body()
-    if not raw.strip():
+    kind = media_type(request)
+    if kind is not None and kind != JSON:
+        raise _unsupported(kind, (JSON,))
+    raw = await read_body(request)
+    if not raw or raw.isspace():  # (`strip()` would copy a 100 MB body)
         return {}
+    return await _decode(request, jsonio.loads, raw)
+
+
+async def _decode(request: Request, decode: Callable[[Any], Any], raw: bytes | bytearray) -> Any:
+    """A large body is decoded on a worker thread, so it never stalls the event loop."""
     uploads: Uploads | None = getattr(request.app.state, "uploads", None)
     if uploads is not None and len(raw) > uploads.threshold:
-        return await run_in_threadpool(jsonio.loads, raw)
-    return jsonio.loads(raw)
+        return await run_in_threadpool(decode, raw)
+    return decode(raw)
+
+
+async def turn_body(request: Request) -> Any:
+    """A turn body: JSON as `json_body`, or MessagePack (docs/ingest.md); else 415."""
+    kind = media_type(request)
+    if kind in msgpackio.MEDIA_TYPES:
+        raw = await read_body(request)
+        return await _decode(request, msgpackio.loads, raw)
+    if kind is not None and kind != JSON:
+        raise _unsupported(kind, (JSON, *sorted(msgpackio.MEDIA_TYPES)))
+    return await json_body(request)
+
+
+def wants_msgpack(request: Request) -> bool:
+    """`Accept` names a MessagePack type (with a non-zero q) — else the answer is JSON."""
+    for item in request.headers.get("accept", "").split(","):
+        kind, *params = item.split(";")
+        if kind.strip().lower() not in msgpackio.MEDIA_TYPES:
+            continue
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    return float(value) > 0
+                except ValueError:
+                    return False
+        return True
+    return False
 
 
 class Uploads:
@@ -69,7 +161,7 @@ def _blank_is_absent(value: Any) -> Any:
     return None if value == "" else value
 
 
-# `?status=&after=&limit=` means "not given" (docs/api.md §0.1).
+# `?status=&after=&limit=` (the contract's own template) means "not given".
 Blank = BeforeValidator(_blank_is_absent)
 OptStr = Annotated[str | None, Blank, Query()]
 OptLimit = Annotated[int | None, Blank, Query(description="page size (clamped to the maximum)")]

@@ -123,7 +123,7 @@ class Loopback:
         media = declared.decode("latin-1").partition(";")[0].strip().lower()
         if media not in WRITE_TYPES:
             return UnsupportedMediaType(
-                "a write's body must be JSON (or MessagePack)", field="Content-Type",
+                "a write's body must be JSON (or MessagePack)", field="content-type",
                 expected=" | ".join(sorted(WRITE_TYPES)),
                 actual=declared.decode("latin-1")[:80] or "empty")
         return None

@@ -11,10 +11,20 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
-from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, Uploads, json_body
+from app.api.deps import (
+    Blank,
+    BodyDep,
+    OptLimit,
+    OptStr,
+    ServicesDep,
+    Uploads,
+    turn_body,
+    wants_msgpack,
+)
 from app.api.docs import OPEN_BODY, TURN_BODY
 from app.api.problems import JSONText
 from app.api.telemetry import turn_appended, turn_rejected
+from app.domain import msgpackio
 from app.domain.errors import DomainError
 from app.domain.labels import LabelFilters, parse_label_filters
 from app.domain.queries import EVENTS_PAGE, SESSIONS_PAGE, parse_status
@@ -65,13 +75,16 @@ async def get_session(session_id: str, svc: ServicesDep) -> JSONText:
 
 @router.post("/{session_id}/turns", status_code=201, openapi_extra=TURN_BODY)
 async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JSONText:
+    """Append one turn. The body is JSON, or MessagePack (`application/msgpack`,
+    `application/vnd.msgpack`, `application/x-msgpack`) with `routed_experts` as a bin
+    of raw little-endian int32 (docs/ingest.md); any other content type is 415."""
     started, body = time.perf_counter(), None
     uploads: Uploads = request.app.state.uploads
     try:
         # A large turn waits for one of a few upload slots, then is decoded,
         # validated and encoded on worker threads (app.api.deps.Uploads).
         async with uploads.slot(request) as large:
-            body = await json_body(request)
+            body = await turn_body(request)
             written = await svc.writer.append_turn(session_id, body, offload=large)
     except DomainError as exc:
         turn_rejected(svc.metrics, session_id, body, exc, started)
@@ -82,14 +95,25 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
     return JSONText(written.body, status_code=201 if written.created else 200)
 
 
-@router.get("/{session_id}/events")
+@router.get("/{session_id}/events",
+            responses={200: {"content": {"application/json": {}, msgpackio.MEDIA_TYPE: {}}}})
 async def session_events(
     session_id: str,
     svc: ServicesDep,
+    request: Request,
     after: Annotated[Position | None, Blank, Query()] = None,
     limit: OptLimit = None,
     include_r3: bool = True,
 ) -> Response:
+    """`Accept: application/msgpack` answers the same page as MessagePack, R3 as bin."""
+    if wants_msgpack(request):
+        events = await svc.reader.session_events(session_id, after, EVENTS_PAGE.parse(limit),
+                                                 include_r3, r3_raw=True)
+        try:
+            return Response(await run_in_threadpool(msgpackio.dumps, events),
+                            media_type=msgpackio.MEDIA_TYPE)
+        except UnicodeEncodeError:
+            pass  # a JSON-appended lone surrogate has no UTF-8 form: answer JSON, as allowed
     page = await svc.reader.session_events_page(
         session_id, after, EVENTS_PAGE.parse(limit), include_r3)
     if len(page) <= EVENTS_BATCH:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -31,15 +32,35 @@ from app.cli.common import (
 )
 
 
+def _checkpoint_key(url: str, session: str | None) -> str:
+    from sqlalchemy.engine import make_url
+
+    return f"{make_url(url).render_as_string(hide_password=True)} session={session}"
+
+
 def rebuild(
     session: Annotated[str | None, typer.Option(help="Only this session (or a unique prefix)")]
     = None,
     database_url: DatabaseUrl = None,
     metrics_port: Annotated[int | None, typer.Option(
         help="Serve the progress gauges for Prometheus on 127.0.0.1:PORT while running")] = None,
+    checkpoint: Annotated[Path, typer.Option(
+        help="Where progress is kept after each batch; an interrupted rebuild of the same "
+             "database resumes from it, a finished one removes it")] = Path(
+        ".turnlog-rebuild.json"),
+    restart: Annotated[bool, typer.Option(
+        help="Ignore a checkpoint left by an interrupted run and start over")] = False,
+    parallel: Annotated[int, typer.Option(
+        min=1, help="Batches rebuilt at once on PostgreSQL (SQLite: always one)")] = 2,
     as_json: AsJson = False,
 ) -> None:
-    """Drop and recompute every projection from the events; checksums must match."""
+    """Drop and recompute every projection from the events; checksums must match.
+
+    Resumable: progress is checkpointed after each batch of sessions, and a
+    rebuild interrupted (Ctrl-C, a lost connection) carries on from there when
+    run again with the same database, comparing against the checksums taken
+    when it first started.
+    """
     from prometheus_client import start_http_server
 
     from app.metrics import RebuildProgress
@@ -51,6 +72,20 @@ def rebuild(
     gauges = RebuildProgress()
     if metrics_port is not None:
         start_http_server(metrics_port, addr="127.0.0.1", registry=gauges.registry)
+    key = _checkpoint_key(url, session)
+    resume: dict[str, Any] = {}
+    if checkpoint.exists() and not restart:
+        saved = json.loads(checkpoint.read_text())
+        if saved.get("key") == key:
+            resume = saved
+            err().print(f"resuming the rebuild after session id {saved['last_id']} "
+                        f"(checkpoint {checkpoint})")
+
+    def save(last_id: int, before: dict[str, str]) -> None:
+        # Written whole then renamed: an interruption never leaves half a checkpoint.
+        tmp = checkpoint.with_name(checkpoint.name + ".tmp")
+        tmp.write_text(json.dumps({"key": key, "last_id": last_id, "before": before}))
+        tmp.replace(checkpoint)
 
     async def go() -> Any:
         db = Database(url, settings_for(url))
@@ -67,11 +102,15 @@ def rebuild(
                     bar.update(task, completed=done, total=total)
                     gauges(done, total)
 
-                return await run_rebuild(db, only, advance)
+                return await run_rebuild(db, only, advance,
+                                         start_after=resume.get("last_id"),
+                                         before=resume.get("before"), on_batch=save,
+                                         parallel=parallel)
         finally:
             await db.dispose()
 
     report = asyncio.run(go())
+    checkpoint.unlink(missing_ok=True)
     if as_json:
         echo_json({"sessions": report.sessions, "equal": report.equal,
                    "projections": {name: {"before": before, "after": report.after[name],

@@ -7,6 +7,11 @@ ids, generating them when the caller does not, and every request goes
 through the retry policy of `client_errors.py`. Failed answers become the
 `TurnlogError`s defined there.
 
+Owns the wire too: turns go as MessagePack by default (`wire="json"` opts
+out) with the record taken as the session server wrote it and its base64 R3
+decoded once here into the raw int32 bin the server stores without another
+decode (docs/ingest.md); R3 tensors stream into one preallocated array.
+
 Refuses to own any rule of the store: answers are returned as the JSON the
 server sent (plain dicts), and R3 tensors as numpy arrays read from `.npy`.
 Also refuses the error types and retry policy (`client_errors.py`) and the
@@ -15,8 +20,9 @@ blocking facade (`client_sync.py`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
-import io
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -26,9 +32,11 @@ from typing import Any
 import httpx
 import msgspec
 import numpy as np
+import pybase64
 
 from app.client.consumers import Claim, ConsumerCalls, bounds
 from app.client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
+from app.client.npy_stream import HttpReply, fast_path_url, get_npy, read_chunks
 
 __all__ = [
     "Claim",
@@ -38,6 +46,9 @@ __all__ = [
 ]
 
 OMITTED: Any = object()
+WIRES = ("msgpack", "json")
+MSGPACK = "application/msgpack"
+JSON = "application/json"
 
 
 def new_event_id() -> str:
@@ -57,6 +68,52 @@ def _encode(body: Any) -> bytes:
     # allow_nan=False: the server rejects non-finite numbers; fail before sending.
     return json.dumps(body, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode("ascii")
+
+
+def _r3_bin(text: str) -> bytes | None:
+    """The int32 bytes of a canonical base64 R3 payload, else None (sent as text).
+
+    Only canonical text (full padding, zero trailing bits) becomes a bin: the
+    server compares a bin with its canonical text, and must refuse the other
+    text exactly as it would on the JSON wire.
+    """
+    if not text or len(text) % 4:
+        return None
+    try:
+        raw = pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    tail = 3 - text.count("=", len(text) - 2)
+    if base64.b64encode(raw[len(raw) - tail:]).decode("ascii") != text[-4:]:
+        return None
+    return raw
+
+
+def _with_r3_bin(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`body` with its R3 text as a bin, copying only the maps on the payload's path."""
+    try:
+        record = body["record"]
+        response = record["response"]
+        choice = response["choices"][0]
+        meta = choice["meta_info"]
+        payload = meta["routed_experts"]
+    except (KeyError, IndexError, TypeError):
+        return body
+    raw = _r3_bin(payload) if isinstance(payload, str) else None
+    if raw is None:
+        return body
+    choices = list(response["choices"])
+    choices[0] = {**choice, "meta_info": {**meta, "routed_experts": raw}}
+    return {**body, "record": {**record, "response": {**response, "choices": choices}}}
+
+
+def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
+    """A turn body on `wire`; what MessagePack cannot carry (ints beyond 64 bits) goes
+    as JSON, for the server to judge."""
+    if wire == "msgpack":
+        with contextlib.suppress(OverflowError, TypeError):
+            return msgspec.msgpack.encode(_with_r3_bin(body)), MSGPACK
+    return _encode(body), JSON
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -105,6 +162,8 @@ class TurnlogClient(ConsumerCalls):
     (seconds, optional) bounds the total time spent retrying one call.
     `backoff` / `max_backoff` shape the jittered exponential wait between
     attempts. `transport` lets tests plug in `httpx.ASGITransport(app=...)`.
+    `wire` is how turns are sent: "msgpack" (default, R3 as raw int32 bytes) or
+    "json" (the record exactly as given); every other call is JSON.
     """
 
     def __init__(
@@ -119,15 +178,21 @@ class TurnlogClient(ConsumerCalls):
         max_backoff: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
+        wire: str = "msgpack",
     ) -> None:
         if retries < 0:
             raise ValueError("retries must be >= 0")
+        if wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}")
+        self.wire = wire
         all_headers = {"accept": "application/json, application/problem+json",
                        **dict(headers or {})}
         if token:
             all_headers["authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
                                        headers=all_headers, transport=transport)
+        # Plain HTTP on the default transport: R3 tensors take the in-place fast path.
+        self._fast = None if transport is not None else fast_path_url(base_url)
         self.retries = retries
         self.retry_deadline = retry_deadline
         self._wait = Backoff(backoff, max_backoff)
@@ -152,9 +217,12 @@ class TurnlogClient(ConsumerCalls):
         params: Mapping[str, Any] | None = None,
         event_id: str | None = None,
         timeout: httpx.Timeout | None = None,
+        encoded: tuple[bytes, str] | None = None,
     ) -> httpx.Response:
-        content = None if body is None else _encode(body)
-        headers = None if body is None else {"content-type": "application/json"}
+        if encoded is None and body is not None:
+            encoded = _encode(body), JSON
+        content = None if encoded is None else encoded[0]
+        headers = None if encoded is None else {"content-type": encoded[1]}
         query = {k: v for k, v in (params or {}).items() if v is not None}
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
@@ -214,9 +282,10 @@ class TurnlogClient(ConsumerCalls):
         payload = dict(body)
         if payload.get("event_id") is None:
             payload["event_id"] = new_event_id()
+        # Encoded once, outside the retries: a resend sends the very same bytes.
         result: dict[str, Any] = await self._json(
-            "POST", f"/v1/sessions/{session_id}/turns", body=payload,
-            event_id=payload["event_id"])
+            "POST", f"/v1/sessions/{session_id}/turns",
+            encoded=_encode_turn(payload, self.wire), event_id=payload["event_id"])
         return result
 
     async def close(
@@ -325,13 +394,48 @@ class TurnlogClient(ConsumerCalls):
     async def r3(self, session_id: str, index: int, *, rows: Any = None,
                  layers: Any = None) -> np.ndarray:
         """A sample's R3 tensor, int32 `[len(tokens) - 1, num_layers, topk]`, or its
-        `[rows, layers, :]` slice (`"a:b"`, a `slice` or an `(a, b)` pair each)."""
+        `[rows, layers, :]` slice (`"a:b"`, a `slice` or an `(a, b)` pair each).
+
+        Streamed: the `.npy` header is parsed from the first bytes, then the body
+        is copied chunk by chunk into one preallocated array (no joined body,
+        no second parse).
+        """
         if rows is not None or layers is not None:
             return await self.r3_slice(session_id, index, rows=bounds(rows),
                                        layers=bounds(layers))
-        response = await self._send("GET", f"/v1/sessions/{session_id}/samples/{index}/r3")
-        array: np.ndarray = np.load(io.BytesIO(response.content), allow_pickle=False)
-        return array
+        path = f"/v1/sessions/{session_id}/samples/{index}/r3"
+        async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
+            with attempt:
+                if self._fast is not None:
+                    return await self._r3_fast(path)
+                try:
+                    async with self._http.stream("GET", path) as response:
+                        if response.status_code >= 400:
+                            await response.aread()
+                            raise _error(response, None)
+                        return await read_chunks(response.aiter_bytes())
+                except httpx.TransportError as exc:
+                    raise TurnlogConnectionError(exc) from exc
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def _r3_fast(self, path: str) -> np.ndarray:
+        """The R3 GET over a plain socket, received into the array (npy_stream.py)."""
+        assert self._fast is not None
+        host, port = self._fast
+        target = self._http.base_url.raw_path.decode("ascii").rstrip("/") + path
+        headers = {k: v for k, v in self._http.headers.items()
+                   if k.lower() not in ("host", "connection", "accept-encoding")}
+        try:
+            return await get_npy(host, port, target, headers, self._http.timeout.read)
+        except HttpReply as reply:
+            raise _error(httpx.Response(reply.status, headers=reply.headers,
+                                        content=reply.body), None) from None
+        except TimeoutError as exc:
+            raise TurnlogConnectionError(httpx.ReadTimeout(str(exc) or "timed out")) from exc
+        except OSError as exc:
+            cause = httpx.ConnectError(str(exc)) if isinstance(exc, ConnectionRefusedError) \
+                else httpx.ReadError(str(exc))
+            raise TurnlogConnectionError(cause) from exc
 
     # -- feed ----------------------------------------------------------------------
 

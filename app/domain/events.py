@@ -42,7 +42,7 @@ class StoredTurn:
     patch: Patch | None
 
 
-def _with_r3(record: dict[str, Any], r3_base64: str | None) -> dict[str, Any]:
+def _with_r3(record: dict[str, Any], r3_base64: str | bytes | None) -> dict[str, Any]:
     """Copy of `record` whose `response.choices[0].meta_info.routed_experts` is
     `r3_base64`, or absent for None; the rest is shared, not copied."""
     out = dict(record)
@@ -107,9 +107,12 @@ def restore_prompt(parent_tokens: np.ndarray | None, prompt_lcp: int, delta: byt
 
 
 def restore_record(
-    payload: dict[str, Any], prompt: np.ndarray, r3_base64: str | None
+    payload: dict[str, Any], prompt: np.ndarray, r3_base64: str | bytes | None
 ) -> dict[str, Any]:
-    """The record exactly as appended; `r3_base64=None` leaves a moved payload out."""
+    """The record exactly as appended; `r3_base64=None` leaves a moved payload out.
+
+    Raw int32 bytes in place of the base64 text are for the MessagePack wire.
+    """
     record = dict(payload["record"])
     request = dict(record["request"])
     request["input_ids"] = prompt.tolist()

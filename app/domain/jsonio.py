@@ -9,9 +9,13 @@ JSON losslessly as text. No I/O.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import chain, compress, repeat
 from typing import Any
 
 import msgspec
@@ -38,25 +42,37 @@ def _finite_float(text: str) -> float:
 
 
 def _depth(value: Any) -> int:
-    """Nesting depth, iteratively (a recursive walk would itself overflow).
+    """Nesting depth (up to `MAX_DEPTH + 1`), one level at a time.
 
-    Lists of scalars (a 20k-token prompt) are dismissed by one C-level type scan.
+    Each level's children are gathered and type-scanned by C-level iterators
+    (`chain`, `map`), so 2k `[logprob, id]` pairs or a 20k-token prompt cost a
+    few list operations, not a Python step per container.
     """
-    if type(value) is not dict and type(value) is not list:
-        return 0
-    best = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, level = stack.pop()
-        best = max(best, level)
-        if best > MAX_DEPTH:
-            break
-        children = node.values() if type(node) is dict else node
+    level = 0
+    containers = [value] if type(value) is dict or type(value) is list else []
+    while containers and level <= MAX_DEPTH:
+        level += 1
+        children = children_of(containers)
         kinds = set(map(type, children))
-        if dict in kinds or list in kinds:
-            stack.extend((v, level + 1) for v in children
-                         if type(v) is dict or type(v) is list)
-    return best
+        if dict not in kinds and list not in kinds:
+            break
+        containers = containers_in(children)
+    return level
+
+
+def containers_in(children: list[Any]) -> list[Any]:
+    """The dicts and lists among `children`, filtered by C-level iterators only."""
+    return list(compress(children, map(isinstance, children, repeat((dict, list)))))
+
+
+def children_of(containers: list[Any]) -> list[Any]:
+    """Every child of a level's containers (dict values, list items), in one list."""
+    dicts = [c for c in containers if type(c) is dict]
+    if not dicts:
+        return list(chain.from_iterable(containers))
+    lists = [c for c in containers if type(c) is list]
+    return list(chain(chain.from_iterable(map(dict.values, dicts)),
+                      chain.from_iterable(lists)))
 
 
 def _too_deep() -> InvalidRequest:
@@ -68,7 +84,26 @@ def _too_deep() -> InvalidRequest:
     )
 
 
-def loads(raw: bytes | str) -> Any:
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic-garbage collection while a body is decoded.
+
+    Decoding allocates thousands of containers (one list per `[logprob, id]`
+    pair), which would trigger collections that walk every object of the
+    process; none of them can be garbage yet. Synchronous, so nothing else runs
+    meanwhile.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def loads(raw: bytes | bytearray | str) -> Any:
     """Parse a request body; every failure is an `InvalidRequest` naming `body`.
 
     msgspec is the fast path (exact floats and big integers, ~5x the standard
@@ -77,7 +112,8 @@ def loads(raw: bytes | str) -> Any:
     with our hooks and decides.
     """
     try:
-        value = msgspec.json.decode(raw)
+        with gc_paused():
+            value = msgspec.json.decode(raw)
     except RecursionError:
         raise _too_deep() from None
     except msgspec.DecodeError:
@@ -97,7 +133,7 @@ def loads_stored(raw: bytes | str) -> Any:
         return _loads_stdlib(raw)
 
 
-def _loads_stdlib(raw: bytes | str) -> Any:
+def _loads_stdlib(raw: bytes | bytearray | str) -> Any:
     try:
         return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except InvalidRequest:

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from app.domain import jsonio
 from app.domain.labels import label_text
 from app.domain.samples import Sample, SamplesResult
@@ -103,10 +105,25 @@ def tree_entry(node: Node) -> dict[str, Any]:
     }
 
 
+def _row_text(row: Mapping[str, Any]) -> bytes:
+    """Key-sorted compact JSON of one row (msgspec; the standard library for the rare
+    row msgspec cannot encode, e.g. a lone surrogate)."""
+    try:
+        return msgspec.json.encode(row, order="sorted")
+    except (UnicodeEncodeError, TypeError):
+        return jsonio.canonical(dict(row)).encode("ascii")
+
+
 def checksum(rows: Iterable[Mapping[str, Any]]) -> str:
-    """Order-independent digest of projection rows (canonical JSON per row)."""
-    digests = sorted(jsonio.fingerprint(dict(row)) for row in rows)
-    return hashlib.sha256("\n".join(digests).encode("ascii")).hexdigest()
+    """Order-independent digest of projection rows: the sorted rows' JSON, hashed once.
+
+    (JSON escapes newlines inside strings, so one row can never pass for two.)
+    """
+    digest = hashlib.sha256()
+    for text in sorted(map(_row_text, rows)):
+        digest.update(text)
+        digest.update(b"\n")
+    return digest.hexdigest()
 
 
 def sample_row(session_id: str, sample: Sample) -> dict[str, Any]:

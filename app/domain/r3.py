@@ -52,8 +52,12 @@ class Patch:
         block = narrow[row_from * per_row:row_to * per_row]
         return block.astype(WIRE_DTYPE).reshape(row_to - row_from, self.num_layers, self.topk)
 
+    def raw(self) -> bytes:
+        """The patch as the wire's little-endian int32 bytes (a MessagePack bin)."""
+        return self.array().tobytes()
+
     def base64(self) -> str:
-        return pybase64.b64encode(self.array().tobytes()).decode("ascii")
+        return pybase64.b64encode(self.array().data).decode("ascii")
 
 
 def decode_payload(text: str, field: str) -> np.ndarray:
@@ -86,18 +90,30 @@ def decode_payload(text: str, field: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=WIRE_DTYPE)
 
 
+def decode_raw(data: bytes, field: str) -> np.ndarray:
+    """Raw little-endian int32 bytes (a MessagePack bin) → flat int32 array, no copy."""
+    if len(data) % 4:
+        raise InvalidR3(
+            "routed_experts is not a whole number of int32 values",
+            field=field,
+            expected="a byte length divisible by 4",
+            actual=len(data),
+        )
+    return np.frombuffer(data, dtype=WIRE_DTYPE)
+
+
 def narrow(values: np.ndarray) -> tuple[str, bytes]:
-    """Smallest dtype holding every value exactly; negative values keep int32."""
+    """Smallest dtype holding every value exactly; negative values keep int32.
+
+    One reduction decides it: read as uint32, a negative int32 is above 0xFFFF, so
+    the unsigned maximum alone tells u1 / u2 / i4 apart. Then one converting pass.
+    """
     if values.size == 0:
         return "u1", b""
-    lo = int(values.min())
-    hi = int(values.max())
-    if lo >= 0 and hi <= 0xFF:
-        code = "u1"
-    elif lo >= 0 and hi <= 0xFFFF:
-        code = "u2"
-    else:
-        code = "i4"
+    hi = int(values.view(np.dtype("<u4")).max())
+    code = "u1" if hi <= 0xFF else "u2" if hi <= 0xFFFF else "i4"
+    if code == "i4":
+        return code, values.tobytes()
     return code, values.astype(DTYPES[code]).tobytes()
 
 

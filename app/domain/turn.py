@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from app.domain.errors import InvalidR3, InvalidRequest
-from app.domain.r3 import decode_payload, infer_topk
+from app.domain.r3 import decode_payload, decode_raw, infer_topk
 from app.domain.session import SessionDefinition
 from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo
 from app.domain.validate import describe, is_int, reject_unknown, require_object, require_text
@@ -82,13 +83,34 @@ class TurnBody:
     facts: TurnFacts
 
     def content(self) -> dict[str, Any]:
-        """The idempotency content: the body as sent, omitted keys left out."""
-        out: dict[str, Any] = {"event_id": self.event_id, "record": self.record}
+        """The idempotency content: the body as sent, omitted keys left out, as JSON
+        carries it (an R3 bin is its canonical base64 text)."""
+        out: dict[str, Any] = {"event_id": self.event_id, "record": json_carried(self.record)}
         if self.parent is not OMITTED:
             out["parent"] = self.parent
         if self.metadata is not None:
             out["metadata"] = self.metadata
         return out
+
+
+def json_carried(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` as JSON carries it: an R3 bin (MessagePack) becomes its base64 text.
+
+    Copies only the maps on the payload's path; without a bin, `record` itself.
+    """
+    with contextlib.suppress(KeyError, IndexError, TypeError):
+        payload = record["response"]["choices"][0]["meta_info"]["routed_experts"]
+        if isinstance(payload, bytes):
+            response = dict(record["response"])
+            choices = list(response["choices"])
+            choice = dict(choices[0])
+            meta = dict(choice["meta_info"])
+            meta["routed_experts"] = pybase64.b64encode(payload).decode("ascii")
+            choice["meta_info"] = meta
+            choices[0] = choice
+            response["choices"] = choices
+            return {**record, "response": response}
+    return record
 
 
 def _invalid(detail: str, field_name: str, expected: Any, actual: Any) -> InvalidRequest:
@@ -246,7 +268,7 @@ def _r3(
     payload_field = f"{META}.routed_experts"
     start_field = "record.request.routed_experts_start_len"
     if not returns:
-        if payload not in (None, ""):
+        if payload is not None and payload not in ("", b""):
             raise InvalidR3("routed_experts sent but return_routed_experts is not true",
                             field=payload_field, expected="absent, null or \"\"",
                             actual="a payload")
@@ -270,9 +292,10 @@ def _r3(
     if rows < 0:
         raise InvalidR3(f"routed_experts_start_len {start} is past the turn's last row {end}",
                         field=start_field, expected=f"at most {end}", actual=start)
-    if payload is not None and not isinstance(payload, str):
+    if payload is not None and not isinstance(payload, str | bytes):
         raise InvalidR3("routed_experts must be a base64 string", field=payload_field,
-                        expected="base64 string", actual=describe(payload))
+                        expected="base64 string (or a MessagePack bin of int32)",
+                        actual=describe(payload))
     if stored_r3 is not None:
         return True, start, None, stored_r3[1]
     if not payload:
@@ -281,7 +304,9 @@ def _r3(
                             field=payload_field, expected=f"payload of {rows} rows",
                             actual="absent")
         return True, start, None, None
-    values = decode_payload(payload, payload_field)
+    # A MessagePack bin is already the raw int32 bytes: no base64 to undo.
+    values = (decode_raw(payload, payload_field) if isinstance(payload, bytes)
+              else decode_payload(payload, payload_field))
     if rows == 0:
         raise InvalidR3("routed_experts payload sent for a turn with zero rows",
                         field=payload_field, expected="absent, null or \"\"",

@@ -10,7 +10,7 @@ is per process and purely an optimization; a miss folds from the log.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +162,20 @@ async def fold_events(
     # the same cached state while we wait on the database, and folding must not
     # interleave with it (turns it already holds are skipped).
     rows = (await conn.execute(query)).all()
+    return fold_rows(state, session_id, rows, geometry, log)
+
+
+def fold_rows(
+    state: SessionState | None,
+    session_id: str,
+    rows: Iterable[Any],
+    geometry: Mapping[int, tuple[int, int]],
+    log: FoldLog | None = None,
+) -> SessionState:
+    """Fold one session's event rows (in position order) into `state`; no I/O.
+
+    `geometry` maps a turn's seq to its stored patch's `(start_row, topk)`.
+    """
     # Full tokens of the node folded last: in a chain it is the next one's parent,
     # so the delta-kept tokens need not be rebuilt from the ancestors.
     last: tuple[int, np.ndarray] | None = None

@@ -78,8 +78,9 @@ class EventsPage:
     a 100,000-event reply never exists as Python objects all at once."""
 
     def __init__(self, rows: list[Any], state: Any, patches: dict[int, Patch],
-                 include_r3: bool, pruned: bool = False) -> None:
+                 include_r3: bool, pruned: bool = False, r3_raw: bool = False) -> None:
         self.rows = rows
+        self.r3_raw = r3_raw  # R3 payloads as int32 bytes (MessagePack bin), not base64
         self.state = state
         self.patches = patches
         self.include_r3 = include_r3
@@ -89,7 +90,8 @@ class EventsPage:
         return len(self.rows)
 
     def event(self, index: int) -> dict[str, Any]:
-        event = Reader._event(self.rows[index], self.state, self.patches, self.include_r3)
+        event = Reader._event(self.rows[index], self.state, self.patches, self.include_r3,
+                              self.r3_raw)
         if self.pruned and event["type"] == TURN_RECORDED:
             event["r3_pruned"] = True
         return event
@@ -131,14 +133,17 @@ class Reader:
         return state.resume(leaf)
 
     async def session_events(
-        self, session_id: str, after: int | None, limit: int, include_r3: bool
+        self, session_id: str, after: int | None, limit: int, include_r3: bool,
+        r3_raw: bool = False,
     ) -> list[dict[str, Any]]:
-        """Events after position `after`, at most `limit` (a parsed `EVENTS_PAGE`)."""
-        page = await self.session_events_page(session_id, after, limit, include_r3)
+        """Events after position `after`, at most `limit` (a parsed `EVENTS_PAGE`);
+        `r3_raw` gives R3 payloads as int32 bytes, not base64."""
+        page = await self.session_events_page(session_id, after, limit, include_r3, r3_raw)
         return [page.event(i) for i in range(len(page))]
 
     async def session_events_page(
-        self, session_id: str, after: int | None, limit: int, include_r3: bool
+        self, session_id: str, after: int | None, limit: int, include_r3: bool,
+        r3_raw: bool = False,
     ) -> EventsPage:
         """The rows of a page of the session's events, read in one snapshot; the
         events themselves (token ids restored) are built one by one as they are sent."""
@@ -158,12 +163,12 @@ class Reader:
                 patches = await load_patches(
                     conn, session_id, (r["seq"] for r in rows if r["seq"] is not None))
         kept = [r for r in rows if r["seq"] is None or r["seq"] < len(state.nodes)]
-        return EventsPage(kept, state, patches, include_r3, pruned)
+        return EventsPage(kept, state, patches, include_r3, pruned, r3_raw)
 
     @staticmethod
     def _event(row: Any, state: Any, patches: dict[int, Patch],
-               include_r3: bool = True) -> dict[str, Any]:
-        payload = jsonio.loads(row["payload"])
+               include_r3: bool = True, r3_raw: bool = False) -> dict[str, Any]:
+        payload = jsonio.loads_stored(row["payload"])
         out: dict[str, Any] = {
             "position": row["position"],
             "type": row["type"],
@@ -175,8 +180,8 @@ class Reader:
             node = state.nodes[row["seq"]]
             patch = patches.get(row["seq"])
             out["parent"] = payload["parent"]
-            record = restore_record(payload, node.prompt,
-                                    None if patch is None else patch.base64())
+            r3 = None if patch is None else patch.raw() if r3_raw else patch.base64()
+            record = restore_record(payload, node.prompt, r3)
             # A payload that was never moved to a patch row (`""`, null) is
             # still in the stored JSON: `include_r3=false` leaves it out too.
             out["record"] = record if include_r3 else without_r3(record)

@@ -2,16 +2,21 @@
 
 The rows come from `app.domain.projections.project_session`, the same
 functions the inline writers use, so a rebuild reproduces them bit for bit.
-A checksum per projection before and after proves it, and every row of the
-log and the projections must belong to a session that exists: rows whose
-session was deleted behind the server's back are reported (they cannot be
-rebuilt, and equal checksums would otherwise hide them). One short write
-transaction per session (locked like an append), so a rebuild can run next
-to a live server.
+A checksum per projection before and after proves it. Sessions are rebuilt
+in batches (in `sessions.id` order): one short write transaction per batch
+(its sessions locked like an append, so a rebuild can run next to a live
+server), one query for the batch's events and one for its patches, bulk
+deletes and inserts. A batch is the unit of progress: `start_after` and
+`on_batch` let a caller persist where it stands and resume there. Every row of the log and
+the projections must belong to a session that exists: rows whose session
+was deleted behind the server's back are reported (they cannot be rebuilt,
+and equal checksums would otherwise hide them).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +26,20 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain.projections import checksum, project_session
 from app.store.db import Database
-from app.store.loader import FoldLog, fold_events, session_row
-from app.store.schema import metadata, nodes, samples, session_labels, sessions
+from app.store.dialect import lock_for_append, single_writer
+from app.store.loader import FoldLog, fold_events, fold_rows, session_row
+from app.store.schema import (
+    events,
+    metadata,
+    nodes,
+    r3_patches,
+    samples,
+    session_labels,
+    sessions,
+)
+
+BATCH_SESSIONS = 200
+PARALLEL_BATCHES = 2
 
 PROJECTIONS: dict[str, sa.Table] = {
     "sessions": sessions,
@@ -67,9 +84,16 @@ async def checksums(db: Database, session_ids: Sequence[str] | None = None) -> d
 
 
 async def all_session_ids(db: Database) -> list[str]:
+    return [sid for _id, sid in await session_keys(db)]
+
+
+async def session_keys(db: Database, after_id: int | None = None) -> list[tuple[int, str]]:
+    """`(sessions.id, session_id)` in id order, optionally after an id (resume)."""
+    query = sa.select(sessions.c.id, sessions.c.session_id).order_by(sessions.c.id)
+    if after_id is not None:
+        query = query.where(sessions.c.id > after_id)
     async with db.read() as conn:
-        return list((await conn.execute(
-            sa.select(sessions.c.session_id).order_by(sessions.c.id))).scalars())
+        return [(int(row.id), row.session_id) for row in await conn.execute(query)]
 
 
 async def computed_rows(conn: AsyncConnection, session_id: str) -> dict[str, list[dict[str, Any]]]:
@@ -92,6 +116,53 @@ async def rebuild_session(db: Database, session_id: str) -> None:
         head = {k: v for k, v in rows["sessions"][0].items() if k != "session_id"}
         await conn.execute(sessions.update().where(sessions.c.session_id == session_id)
                            .values(**head))
+
+
+async def rebuild_batch(db: Database, session_ids: Sequence[str]) -> None:
+    """Rebuild the projections of several sessions in one transaction."""
+    ids = list(session_ids)
+    async with db.write() as conn:
+        # One session row at a time, as an append locks it (Citus routes a lock only by
+        # `session_id = $1`); in id order like every batch, so two rebuilds cannot deadlock.
+        for sid in ids:
+            await conn.execute(lock_for_append(
+                conn, sa.select(sessions.c.id).where(sessions.c.session_id == sid)))
+        rows_by_session: dict[str, list[Any]] = defaultdict(list)
+        for row in await conn.execute(
+            sa.select(events.c.session_id, events.c.type, events.c.seq, events.c.event_id,
+                      events.c.payload, events.c.prompt_lcp, events.c.prompt_delta,
+                      events.c.position, events.c.recorded_us)
+            .where(events.c.session_id.in_(ids)).order_by(events.c.position)
+        ):
+            rows_by_session[row.session_id].append(row)
+        geometry: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
+        for patch in await conn.execute(
+            sa.select(r3_patches.c.session_id, r3_patches.c.seq, r3_patches.c.start_row,
+                      r3_patches.c.topk).where(r3_patches.c.session_id.in_(ids))
+        ):
+            geometry[patch.session_id][patch.seq] = (patch.start_row, patch.topk)
+        computed: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for sid in ids:
+            log = FoldLog()
+            state = fold_rows(None, sid, rows_by_session.get(sid, ()), geometry[sid], log)
+            for name, rows in project_session(state, log.opened_us, log.closed_us,
+                                              log.turns).items():
+                computed[name] += rows
+        for name in ("samples", "nodes", "session_labels"):
+            table = PROJECTIONS[name]
+            await conn.execute(table.delete().where(table.c.session_id.in_(ids)))
+            if computed[name]:
+                await conn.execute(table.insert(), computed[name])
+        # One executemany per shape of row (open and closed heads differ in keys).
+        shapes: dict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
+        for head in computed["sessions"]:
+            # The key is not rewritten (Citus refuses any SET of the distribution column).
+            values = {k: v for k, v in head.items() if k != "session_id"}
+            shapes[tuple(values)].append({**values, "b_session_id": head["session_id"]})
+        for heads in shapes.values():
+            await conn.execute(
+                sessions.update().where(sessions.c.session_id == sa.bindparam("b_session_id")),
+                heads)
 
 
 @dataclass
@@ -142,18 +213,50 @@ async def rebuild(
     db: Database,
     session_id: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    *,
+    start_after: int | None = None,
+    before: dict[str, str] | None = None,
+    on_batch: Callable[[int, dict[str, str]], None] | None = None,
+    batch_sessions: int = BATCH_SESSIONS,
+    parallel: int = PARALLEL_BATCHES,
 ) -> RebuildReport:
-    ids = [session_id] if session_id is not None else await all_session_ids(db)
+    """Rebuild every session (or one), checksummed before and after.
+
+    Resuming: `start_after` is the last `sessions.id` already rebuilt and `before`
+    the checksums taken when the interrupted run began; `on_batch(last_id,
+    before)` is called once every batch up to `last_id` has committed, so a caller
+    can persist both. On PostgreSQL `parallel` batches run at once, each on its
+    own connection (their sessions are disjoint; while one batch waits for the
+    server another folds); SQLite has one writer and runs them one by one.
+    """
     if session_id is not None:
         async with db.read() as conn:
-            await session_row(conn, session_id)
-    scope = ids if session_id is not None else None
-    before = await checksums(db, scope)
-    for done, sid in enumerate(ids, start=1):
-        await rebuild_session(db, sid)
+            row = await session_row(conn, session_id)
+        keys = [(int(row["id"]), session_id)]
+        scope: list[str] | None = [session_id]
+    else:
+        keys = await session_keys(db)
+        scope = None
+    total = len(keys)
+    if before is None:
+        before = await checksums(db, scope)
+    todo = keys if start_after is None else [k for k in keys if k[0] > start_after]
+    done = total - len(todo)
+    if progress is not None:
+        progress(done, total)
+    width = 1 if single_writer(db.url) else max(1, parallel)
+    batches = [todo[i:i + batch_sessions] for i in range(0, len(todo), batch_sessions)]
+    for w in range(0, len(batches), width):
+        # A wave of batches; the checkpoint only moves once the whole wave committed.
+        wave = batches[w:w + width]
+        await asyncio.gather(*(rebuild_batch(db, [sid for _id, sid in batch])
+                               for batch in wave))
+        done += sum(map(len, wave))
+        if on_batch is not None:
+            on_batch(wave[-1][-1][0], before)
         if progress is not None:
-            progress(done, len(ids))
+            progress(done, total)
     after = await checksums(db, scope)
     mismatched = [name for name in PROJECTIONS if before[name] != after[name]]
     orphans = await orphaned_rows(db, session_id)
-    return RebuildReport(len(ids), before, after, mismatched, orphans)
+    return RebuildReport(total, before, after, mismatched, orphans)

@@ -211,7 +211,7 @@ class Writer:
         prompt = state.nodes[seq].prompt
 
         def same() -> bool:
-            first = stored_content(jsonio.loads(event.payload), body.event_id, prompt, b64)
+            first = stored_content(jsonio.loads_stored(event.payload), body.event_id, prompt, b64)
             return jsonio.strict_equal(first, body.content())
 
         if not await run(offload, same):

@@ -44,7 +44,10 @@ async def test_a_json_body_is_read_without_a_content_type_but_not_as_text_plain(
     # No Content-Type is JSON; text/plain (what a cross-site form or fetch sends) is 415.
     body = b'{"session_id": "%s", "version": "v2"}' % sid.encode()
     r = await client.post("/v1/sessions", content=body, headers={"content-type": "text/plain"})
-    assert_problem(r, 415, "unsupported-media-type")
+    assert assert_problem(r, 415, "unsupported-media-type")["field"] == "content-type"
+    r = await client.post("/v1/sessions", content=body,
+                          headers={"content-type": "application/json; v=1"})
+    assert r.status_code == 201, r.text
     r = await client.post("/v1/sessions", content=body)
     assert r.status_code == 201, r.text
 

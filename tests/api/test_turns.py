@@ -1,4 +1,7 @@
-"""POST /v1/sessions/{sid}/turns: replies, derived parents and every status of docs/api.md §1.2."""
+"""POST /v1/sessions/{sid}/turns: replies, derived parents and every status of docs/api.md §1.2.
+
+Every test here runs on both wires: JSON and MessagePack (tests/wire.py).
+"""
 
 import base64
 
@@ -8,6 +11,13 @@ import pytest
 
 from tests.api.helpers import TURN_REPLY_KEYS, append, assert_problem, close, feed_tail, opened
 from tests.factory import open_body, r3_b64, turn
+from tests.wire import WireClient
+
+
+@pytest.fixture(params=["json", "msgpack"])
+def client(request, client):
+    """The API client of conftest, sending turn bodies on the parametrized wire."""
+    return WireClient(client, request.param)
 
 L = 2  # layers
 K = 2  # topk

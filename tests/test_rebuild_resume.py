@@ -1,0 +1,97 @@
+"""`turnlog rebuild` in batches: interrupted, it resumes from its checkpoint and still
+proves the projections equal against the checksums of the first start."""
+
+import asyncio
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.settings import Settings
+from app.store.db import Database
+from app.store.rebuild import checksums, rebuild, session_keys
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def demo_url(request, fresh_database):
+    url = fresh_database(request.param)
+    result = CliRunner().invoke(cli, ["demo", "--sessions", "3", "--database-url", url])
+    assert result.exit_code == 0, result.output
+    return url
+
+
+class Interrupted(Exception):
+    pass
+
+
+def run(url, coro_fn):
+    async def go():
+        db = Database(url, Settings(database_url=url))
+        try:
+            return await coro_fn(db)
+        finally:
+            await db.dispose()
+
+    return asyncio.run(go())
+
+
+def test_an_interrupted_rebuild_resumes_after_its_last_batch(demo_url):
+    saved: list[tuple[int, dict]] = []
+
+    def stop_after_first(last_id, before):
+        saved.append((last_id, before))
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run(demo_url, lambda db: rebuild(db, batch_sessions=1, parallel=1,
+                                            on_batch=stop_after_first))
+    (last_id, before), = saved
+    keys = run(demo_url, session_keys)
+    assert last_id == keys[0][0] and len(keys) == 3
+    done: list[tuple[int, int]] = []
+    report = run(demo_url, lambda db: rebuild(
+        db, None, lambda d, t: done.append((d, t)), start_after=last_id, before=before,
+        batch_sessions=1, parallel=1))
+    assert report.equal and report.sessions == 3
+    assert done == [(1, 3), (2, 3), (3, 3)]  # the first session was not rebuilt again
+    assert report.after == run(demo_url, checksums)
+
+
+def test_the_cli_resumes_from_a_checkpoint_and_removes_it(demo_url, tmp_path):
+    keys = run(demo_url, session_keys)
+    before = run(demo_url, checksums)
+    from app.cli.store import _checkpoint_key
+
+    checkpoint = tmp_path / "cp.json"
+    checkpoint.write_text(json.dumps({"key": _checkpoint_key(demo_url, None),
+                                      "last_id": keys[1][0], "before": before}))
+    result = CliRunner().invoke(cli, ["rebuild", "--database-url", demo_url,
+                                      "--checkpoint", str(checkpoint)])
+    assert result.exit_code == 0, result.output
+    assert f"resuming the rebuild after session id {keys[1][0]}" in result.output
+    assert result.output.count("equal") == 4 and not checkpoint.exists()
+
+
+def test_a_checkpoint_of_another_database_or_restart_is_ignored(demo_url, tmp_path):
+    checkpoint = tmp_path / "cp.json"
+    for key, extra in (("sqlite:///elsewhere.db session=None", []),
+                       (None, ["--restart"])):
+        from app.cli.store import _checkpoint_key
+
+        checkpoint.write_text(json.dumps({
+            "key": key or _checkpoint_key(demo_url, None), "last_id": 10**9,
+            "before": {"sessions": "x", "session_labels": "x", "nodes": "x",
+                       "samples": "x"}}))
+        result = CliRunner().invoke(cli, ["rebuild", "--database-url", demo_url,
+                                          "--checkpoint", str(checkpoint), *extra])
+        assert result.exit_code == 0, result.output
+        assert "resuming" not in result.output and result.output.count("equal") == 4
+
+
+def test_batches_in_parallel_rebuild_every_session_equal(demo_url):
+    steps: list[tuple[int, int]] = []
+    report = run(demo_url, lambda db: rebuild(db, None, lambda d, t: steps.append((d, t)),
+                                              batch_sessions=1, parallel=3))
+    assert report.equal and report.sessions == 3
+    assert steps[0] == (0, 3) and steps[-1] == (3, 3)

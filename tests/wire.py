@@ -1,0 +1,67 @@
+"""The MessagePack twin of a JSON-shaped turn body, and a test client that sends it.
+
+`to_msgpack` is the test's own oracle of the wire (docs/ingest.md): the same
+object as MessagePack, with `meta_info.routed_experts` as a bin of the bytes
+its base64 text decodes to — only when that text is canonical base64 of a
+whole number of bytes, so a payload the JSON path refuses as base64 is still
+sent as a str and must be refused the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+from typing import Any
+
+import httpx
+import msgspec
+
+MSGPACK = "application/msgpack"
+R3_KEYS = ("record", "response", "choices", 0, "meta_info")
+
+
+def _canonical_b64(text: str) -> bytes | None:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw if base64.b64encode(raw).decode("ascii") == text else None
+
+
+def with_bin(body: Any) -> Any:
+    """A deep copy of `body` with a canonical base64 R3 payload turned into a bin."""
+    out = copy.deepcopy(body)
+    node = out
+    try:
+        for key in R3_KEYS:
+            node = node[key]
+        payload = node["routed_experts"]
+    except (KeyError, IndexError, TypeError):
+        return out
+    if isinstance(payload, str):
+        raw = _canonical_b64(payload)
+        if raw is not None:
+            node["routed_experts"] = raw
+    return out
+
+
+def to_msgpack(body: Any) -> bytes:
+    return msgspec.msgpack.encode(with_bin(body))
+
+
+class WireClient:
+    """An httpx client whose `post(…/turns, json=body)` sends `body` on `wire`."""
+
+    def __init__(self, http: httpx.AsyncClient, wire: str) -> None:
+        self._http = http
+        self.wire = wire
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._http, name)
+
+    async def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        if self.wire == "msgpack" and url.endswith("/turns") and "json" in kwargs:
+            kwargs["content"] = to_msgpack(kwargs.pop("json"))
+            kwargs["headers"] = {**kwargs.get("headers", {}), "content-type": MSGPACK}
+        return await self._http.post(url, **kwargs)
