@@ -13,7 +13,7 @@ import structlog
 from fastapi import APIRouter
 
 from app.api.deps import ServicesDep
-from app.api.problems import JSONText, problem_response
+from app.api.problems import JSONText, damaged_sqlite, problem_response
 from app.store.migrate import current_revision, head_revision
 
 router = APIRouter(tags=["service"])
@@ -34,15 +34,20 @@ async def healthz() -> JSONText:
 @router.get("/readyz")
 async def readyz(svc: ServicesDep) -> JSONText:
     try:
-        async with svc.db.read() as conn:
-            await conn.execute(sa.text("SELECT 1"))
-            current = await conn.run_sync(current_revision)
+        # The integrity check first: damage can also break the reads below.
         damage = await svc.integrity.problems()
+        if not damage:
+            async with svc.db.read() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+                current = await conn.run_sync(current_revision)
     except Exception as exc:  # any failure to reach the database means "not ready"
-        log.warning("not ready: database unreachable", error=type(exc).__name__,
-                    detail=str(exc)[:500])
-        return not_ready("the database cannot be reached; see the server log",
-                         "database-unreachable")
+        if damaged_sqlite(exc):
+            damage = [str(exc)[:200]]
+        else:
+            log.warning("not ready: database unreachable", error=type(exc).__name__,
+                        detail=str(exc)[:500])
+            return not_ready("the database cannot be reached; see the server log",
+                             "database-unreachable")
     if damage:
         return not_ready(f"the SQLite file failed its integrity check ({len(damage)} "
                          "problem(s); see the server log): restore it from a backup",
