@@ -194,7 +194,7 @@ def test_the_uncorrupted_turn_decodes_to_its_json_twin():
 def test_validator_rejects_every_corruption_with_a_domain_error(raw):
     state, _ = fold_in_memory(open_spec("fz"), [first_turn()])
     with pytest.raises(DomainError) as info:
-        state.attach(parse_turn(msgpackio.loads(raw), state.spec), 1024)
+        state.attach(parse_turn(msgpackio.loads(raw), state.definition), 1024)
     assert 400 <= info.value.http_status < 500
     assert len(state.nodes) == 1
 
