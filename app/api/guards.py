@@ -116,7 +116,7 @@ class Loopback:
         if scope["method"].upper() in READ_METHODS or not has_body(headers):
             return None
         declared = headers.get(b"content-type")
-        if declared is None:
+        if declared is None or not declared.strip():  # blank: as not sent (the routers agree)
             # No browser sends a body without a type and without an Origin (checked
             # above); scripts and curl that leave it out get the API's JSON default.
             return None
