@@ -199,6 +199,12 @@ async def test_accept_header_selects_safetensors_and_explicit_format_wins(client
     as_json = await client.get(f"/v1/sessions/{sid}/samples", params={"format": "json"},
                                headers={"Accept": ST})
     assert as_json.headers["content-type"].startswith("application/json")
+    listed = await client.get(f"/v1/sessions/{sid}/samples",
+                              headers={"Accept": f"application/json;q=0.5, {ST.upper()}"})
+    assert listed.headers["content-type"] == ST
+    refused = await client.get(f"/v1/sessions/{sid}/samples",
+                               headers={"Accept": f"{ST};q=0, application/json"})
+    assert refused.headers["content-type"].startswith("application/json")
 
 
 @pytest.mark.parametrize("params", [{"format": "npz"}, {"format": "safetensors",
