@@ -122,9 +122,12 @@ class Loopback:
             return None
         media = declared.decode("latin-1").partition(";")[0].strip().lower()
         if media not in WRITE_TYPES:
+            # Only turns read MessagePack; every other write names JSON alone (as its router).
+            turns = scope["path"].rstrip("/").endswith("/turns")
             return UnsupportedMediaType(
-                "a write's body must be JSON (or MessagePack)", field="content-type",
-                expected=" | ".join(sorted(WRITE_TYPES)),
+                "a turn's body must be JSON or MessagePack" if turns
+                else "a write's body must be JSON", field="content-type",
+                expected=" | ".join(sorted(WRITE_TYPES)) if turns else "application/json",
                 actual=declared.decode("latin-1")[:80] or "empty")
         return None
 

@@ -81,11 +81,12 @@ async def test_opens_and_closes_read_json_only(client, sid, content_type):
     r = await client.post("/v1/sessions", content=msgspec.msgpack.encode(body),
                           headers={"content-type": content_type})
     assert r.status_code == 415 and r.json()["type"] == "urn:turnlog:unsupported-media-type"
+    assert r.json()["expected"] == "application/json"
     assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
     assert (await client.post("/v1/sessions", json=body)).status_code == 201
     r = await client.post(f"/v1/sessions/{sid}/close", content=msgspec.msgpack.encode({}),
                           headers={"content-type": content_type})
-    assert r.status_code == 415
+    assert r.status_code == 415 and r.json()["expected"] == "application/json"
     assert (await client.get(f"/v1/sessions/{sid}")).json()["status"] == "open"
 
 
