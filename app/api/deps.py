@@ -111,9 +111,14 @@ async def turn_body(request: Request) -> Any:
 
 def wants_msgpack(request: Request) -> bool:
     """`Accept` names a MessagePack type (with a non-zero q) — else the answer is JSON."""
-    for item in request.headers.get("accept", "").split(","):
+    return accepts(request.headers.get("accept"), msgpackio.MEDIA_TYPES)
+
+
+def accepts(accept: str | None, kinds: frozenset[str]) -> bool:
+    """`accept` (an Accept header) names one of `kinds` with a non-zero q."""
+    for item in (accept or "").split(","):
         kind, *params = item.split(";")
-        if kind.strip().lower() not in msgpackio.MEDIA_TYPES:
+        if kind.strip().lower() not in kinds:
             continue
         for param in params:
             name, _, value = param.partition("=")

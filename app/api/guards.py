@@ -116,15 +116,18 @@ class Loopback:
         if scope["method"].upper() in READ_METHODS or not has_body(headers):
             return None
         declared = headers.get(b"content-type")
-        if declared is None:
+        if declared is None or not declared.strip():  # blank: as not sent (the routers agree)
             # No browser sends a body without a type and without an Origin (checked
             # above); scripts and curl that leave it out get the API's JSON default.
             return None
         media = declared.decode("latin-1").partition(";")[0].strip().lower()
         if media not in WRITE_TYPES:
+            # Only turns read MessagePack; every other write names JSON alone (as its router).
+            turns = scope["path"].rstrip("/").endswith("/turns")
             return UnsupportedMediaType(
-                "a write's body must be JSON (or MessagePack)", field="content-type",
-                expected=" | ".join(sorted(WRITE_TYPES)),
+                "a turn's body must be JSON or MessagePack" if turns
+                else "a write's body must be JSON", field="content-type",
+                expected=" | ".join(sorted(WRITE_TYPES)) if turns else "application/json",
                 actual=declared.decode("latin-1")[:80] or "empty")
         return None
 

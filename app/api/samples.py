@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query
 from fastapi.responses import Response, StreamingResponse
 
-from app.api.deps import BodyDep, ServicesDep
+from app.api.deps import BodyDep, ServicesDep, accepts
 from app.api.docs import CLOSE_BODY
 from app.api.problems import JSONText
 from app.domain.errors import InvalidRequest
@@ -25,8 +25,7 @@ def reply_format(fmt: str | None, accept: str | None) -> str:
             raise InvalidRequest("format must be json or safetensors", field="format",
                                  expected='"json" | "safetensors"', actual=fmt[:80])
         return fmt
-    accepted = [part.split(";")[0].strip().lower() for part in (accept or "").split(",")]
-    return "safetensors" if SAFETENSORS in accepted else "json"
+    return "safetensors" if accepts(accept, frozenset({SAFETENSORS})) else "json"
 
 
 @router.post("/{session_id}/close", openapi_extra=CLOSE_BODY)

@@ -133,6 +133,13 @@ def _int_in(body: Mapping[str, Any], name: str, default: int, low: int, high: in
     return value
 
 
+def claim_id_of(raw: Any) -> str | None:
+    """The well-formed `claim_id` of a claim body, if it has one: a repeated claim_id
+    answers its original claim whatever the rest of the new body says."""
+    claim_id = raw.get("claim_id") if isinstance(raw, dict) else None
+    return claim_id if isinstance(claim_id, str) and SESSION_ID.matches(claim_id) else None
+
+
 def parse_claim(raw: Any) -> ClaimRequest:
     body = require_object(raw, "body")
     reject_unknown(body, CLAIM_FIELDS, "")

@@ -120,6 +120,15 @@ def restore_record(
     return record if r3_base64 is None else _with_r3(record, r3_base64)
 
 
+def inline_r3_as_bin(record: dict[str, Any]) -> dict[str, Any]:
+    """For the MessagePack wire, which carries every R3 payload as bin: a payload
+    kept inline in the stored JSON (only `""`, zero rows) becomes the empty bin."""
+    meta = record["response"]["choices"][0].get("meta_info")
+    if isinstance(meta, dict) and meta.get("routed_experts") == "":
+        return _with_r3(record, b"")
+    return record
+
+
 def stored_facts(
     definition: SessionDefinition,
     payload: dict[str, Any],

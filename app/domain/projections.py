@@ -21,6 +21,7 @@ from app.domain.samples import Sample, SamplesResult
 from app.domain.session import SessionDefinition
 from app.domain.specinfo import SpecInfo, sum_turns
 from app.domain.tree import Node, SessionState
+from app.domain.turn import COUNTER_MAX
 
 
 def weight_version_text(value: Any) -> str | None:
@@ -61,7 +62,9 @@ def node_row(session_id: str, node: Node, position: int, recorded_us: int) -> di
         "finish_reason": facts.finish_reason,
         "weight_version": weight_version_text(facts.weight_version),
         **facts.spec_info.columns(),
-        "cached_tokens": facts.cached_tokens,
+        # The column is a BIGINT; a count beyond any real prompt is left out of it.
+        "cached_tokens": facts.cached_tokens
+        if facts.cached_tokens is not None and facts.cached_tokens <= COUNTER_MAX else None,
         "record_ts": ts,
         "record_hour": None if ts is None else hour_key(ts),
         "record_day": None if ts is None else day_key(ts),

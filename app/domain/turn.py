@@ -215,6 +215,13 @@ def _lenient_counter(meta: dict[str, Any], name: str) -> int:
     return int(value) if is_int(value) and value >= 0 else 0
 
 
+def _optional_counter(meta: dict[str, Any], name: str) -> int | None:
+    """A reported count that is never refused: a value that is not a non-negative
+    integer is as if absent (the samples wire counts it 0, docs/trainers.md)."""
+    value = meta.get(name)
+    return int(value) if is_int(value) and value >= 0 else None
+
+
 def _content(choice: dict[str, Any]) -> str:
     message = choice.get("message")
     content = message.get("content") if isinstance(message, dict) else None
@@ -398,7 +405,7 @@ def parse_turn(raw: Any, definition: SessionDefinition,
         r3_values=r3_values,
         topk=topk,
         spec_info=read_spec_info(meta, int(output.size)),
-        cached_tokens=_counter(meta, "cached_tokens"),
+        cached_tokens=_optional_counter(meta, "cached_tokens"),
         timestamp=None if timestamp is None else float(timestamp),
         mismatch=_mismatch(metadata),
         content=_content(choice),

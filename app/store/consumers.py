@@ -35,6 +35,7 @@ from app.domain.consumers import (
     GroupSpec,
     Holding,
     ack_verdict,
+    claim_id_of,
     known_group,
     label_texts,
     matches,
@@ -44,7 +45,7 @@ from app.domain.consumers import (
     parse_release,
     requested,
 )
-from app.domain.errors import ConsumerConflict, UnknownClaim, UnknownConsumer
+from app.domain.errors import ConsumerConflict, InvalidRequest, UnknownClaim, UnknownConsumer
 from app.domain.labels import parse_label_filters
 from app.domain.projections import iso_us
 from app.store import cursor
@@ -225,7 +226,14 @@ class Consumers:
 
     async def claim(self, group: str, raw: Any) -> Claimed:
         known_group(group)
-        request = parse_claim(raw)
+        try:
+            request = parse_claim(raw)
+        except InvalidRequest:
+            # Only a body that fails its checks pays this look-up.
+            repeat = await self._repeat(group, claim_id_of(raw))
+            if repeat is None:
+                raise
+            return repeat
         deadline = time.monotonic() + request.wait
         while True:
             wakeup = self.wakeup() if self.wakeup is not None else None
@@ -270,6 +278,15 @@ class Consumers:
                 .where(sa.or_(cs.claim_id.is_(None), cs.expires_us <= now_us()))
                 .limit(1))).first()
         return found is not None
+
+    async def _repeat(self, group: str, claim_id: str | None) -> Claimed | None:
+        """The original reply of an existing claim_id (404 for an unknown group)."""
+        if claim_id is None:
+            return None
+        async with self.db.read() as conn:
+            await self._group_row(conn, group)
+            row = await self._claim_row(conn, group, claim_id)
+        return None if row is None else Claimed(self._claim_body(row), created=False)
 
     @staticmethod
     async def _claim_row(conn: AsyncConnection, group: str, claim_id: str) -> Any:

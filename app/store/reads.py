@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.events import TURN_RECORDED, restore_record, without_r3
+from app.domain.events import TURN_RECORDED, inline_r3_as_bin, restore_record, without_r3
 from app.domain.labels import LabelFilters
 from app.domain.projections import iso_us, tree_entry
 from app.domain.r3 import Patch
@@ -182,6 +182,8 @@ class Reader:
             out["parent"] = payload["parent"]
             r3 = None if patch is None else patch.raw() if r3_raw else patch.base64()
             record = restore_record(payload, node.prompt, r3)
+            if r3_raw and patch is None:
+                record = inline_r3_as_bin(record)
             # A payload that was never moved to a patch row (`""`, null) is
             # still in the stored JSON: `include_r3=false` leaves it out too.
             out["record"] = record if include_r3 else without_r3(record)

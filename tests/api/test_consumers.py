@@ -123,6 +123,13 @@ async def test_a_repeated_claim_id_answers_200_with_the_original_body(client):
     # Even with a long wait and nothing left, the repeat answers at once.
     repeat = await asyncio.wait_for(claim(client, name, "c-1", wait=20), 3)
     assert repeat.status_code == 200 and repeat.json() == first.json()
+    # Whatever the new body says: bounds, types and unknown fields are not judged again.
+    for body in ({"limit": 0}, {"lease_seconds": 10**9}, {"wait": "soon"}, {"extra": 1}):
+        repeat = await claim(client, name, "c-1", **body)
+        assert repeat.status_code == 200 and repeat.json() == first.json()
+    # A new claim_id with such a body is still refused, and takes no epoch.
+    problem(await claim(client, name, "c-2", limit=0), 422, "invalid-request")
+    assert (await claim(client, name, "c-3")).json()["epoch"] == first.json()["epoch"] + 1
 
 
 @pytest.mark.parametrize("body", [{"limit": 0}, {"limit": 1001}, {"lease_seconds": 0},

@@ -53,7 +53,7 @@ async def test_every_msgpack_media_type_is_read(client, sid, content_type):
     assert r.json()["r3"] == {"start": 0, "end": 4}
 
 
-@pytest.mark.parametrize("content_type", [None, "application/json",
+@pytest.mark.parametrize("content_type", [None, "", "application/json",
                                           "APPLICATION/JSON; charset=utf-8"])
 async def test_no_content_type_or_json_with_params_is_json(client, sid, content_type):
     await addition_session(client, sid)
@@ -81,11 +81,12 @@ async def test_opens_and_closes_read_json_only(client, sid, content_type):
     r = await client.post("/v1/sessions", content=msgspec.msgpack.encode(body),
                           headers={"content-type": content_type})
     assert r.status_code == 415 and r.json()["type"] == "urn:turnlog:unsupported-media-type"
+    assert r.json()["expected"] == "application/json"
     assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
     assert (await client.post("/v1/sessions", json=body)).status_code == 201
     r = await client.post(f"/v1/sessions/{sid}/close", content=msgspec.msgpack.encode({}),
                           headers={"content-type": content_type})
-    assert r.status_code == 415
+    assert r.status_code == 415 and r.json()["expected"] == "application/json"
     assert (await client.get(f"/v1/sessions/{sid}")).json()["status"] == "open"
 
 
@@ -192,6 +193,13 @@ async def test_an_empty_bin_is_an_empty_payload(client, sid):
     # As JSON carries it: "".
     meta(body)["routed_experts"] = ""
     assert (await client.post(f"/v1/sessions/{sid}/turns", json=body)).status_code == 200
+    # Read back: "" as JSON, the empty bin as MessagePack (every payload is a bin there).
+    events = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    assert meta(events[-1])["routed_experts"] == ""
+    r = await client.get(f"/v1/sessions/{sid}/events", headers={"accept": MSGPACK})
+    payloads = [meta(e)["routed_experts"] for e in msgspec.msgpack.decode(r.content)
+                if e["type"] == "turn_recorded"]
+    assert [type(p) for p in payloads] == [bytes, bytes] and payloads[-1] == b""
 
 
 def _encode(value):

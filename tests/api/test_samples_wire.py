@@ -156,6 +156,26 @@ async def test_response_and_prefix_cache_info_sum_the_kept_turns(client, sid, se
     assert again.content == await wire(client, sid)
 
 
+@pytest.mark.parametrize("bad", [-1, "7", 2.5, True, {"n": 1}, -(2**70)])
+async def test_a_cached_or_prompt_count_that_is_not_one_is_stored_and_counts_0(
+        client, sid, bad):
+    """The wire counts such a value 0, so the turn carrying it is stored, not refused."""
+    await client.post("/v1/sessions", json=open_body(sid))
+    first = turn([1, 2, 3], [1001, 1002])
+    first["record"]["response"]["choices"][0]["meta_info"].update(cached_tokens=bad,
+                                                                   prompt_tokens=3)
+    second = turn([1, 2, 3, 1001, 1002, 7], [1003])
+    second["record"]["response"]["choices"][0]["meta_info"].update(cached_tokens=4,
+                                                                    prompt_tokens=bad)
+    for body in (first, second):
+        r = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+        assert r.status_code == 201, r.text
+    await client.post(f"/v1/sessions/{sid}/close", json={})
+    _, meta = await assert_wire_equals_json(client, sid)
+    (entry,) = meta["samples"]
+    assert entry["prefix_cache_info"] == {"cached_tokens": 4, "total_prompt_tokens": 3}
+
+
 async def test_a_sample_whose_r3_has_a_gap_makes_the_whole_reply_422(client, sid):
     await client.post("/v1/sessions", json=open_body(sid, r3={"num_layers": 2},
                                                      pause_generation_mode="in_place"))
@@ -179,6 +199,12 @@ async def test_accept_header_selects_safetensors_and_explicit_format_wins(client
     as_json = await client.get(f"/v1/sessions/{sid}/samples", params={"format": "json"},
                                headers={"Accept": ST})
     assert as_json.headers["content-type"].startswith("application/json")
+    listed = await client.get(f"/v1/sessions/{sid}/samples",
+                              headers={"Accept": f"application/json;q=0.5, {ST.upper()}"})
+    assert listed.headers["content-type"] == ST
+    refused = await client.get(f"/v1/sessions/{sid}/samples",
+                               headers={"Accept": f"{ST};q=0, application/json"})
+    assert refused.headers["content-type"].startswith("application/json")
 
 
 @pytest.mark.parametrize("params", [{"format": "npz"}, {"format": "safetensors",
