@@ -186,8 +186,9 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     if not token.isascii() or tokens.scope_of(token.encode("ascii")) is None:
         return render("login.html", 401, next=target, error=True)
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui",
-                        secure=request.url.scheme == "https")
+    # "Strict" as documented: Starlette writes the value as given (its type says lowercase).
+    response.set_cookie(COOKIE, token, httponly=True, samesite="Strict",  # type: ignore[arg-type]
+                        path="/ui", secure=request.url.scheme == "https")
     return response
 
 
