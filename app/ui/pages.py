@@ -102,7 +102,7 @@ async def new_rows(request: Request, svc: ServicesDep, after: OptStr = None,
                    status: OptStr = None) -> JSONText:
     """Sessions opened after the list cursor (oldest first), for the live list."""
     filters = label_filters(request, frozenset({"after", "status", "limit"}))
-    return JSONText(await svc.reader.list_sessions(status, after, 1000, filters))
+    return JSONText(await svc.reader.list_sessions(parse_status(status), after, 1000, filters))
 
 
 @router.get("/feed")
