@@ -97,6 +97,14 @@ async def index(
                   run=run, charts=charts)
 
 
+@router.get("/", response_model=None)
+async def index_slash(request: Request) -> RedirectResponse:
+    """`/ui/` is where a browser user may type the list: send them to `/ui`, query kept
+    (the API keeps its no-redirect rule; this is a page, fetched by GET only)."""
+    query = request.url.query
+    return RedirectResponse("/ui" + (f"?{query}" if query else ""), status_code=308)
+
+
 @router.get("/rows")
 async def new_rows(request: Request, svc: ServicesDep, after: OptStr = None,
                    status: OptStr = None) -> JSONText:
