@@ -20,7 +20,7 @@ from app.domain.assembly import PlanSlice, R3Plan, check_slice
 from app.domain.errors import InvalidRequest
 from app.domain.r3 import DTYPES, WIRE_DTYPE, Patch
 
-BOUNDS_RE = re.compile(r"^([0-9]*):([0-9]*)$")
+BOUNDS_RE = re.compile(r"([0-9]*):([0-9]*)")
 BLOCK_BYTES = 4 << 20
 
 
@@ -37,7 +37,7 @@ def parse_bounds(text: str | None, size: int, field: str) -> Bounds:
     """`a:b` within `[0, size]`; None or "" means the whole axis."""
     if text is None or text == "":
         return Bounds(0, size)
-    match = BOUNDS_RE.match(text)
+    match = BOUNDS_RE.fullmatch(text)
     start = stop = None
     if match is not None and len(text) <= 40:
         start = int(match.group(1)) if match.group(1) else 0

@@ -97,12 +97,20 @@ async def index(
                   run=run, charts=charts)
 
 
+@router.get("/", response_model=None)
+async def index_slash(request: Request) -> RedirectResponse:
+    """`/ui/` is where a browser user may type the list: send them to `/ui`, query kept
+    (the API keeps its no-redirect rule; this is a page, fetched by GET only)."""
+    query = request.url.query
+    return RedirectResponse("/ui" + (f"?{query}" if query else ""), status_code=308)
+
+
 @router.get("/rows")
 async def new_rows(request: Request, svc: ServicesDep, after: OptStr = None,
                    status: OptStr = None) -> JSONText:
     """Sessions opened after the list cursor (oldest first), for the live list."""
     filters = label_filters(request, frozenset({"after", "status", "limit"}))
-    return JSONText(await svc.reader.list_sessions(status, after, 1000, filters))
+    return JSONText(await svc.reader.list_sessions(parse_status(status), after, 1000, filters))
 
 
 @router.get("/feed")
@@ -186,8 +194,9 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     if not token.isascii() or tokens.scope_of(token.encode("ascii")) is None:
         return render("login.html", 401, next=target, error=True)
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui",
-                        secure=request.url.scheme == "https")
+    # "Strict" as documented: Starlette writes the value as given (its type says lowercase).
+    response.set_cookie(COOKIE, token, httponly=True, samesite="Strict",  # type: ignore[arg-type]
+                        path="/ui", secure=request.url.scheme == "https")
     return response
 
 

@@ -34,7 +34,9 @@ async def test_slices_equal_slicing_the_full_tensor(client, sid, mode):
     full = await session(client, sid, mode)
     rows = full.shape[0]
     cases = [("", "1:3"), ("1:3", ""), (":", ":"), (f"{rows // 3}:{rows - 1}", "2:"),
-             (f"{rows}:", ":0"), ("0:1", "4:5"), (":", f"0:{full.shape[1]}")]
+             (f"{rows}:", ":0"), ("0:1", "4:5"), (":", f"0:{full.shape[1]}"),
+             # no layers but some rows: a header alone, shape (rows, 0, topk)
+             ("1:3", "2:2"), (":", "5:")]
     for row_text, layer_text in cases:
         r = await client.get(f"/v1/sessions/{sid}/samples/0/r3",
                              params={"rows": row_text, "layers": layer_text})
@@ -48,7 +50,8 @@ async def test_slices_equal_slicing_the_full_tensor(client, sid, mode):
 
 
 @pytest.mark.parametrize("params", [{"rows": "0:100000"}, {"layers": "0:6"}, {"rows": "3:1"},
-                                    {"layers": "x"}, {"rows": "-1:"}])
+                                    {"layers": "x"}, {"rows": "-1:"}, {"rows": "1:2\n"},
+                                    {"layers": "0:1\n"}])
 async def test_out_of_range_bounds_are_422(client, sid, params):
     await session(client, sid, "in_place")
     r = await client.get(f"/v1/sessions/{sid}/samples/0/r3", params=params)

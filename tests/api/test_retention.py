@@ -132,6 +132,21 @@ async def test_pruning_frees_r3_and_nothing_else(client, sid):
     assert f"turnlog_r3_pruned_bytes_total {float(stored)}" in metrics
 
 
+async def test_a_pruned_session_still_opens_in_the_ui(client, sid):
+    name, (pruned,) = await acked(client, {"run_id": sid})
+    await prune(client, name)
+    page = await client.get(f"/ui/sessions/{pruned}")
+    assert page.status_code == 200, page.text
+    assert page.text.count('data-testid="tree-node"') == 2
+    assert page.text.count('data-testid="sample-row"') == 1
+    for seq in (0, 1):
+        lanes = await client.get(f"/ui/sessions/{pruned}/nodes/{seq}")
+        assert lanes.status_code == 200, lanes.text
+    picture = await client.get(f"/ui/sessions/{pruned}/samples/0/r3.svg")
+    assert picture.status_code == 200
+    assert picture.headers["content-type"].startswith("image/svg+xml")
+
+
 async def test_only_acks_strictly_before_the_time_count(client, sid):
     name, (only,) = await acked(client, {"run_id": sid})
     assert await prune(client, name, before="2000-01-01T00:00:00") == {"sessions": 0,

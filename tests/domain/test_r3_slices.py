@@ -68,7 +68,8 @@ def test_bounds_syntax(text, expected):
     assert parse_bounds(text, 9, "rows") == Bounds(*expected)
 
 
-@pytest.mark.parametrize("text", ["5", "-1:", "4:2", "0:10", "a:b", "1:2:3", " 1:2", "1.0:2"])
+@pytest.mark.parametrize("text", ["5", "-1:", "4:2", "0:10", "a:b", "1:2:3", " 1:2", "1.0:2",
+                                  "1:2\n", "١:٢"])
 def test_bad_bounds_are_422(text):
     with pytest.raises(InvalidRequest) as exc:
         parse_bounds(text, 9, "rows")

@@ -63,6 +63,9 @@ def test_cookie_is_read_only_and_ui_only(auth_server: UiServer, seeded: str) -> 
         login = http.post("/ui/login", data={"token": READ_TOKEN, "next": "/ui"},
                           follow_redirects=False)
         assert login.status_code == 303 and login.headers["location"] == "/ui"
+        # The header as documented (a raw reader need not fold the attribute's case).
+        attributes = [a.strip() for a in login.headers["set-cookie"].split(";")]
+        assert {"HttpOnly", "SameSite=Strict", "Path=/ui"} <= set(attributes)
         # The client keeps the cookie (path /ui) and sends it where it applies.
         assert http.get(f"/ui/sessions/{seeded}").status_code == 200
         http.cookies.set("turnlog_ui_token", READ_TOKEN, path="/")
