@@ -87,7 +87,9 @@ def wrong_offset(draw: st.DrawFn) -> bytes:
 @st.composite
 def huge_number(draw: st.DrawFn) -> bytes:
     body = base()
-    path = draw(st.sampled_from(NUMBERS))
+    # cached_tokens is never refused (a count that is not one counts 0), as on the JSON
+    # wire (tests/fuzz/test_turn_fuzz.py); it stays in the non-finite cases.
+    path = draw(st.sampled_from([p for p in NUMBERS if p[-1] != "cached_tokens"]))
     if path == ("parent",):
         body["parent"] = 0
     value = draw(st.integers(2**53, 2**64 - 1) | st.integers(-(2**63), -1)
