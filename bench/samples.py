@@ -28,6 +28,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -50,6 +51,24 @@ def reset_peak(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
+def plan_patches(plan: Any) -> list[np.ndarray]:
+    """The int32 R3 patches a planned session's turns carry (the concatenate baseline)."""
+    return [np.frombuffer(base64.b64decode(json.loads(t.body)["record"]["response"]
+                                           ["choices"][0]["meta_info"]["routed_experts"]),
+                          "<i4").reshape(-1, LAYERS, TOPK) for t in plan.turns]
+
+
+async def store_closed(http: httpx.AsyncClient, plan: Any) -> None:
+    """Open the planned session, append its turns and close it (JSON wire)."""
+    headers = {"content-type": "application/json"}
+    (await http.post("/v1/sessions", content=plan.open_body,
+                     headers=headers)).raise_for_status()
+    for turn in plan.turns:
+        (await http.post(f"/v1/sessions/{plan.session_id}/turns", content=turn.body,
+                         headers=headers)).raise_for_status()
+    (await http.post(f"/v1/sessions/{plan.session_id}/close", json={})).raise_for_status()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,20 +85,11 @@ async def main() -> None:
                               f"bench_samples_{uuid.uuid4().hex[:6]}")
 
     plan = make_session(np.random.default_rng(3), 10, args.new_tokens)
-    patches = [np.frombuffer(base64.b64decode(json.loads(t.body)["record"]["response"]
-                                              ["choices"][0]["meta_info"]["routed_experts"]),
-                             "<i4").reshape(-1, LAYERS, TOPK) for t in plan.turns]
+    patches = plan_patches(plan)
     proc, base = await start_server(url)
     try:
         async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-            headers = {"content-type": "application/json"}
-            (await http.post("/v1/sessions", content=plan.open_body,
-                             headers=headers)).raise_for_status()
-            for turn in plan.turns:
-                (await http.post(f"/v1/sessions/{plan.session_id}/turns", content=turn.body,
-                                 headers=headers)).raise_for_status()
-            (await http.post(f"/v1/sessions/{plan.session_id}/close",
-                             json={})).raise_for_status()
+            await store_closed(http, plan)
             path = f"/v1/sessions/{plan.session_id}/samples/0/r3"
 
             http_times, mem_times, curl_times, peaks = [], [], [], []

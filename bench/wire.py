@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import json
 import statistics
 import subprocess
 import time
@@ -33,8 +31,8 @@ from safetensors.numpy import load, save
 
 from bench.common import postgres, start_server, stop_server
 from bench.ingest import LAYERS, TOPK, make_session
-from bench.samples import reset_peak, rss_kib
-from tests.pgserver import create_database
+from bench.samples import plan_patches, reset_peak, rss_kib, store_closed
+from tests.pg import create_database
 
 
 async def main() -> None:
@@ -52,20 +50,11 @@ async def main() -> None:
         url = create_database(postgres(args.postgres_url), f"bench_wire_{uuid.uuid4().hex[:6]}")
 
     plan = make_session(np.random.default_rng(3), 10, args.new_tokens)
-    patches = [np.frombuffer(base64.b64decode(json.loads(t.body)["record"]["response"]
-                                              ["choices"][0]["meta_info"]["routed_experts"]),
-                             "<i4").reshape(-1, LAYERS, TOPK) for t in plan.turns]
+    patches = plan_patches(plan)
     proc, base = await start_server(url)
     try:
         async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-            headers = {"content-type": "application/json"}
-            (await http.post("/v1/sessions", content=plan.open_body,
-                             headers=headers)).raise_for_status()
-            for turn in plan.turns:
-                (await http.post(f"/v1/sessions/{plan.session_id}/turns", content=turn.body,
-                                 headers=headers)).raise_for_status()
-            (await http.post(f"/v1/sessions/{plan.session_id}/close",
-                             json={})).raise_for_status()
+            await store_closed(http, plan)
         path = f"/v1/sessions/{plan.session_id}/samples?format=safetensors"
         http_times, mem_times, curl_times, peaks = [], [], [], []
         sync_http = httpx.Client(base_url=base, timeout=120)
