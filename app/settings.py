@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     max_large_uploads: int = Field(default=2, ge=1)
     # Without tokens only loopback Host names are served; more names, comma-separated.
     allowed_hosts: str = ""
+    # A local tokenizer.json: the UI shows token text beside the ids (needs the optional
+    # `tokenizers` package); empty = ids only.
+    tokenizer: str = ""
     # SQLite: `PRAGMA quick_check` at start (turn off for very large files).
     integrity_check: bool = True
     # Comma-separated `token:scope` pairs (scope `read` or `write`); empty = no auth.
