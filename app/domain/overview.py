@@ -23,9 +23,10 @@ from typing import Any
 
 from app.domain import jsonio
 from app.domain.errors import InvalidRequest
+from app.domain.samples_merge import ABORTED, COMPLETED, PENDING, TRUNCATED
 from app.domain.validate import describe
 
-SAMPLE_STATUSES = ("completed", "truncated", "aborted")
+SAMPLE_STATUSES = (COMPLETED, TRUNCATED, ABORTED, PENDING)
 SORTS = ("", "reward", "-reward", "response", "-response", "samples", "-samples")
 HISTOGRAM_BINS = 10
 
@@ -263,5 +264,5 @@ def mismatch_lines(report: Any) -> list[str]:
 
 
 def _short(value: Any, limit: int = 120) -> str:
-    text = version_text(value) or "null"
+    text = "null" if value is None else version_text(value) or '""'
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -115,7 +115,7 @@ class Histogram:
     bars: list[tuple[float, float, float, int, str]]  # x, y, height, count, range text
 
 
-HIST_W, HIST_H = 200, 36
+HIST_W, HIST_H = 120, 28
 
 
 def reward_histograms(dist: RewardDistribution) -> list[tuple[RewardGroup, Histogram]]:

@@ -89,7 +89,7 @@ async def test_the_list_sorts_and_filters_by_reward_and_status(page: Page, api: 
     await page.goto(f"/ui?run_id={run_id}&status=open")
     assert await attribute_list(page.page, rows, "data-session-id") == [f"{run_id}-open"]
     wanted = {s["status"] for sid in ids for s in samples_of(api, sid)}
-    for kind in ("completed", "truncated", "aborted"):
+    for kind in ("completed", "truncated", "aborted", "pending"):
         await page.goto(f"/ui?run_id={run_id}&sample_status={kind}")
         shown = set(await attribute_list(page.page, rows, "data-session-id"))
         expect = {sid for sid in ids if kind in {s["status"] for s in samples_of(api, sid)}}
