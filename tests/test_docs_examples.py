@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -211,3 +212,37 @@ def test_the_examples_of_a_page_run_as_written(page: Path, server) -> None:
     assert bad is None, (f"the example at {bad.where} answered a problem:\n{bad.text}\n"
                          f"--- stdout\n{result.stdout[-3000:]}")
     assert result.stdout.rstrip().endswith("::done")
+
+
+def test_operations_md_covers_every_command() -> None:
+    from typer.main import get_command
+
+    from app.cli import cli
+
+    def names(group: Any, prefix: str = "") -> Iterator[str]:
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):
+                yield from names(command, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}"
+
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    missing = [name for name in names(get_command(cli))
+               if f"### `turnlog {name}`" not in text
+               and f"### `turnlog {name.split()[0]}`" not in text]
+    assert not missing, f"docs/operations.md has no section for: {missing}"
+
+
+def test_the_readme_is_a_first_screen_with_a_complete_index() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 120, "the README is for a newcomer's first screen"
+    assert "## Quickstart" in text and "make run" in text and "make test" in text
+    # The glossary: each word in bold where it is defined.
+    bold = " ".join(re.findall(r"\*\*(.+?)\*\*", text)).lower()
+    for word in ("tito", "r3", "addition", "full", "v1", "v2", "in_place", "retract",
+                 "carrier"):
+        assert word in bold, word
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)", text))
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    # Every page of docs/ is in the index, and so are the pages other work adds.
+    assert pages | {"docs/miles.md", "docs/gateway.md"} <= linked, sorted(pages - linked)
