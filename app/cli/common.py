@@ -205,7 +205,7 @@ async def resolve_session(db: Any, prefix: str) -> str:
 
 def remote(url: str, token: str | None, call: str, *args: Any, **kwargs: Any) -> Any:
     """One call of the project's client against a running server (`--url`, `--token`)."""
-    from app.client import TurnlogClient, TurnlogError
+    from turnlog_client import TurnlogClient, TurnlogError
 
     async def run() -> Any:
         async with TurnlogClient(url, token=token, retries=2) as client:
