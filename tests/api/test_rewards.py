@@ -14,7 +14,9 @@ import httpx
 import msgspec
 import pytest
 from safetensors.numpy import load
+from typer.testing import CliRunner
 
+from app.cli import cli
 from app.main import create_app
 from app.store.db import Database
 from app.store.rebuild import rebuild
@@ -270,6 +272,20 @@ async def test_rewards_are_events_in_json_msgpack_and_the_feed(client, sid):
     assert all(e["seq"] is None for e in rewarded)
 
 
+async def test_a_reward_beyond_64_bits_is_finite_and_read_back_as_json(client, sid):
+    """MessagePack has no integer beyond 64 bits: such events are answered as JSON."""
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3]))
+    await close(client, sid)
+    big = 10**30
+    await reward(client, sid, event_id="big", reward=big)
+    assert await shown(client, sid) == [(big, None)]
+    r = await client.get(f"/v1/sessions/{sid}/events",
+                         headers={"accept": "application/msgpack"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json()[-1]["reward"]["reward"] == big
+
+
 async def test_a_rebuild_reproduces_the_rewarded_projections(client, settings, sid):
     await two_leaves(client, sid, ids=("same", "same"), metadata={"reward": 0.0})
     await reward(client, sid, reward=1.0, sample=1, source="one")
@@ -283,6 +299,18 @@ async def test_a_rebuild_reproduces_the_rewarded_projections(client, settings, s
     finally:
         await db.dispose()
     assert await shown(client, sid) == before == [(3.0, None), (3.0, None)]
+
+
+async def test_replay_folds_the_rewards_into_the_samples(client, db_url, sid):
+    await two_leaves(client, sid)
+    await reward(client, sid, reward=1.0, sample=0, source="one")
+    await reward(client, sid, reward=2.0, source="wide")
+    result = await asyncio.to_thread(CliRunner().invoke, cli,
+                                     ["replay", sid, "--json", "--database-url", db_url])
+    assert result.exit_code == 0, result.output
+    samples = json.loads(result.stdout)["samples"]["samples"]
+    assert [(s["reward"], s["reward_source"]) for s in samples] == await shown(client, sid) \
+        == [(1.0, "one"), (2.0, "wide")]
 
 
 # --- consumer groups -------------------------------------------------------------------------
