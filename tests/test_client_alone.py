@@ -6,8 +6,9 @@ installs it with `--no-deps` into a fresh venv whose only other packages are
 the client's declared dependency closure (`turnlog-client[test,safetensors]`,
 resolved from the package metadata of this venv and linked one distribution
 at a time — so neither the server nor any of its dependencies can be
-imported there), starts `turnlog serve` on a free loopback port over a fresh
-SQLite file, and runs client/tests in that venv against it. A client module
+imported there), starts `turnlog serve` on a free loopback port over each
+backend's test database (SQLite, PostgreSQL, Citus), and runs client/tests —
+the client's calls and the miles hooks — in that venv against it. A client module
 that imports something it does not declare, or the server, fails here.
 """
 
@@ -91,13 +92,13 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`turnlog serve` on a free loopback port over the backend's test database."""
     home = tmp_path_factory.mktemp("server")
     port = free_port()
     log = (home / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port),
-         "--database-url", f"sqlite:///{home / 'turnlog.db'}"],
+        [sys.executable, "-m", "app", "serve", "--port", str(port), "--database-url", db_url],
         cwd=home, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
