@@ -79,3 +79,17 @@ CLOSE_BODY = _body({
         "metadata": {"type": ["object", "null"]},
     },
 }, {"max_seq_len": 32768, "metadata": {"reward": 1.0}})
+
+REWARD_BODY = _body({
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["event_id", "reward"],
+    "properties": {
+        "event_id": {"type": "string", "minLength": 1, "maxLength": 128},
+        "reward": {"type": "number"},
+        "sample": {"type": ["integer", "null"], "minimum": 0},
+        "response_id": {"type": ["string", "null"], "minLength": 1},
+        "source": {"type": ["string", "null"], "maxLength": 128},
+    },
+}, {"event_id": "rm-7f3a", "reward": 0.75, "sample": None, "response_id": None,
+    "source": "rm:qwen3-rm-v2"})

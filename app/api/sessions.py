@@ -112,8 +112,10 @@ async def session_events(
         try:
             return Response(await run_in_threadpool(msgpackio.dumps, events),
                             media_type=msgpackio.MEDIA_TYPE)
-        except UnicodeEncodeError:
-            pass  # a JSON-appended lone surrogate has no UTF-8 form: answer JSON, as allowed
+        except (UnicodeEncodeError, OverflowError):
+            # A JSON-appended lone surrogate has no UTF-8 form, an integer beyond 64 bits
+            # (a record's or a reward's) no MessagePack form: answer JSON, as allowed.
+            pass
     page = await svc.reader.session_events_page(
         session_id, after, EVENTS_PAGE.parse(limit), include_r3)
     if len(page) <= EVENTS_BATCH:

@@ -22,7 +22,7 @@ TURN_REPLY_KEYS = {"session_id", "seq", "parent", "depth", "num_tokens", "r3",
                    "finish_reason", "position"}
 SAMPLE_KEYS = {"index", "leaf", "path", "tokens", "response_length", "loss_mask",
                "rollout_log_probs", "status", "weight_versions", "spec_info", "reward",
-               "metadata", "r3"}
+               "reward_source", "metadata", "r3"}
 
 
 def assert_problem(r: httpx.Response, status: int, slug: str | None = None) -> dict[str, Any]:
