@@ -111,12 +111,13 @@ class ExpectedSample:
 class SessionDriver:
     """One session, driven like miles' session server drives SGLang.
 
-    `http` carries the base URL (fake SGLang or the gateway in front of it).
+    `http` carries the base URL (fake SGLang or the gateway in front of it);
+    without one the driver only builds request bodies.
     Every chat call is kept in `wire`; every 200 with a reply the driver
     accepts becomes a `Node` (in `nodes`, commit order = the store's seq).
     """
 
-    def __init__(self, http: httpx.AsyncClient, session_id: str, *, version: str = "v2",
+    def __init__(self, http: httpx.AsyncClient | None, session_id: str, *, version: str = "v2",
                  addition: bool = False, r3: bool = True,
                  extra_headers: dict[str, str] | None = None) -> None:
         if version not in ("v1", "v2"):
@@ -190,6 +191,7 @@ class SessionDriver:
         """POST a body as-is with the session header; the exchange is kept in `wire`."""
         all_headers = {"content-type": "application/json", ROUTING_HEADER: self.session_id,
                        **self.extra_headers, **(headers or {})}
+        assert self.http is not None, "a driver without a client only builds bodies"
         reply = await self.http.post(path, content=json.dumps(body).encode(),
                                      headers=all_headers)
         exchange = Exchange(self.session_id, body, reply.status_code, reply.content,
