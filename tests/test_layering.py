@@ -18,9 +18,9 @@ APP = Path(__file__).resolve().parents[1] / "app"
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "app.domain": ("app.store", "app.api", "app.cli", "app.client", "app.transfer",
                    "app.services", "app.main", "app.settings", "app.metrics", "app.logs",
-                   "app.simulator"),
+                   "app.simulator", "app.gateway"),
     "app.store": ("app.api", "app.cli", "app.client", "app.transfer", "app.services",
-                  "app.main", "app.simulator"),
+                  "app.main", "app.simulator", "app.gateway"),
     "app.services": ("app.api", "app.cli", "app.transfer", "app.main"),
     "app.api": ("app.cli", "app.transfer", "app.main", "app.client"),
     "app.transfer": ("app.api", "app.cli", "app.main", "app.client"),
@@ -28,6 +28,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                    "app.services", "app.main", "app.settings", "app.metrics", "app.logs",
                    "app.simulator"),
     "app.simulator": ("app.store", "app.api", "app.cli", "app.services", "app.main"),
+    "app.simulator_http": ("app.store", "app.api", "app.cli", "app.services", "app.main",
+                           "app.gateway"),
+    "app.gateway": ("app.api", "app.cli", "app.transfer", "app.main", "app.client",
+                    "app.ui"),
 }
 # Third-party packages the pure domain must not touch.
 DOMAIN_IO = ("sqlalchemy", "fastapi", "starlette", "httpx", "alembic", "asyncpg",
