@@ -7,12 +7,18 @@ in any ASGI server.
 
 Routes:
 - `POST /v1/chat/completions`: a TITO chat turn. The output tokens are a hash
-  of `input_ids` (`max_tokens` of them, default 4, at most 4096) with made-up
-  log-probs; with `return_routed_experts` the reply's `meta_info.routed_experts`
-  is base64 int32 of `route(prompt + output)` rows `[start, len - 1)` where
-  `start = routed_experts_start_len` (0 when absent) — a full forward's rows,
-  so stored R3 can be checked against `app.simulator.route`. With `"stream":
-  true` the reply is a server-sent event stream (chunked).
+  of `input_ids` and the sampling `seed` (`max_tokens` of them, default 4, at
+  most 4096) with made-up log-probs; with `return_routed_experts` the reply's
+  `meta_info.routed_experts` is base64 int32 of `route(prompt + output)` rows
+  `[start, len - 1)` where `start = routed_experts_start_len` (0 when absent) —
+  a full forward's rows, so stored R3 can be checked against
+  `app.simulator.route` (`r3="filler"`: cheap rows of the same size, for
+  benchmarks of big replies). With `tools` offered and the last message not a
+  tool result, the turn ends in a tool call (`finish_reason` "tool_calls"), as
+  an agent loop expects. With `speculative` the meta_info carries SGLang's spec
+  counters. With `"stream": true` the reply is a server-sent event stream
+  (chunked). A reply is a pure function of the request (no clock, no cache
+  state): the same body gives the same bytes, directly or through a proxy.
   Test knobs (request headers): `X-Sim-Status: N` answers N with a JSON error;
   `X-Sim-Reply: not-json | no-logprobs` answers text / JSON without the log-prob
   list; `X-Sim-Delay: S` waits S seconds first; `X-Sim-Pad: N` adds an N-byte
@@ -43,20 +49,37 @@ from app.simulator import OUTPUT_BASE, VOCAB, route
 MAX_TOKENS = 4096
 
 
-def output_for(prompt: list[int], count: int) -> list[int]:
-    """Deterministic output tokens for a prompt (the same prompt gives the same output)."""
-    seed = hashlib.sha256(np.asarray(prompt, dtype=np.int64).tobytes()).digest()
+def output_for(prompt: list[int], count: int, sampling_seed: int = 0) -> list[int]:
+    """Deterministic output tokens for a prompt and sampling seed (the same pair
+    gives the same output; another seed is another sample, as a retry gets)."""
+    data = np.asarray(prompt, dtype=np.int64).tobytes()
+    if sampling_seed:
+        data += b"seed:%d" % sampling_seed
+    seed = hashlib.sha256(data).digest()
     rng = np.random.default_rng(int.from_bytes(seed[:8], "little"))
     return [int(t) for t in rng.integers(OUTPUT_BASE, VOCAB, size=count)]
 
 
+def filler_rows(start: int, end: int, num_layers: int, topk: int,
+                num_experts: int) -> np.ndarray:
+    """Cheap deterministic rows [start, end) with R3's shape (not a forward)."""
+    per_row = num_layers * topk
+    values = np.arange(start * per_row, end * per_row, dtype=np.int64) % num_experts
+    return values.astype(WIRE_DTYPE).reshape(end - start, num_layers, topk)
+
+
 class FakeSGLang:
     def __init__(self, num_layers: int = 2, topk: int = 2, num_experts: int = 16,
-                 router_seed: int = 0) -> None:
+                 router_seed: int = 0, speculative: bool = False,
+                 r3: str = "oracle") -> None:
+        if r3 not in ("oracle", "filler"):
+            raise ValueError(f"r3 must be 'oracle' or 'filler', not {r3!r}")
         self.num_layers = num_layers
         self.topk = topk
         self.num_experts = num_experts
         self.router_seed = router_seed
+        self.speculative = speculative
+        self.r3 = r3
         self.requests = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -117,28 +140,53 @@ class FakeSGLang:
         """The reply SGLang would give this request (what the gateway must record)."""
         prompt = [int(t) for t in request["input_ids"]]
         count = max(0, min(int(request.get("max_tokens") or 4), MAX_TOKENS))
-        out = output_for(prompt, count)
+        sampling_seed = int(request.get("seed") or request.get("sampling_seed") or 0)
+        out = output_for(prompt, count, sampling_seed)
         tokens = prompt + out
+        finish = "stop"
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": " ".join(f"t{t}" for t in out)}
+        messages = request.get("messages") or [{}]
+        last_role = messages[-1].get("role") if isinstance(messages[-1], dict) else None
+        tools = request.get("tools")
+        if tools and isinstance(tools, list) and last_role != "tool":
+            function = tools[0].get("function", {}) if isinstance(tools[0], dict) else {}
+            finish = "tool_calls"
+            message["tool_calls"] = [{
+                "id": "call_" + hashlib.sha256(repr(tokens).encode()).hexdigest()[:12],
+                "type": "function", "index": 0,
+                "function": {"name": function.get("name", "tool"),
+                             "arguments": json.dumps({"q": out[0] if out else 0})}}]
         meta: dict[str, Any] = {
             "output_token_logprobs": [[-((t % 97) / 97.0), t] for t in out],
             "completion_tokens": len(out),
             "prompt_tokens": len(prompt),
             "cached_tokens": 0,
             "weight_version": "1",
-            "finish_reason": {"type": "stop"},
+            "finish_reason": {"type": finish},
         }
+        if self.speculative:
+            # SGLang's names (miles reads these since PR #2028); verify >= 1 per turn.
+            verify = 1 + len(out) // 2
+            proposed = 3 * verify
+            meta.update({"spec_verify_ct": verify,
+                         "spec_num_correct_drafts": sum(t % 3 == 0 for t in out) % (proposed + 1),
+                         "spec_num_proposed_drafts": proposed})
         if request.get("return_routed_experts"):
             start = int(request.get("routed_experts_start_len") or 0)
-            rows = route(np.asarray(tokens, dtype=np.int64), self.num_layers, self.topk,
-                         self.num_experts, self.router_seed)[start:]
+            if self.r3 == "filler":
+                rows = filler_rows(start, max(len(tokens) - 1, start), self.num_layers,
+                                   self.topk, self.num_experts)
+            else:
+                rows = route(np.asarray(tokens, dtype=np.int64), self.num_layers, self.topk,
+                             self.num_experts, self.router_seed)[start:]
             meta["routed_experts"] = base64.b64encode(
                 rows.astype(WIRE_DTYPE).tobytes()).decode("ascii")
         reply: dict[str, Any] = {
             "id": "chatcmpl-" + hashlib.sha256(repr(tokens).encode()).hexdigest()[:16],
             "object": "chat.completion",
             "model": request.get("model", "default"),
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": f"<{len(out)} tokens>"},
+            "choices": [{"index": 0, "finish_reason": finish, "message": message,
                          "meta_info": meta}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out)},
         }
@@ -194,8 +242,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--num-experts", type=int, default=16)
+    parser.add_argument("--router-seed", type=int, default=0)
+    parser.add_argument("--speculative", action="store_true",
+                        help="add SGLang's speculative-decoding counters to meta_info")
+    parser.add_argument("--r3", choices=("oracle", "filler"), default="oracle",
+                        help="oracle: a full forward's rows; filler: cheap rows (benchmarks)")
     args = parser.parse_args(argv)
-    uvicorn.run(FakeSGLang(args.num_layers, args.topk, args.num_experts), host=args.host,
+    app = FakeSGLang(args.num_layers, args.topk, args.num_experts, args.router_seed,
+                     args.speculative, args.r3)
+    uvicorn.run(app, host=args.host,
                 port=args.port, log_level="warning", lifespan="on")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 from typing import Any
 
@@ -68,8 +69,9 @@ async def turns_stored(store: TurnlogClient, sid: str) -> int | None:
 
 def test_the_gateway_command_exists() -> None:
     """`turnlog gateway --help` works: the e2e tests below never skip for want of it."""
+    # Wide enough that rich does not elide long option names.
     done = subprocess.run([str(TURNLOG), "gateway", "--help"], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "250"})
     assert done.returncode == 0, done.stderr
     for option in ("--upstream", "--database-url", "--num-layers", "--version",
                    "--pause-generation-mode"):
@@ -148,10 +150,7 @@ async def test_reply_bytes_equal_a_direct_call(
         ("stream", "/v1/chat/completions", {ROUTING_HEADER: f"{sid}-stream"},
          json.dumps({**body, "stream": True}).encode()),
         ("upstream-status", "/v1/chat/completions",
-         {ROUTING_HEADER: f"{sid}-error", "X-Fake-Status": "500"}, encoded),
-        ("generate", "/generate", {},
-         json.dumps({"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 3},
-                     "return_logprob": True}).encode()),
+         {ROUTING_HEADER: f"{sid}-error", "X-Sim-Status": "500"}, encoded),
         ("health", "/health", {}, None),
         ("workers", "/workers", {}, None),
     ]
@@ -168,11 +167,20 @@ async def test_reply_bytes_equal_a_direct_call(
             assert through.content == direct.content, name
             assert end_to_end_headers(through.headers) == end_to_end_headers(direct.headers), \
                 name
-        registered = await http.post(proxy.base_url + "/add_worker",
-                                     params={"url": "http://engine-1:30000"})
-        assert registered.status_code == 200
-        listed = await http.get(upstream.base_url + "/workers")
-        assert listed.json() == {"workers": [{"url": "http://engine-1:30000"}]}
+        # The fake echoes routes it does not serve: what the engine's router got.
+        generate = json.dumps({"input_ids": [3, 4, 5], "sampling_params": {}}).encode()
+        for path, params, content in (("/add_worker", {"url": "http://engine-1:30000"}, b""),
+                                      ("/generate", {}, generate)):
+            echoed = (await http.post(proxy.base_url + path, params=params, content=content,
+                                      headers={"content-type": "application/json",
+                                               "x-caller": "miles"})).json()
+            assert (echoed["method"], echoed["path"]) == ("POST", path)
+            assert echoed["body"] == content.decode()
+            if params:
+                assert echoed["query"] == "url=http%3A%2F%2Fengine-1%3A30000"
+            headers = {name.lower(): value for name, value in echoed["headers"]}
+            assert headers["x-caller"] == "miles"
+            assert headers["host"] == upstream.base_url.removeprefix("http://")
     assert await turns_stored(store, sid) == 1
     for other in (f"{sid}-stream", f"{sid}-error"):
         assert await turns_stored(store, other) is None, other
