@@ -159,7 +159,7 @@ def chat_body(input_ids: list[int], start: int) -> bytes:
     """A miles-shaped chat request (addition R3 from `start`)."""
     return json.dumps({
         "model": "default", "messages": [{"role": "user", "content": "bench"}],
-        "max_tokens": OUTPUT_TOKENS, "min_tokens": OUTPUT_TOKENS,
+        "max_tokens": OUTPUT_TOKENS,
         "logprobs": True, "return_meta_info": True, "no_stop_trim": False,
         "return_routed_experts": True, "routed_experts_start_len": start,
         "input_ids": input_ids}).encode()
@@ -287,8 +287,8 @@ async def main() -> None:
         gateway = f"http://127.0.0.1:{gateway_port}"
         sglang = spawn([sys.executable, "-m", "app.simulator_http", "--port", str(sglang_port),
                         "--num-layers", str(LAYERS), "--topk", str(TOPK),
-                        "--num-experts", str(EXPERTS), "--r3", "filler",
-                        "--max-new-tokens", str(OUTPUT_TOKENS)], logs / "sglang.log")
+                        "--num-experts", str(EXPERTS), "--r3", "filler"],
+                       logs / "sglang.log")
         proxy = spawn([str(TURNLOG), "gateway", "--upstream", direct, "--host", "127.0.0.1",
                        "--port", str(gateway_port), "--database-url", url,
                        "--num-layers", str(LAYERS), "--version", "v2",

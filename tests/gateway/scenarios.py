@@ -15,8 +15,8 @@ TOOLS: list[dict[str, Any]] = [{"type": "function",
 
 async def play_v2(driver: SessionDriver) -> None:
     """A tool-call loop, a retry of its answer (a sibling branch), a follow-up
-    extending the first answer (the older sibling), and a re-sent first turn
-    (a second root)."""
+    extending the first answer (the older sibling), a re-sent first turn (a
+    second root) and an unchanged resend of a turn (a superseding sibling)."""
     messages = await driver.agent_loop("what is 2 + 2", TOOLS)          # seq 0, 1
     await driver.chat(messages[:-1], tools=TOOLS, seed=7)               # seq 2: retry of 1
     follow = [*messages, {"role": "user", "content": "and times 3 please"}]
@@ -25,6 +25,9 @@ async def play_v2(driver: SessionDriver) -> None:
     follow.append({"role": "tool", "tool_call_id": "call_x", "content": "12"})
     await driver.chat(follow, tools=TOOLS, seed=1)                      # seq 4: extends 3
     await driver.chat(messages[:2], tools=TOOLS, seed=3)                # seq 5: a new root
+    # The caller resends seq 4's request unchanged (a client-side retry): the
+    # same reply, recorded again as a sibling, which supersedes seq 4's leaf.
+    await driver.chat(follow, tools=TOOLS, seed=1)                      # seq 6: sibling of 4
 
 
 async def play_v1(driver: SessionDriver) -> None:
