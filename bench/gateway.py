@@ -104,18 +104,33 @@ def reset_peak(pid: int) -> bool:
 
 
 class Conn:
-    """One keep-alive connection; bodies read by Content-Length or chunked."""
+    """One keep-alive connection; bodies read by Content-Length or chunked.
+
+    uvicorn closes a connection idle for 5 s; `ready()` (called outside the
+    timed part) reconnects one idle for over 2 s, so no request races a close.
+    """
+
+    IDLE = 2.0
 
     def __init__(self, base: str) -> None:
         host, port = base.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.used = 0.0
 
     async def __aenter__(self) -> Conn:
+        await self.ready()
+        return self
+
+    async def ready(self) -> None:
+        if self.writer is not None and time.monotonic() - self.used < self.IDLE:
+            return
+        if self.writer is not None:
+            self.writer.close()
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
                                                                  limit=1 << 22)
-        return self
+        self.used = time.monotonic()
 
     async def __aexit__(self, *_exc: object) -> None:
         assert self.writer is not None
@@ -140,6 +155,7 @@ class Conn:
                 length = int(value)
             elif name == "transfer-encoding" and "chunked" in value.lower():
                 chunked = True
+        self.used = time.monotonic()
         if not chunked:
             return status, await self.reader.readexactly(length)
         parts = []
@@ -184,6 +200,7 @@ async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway
             timed: dict[str, tuple[float, int, bytes]] = {}
             order = [("direct", to_direct), ("gateway", to_gateway)]
             for name, conn in order if turn % 2 == 0 else order[::-1]:
+                await conn.ready()
                 started = time.perf_counter()
                 status, reply = await conn.request("POST", "/v1/chat/completions", body,
                                                    headers)
@@ -228,6 +245,7 @@ async def big_reply(gateway: str, pid: int, mb: int) -> list[tuple[str, int, int
         reset_peak(pid)
         before = vm_kb(pid, "VmRSS")
         async with Conn(gateway) as conn:
+            await conn.ready()
             started = time.perf_counter()
             status, reply = await conn.request("POST", "/v1/chat/completions", body, headers)
             took = time.perf_counter() - started

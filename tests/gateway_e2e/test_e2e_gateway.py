@@ -26,16 +26,16 @@ import pytest
 
 from app.client import TurnlogClient
 from app.client.errors import TurnlogError
-from tests.gateway.checks import (
+from tests.gateway_e2e.checks import (
     Router,
     check_recorded,
     check_reply_r3,
     check_samples,
     open_body,
 )
-from tests.gateway.conftest import TURNLOG
-from tests.gateway.scenarios import MODES, TOOLS, play, play_v2
-from tests.gateway.session_driver import ROUTING_HEADER, SessionDriver
+from tests.gateway_e2e.conftest import TURNLOG
+from tests.gateway_e2e.scenarios import MODES, TOOLS, play, play_v2
+from tests.gateway_e2e.session_driver import ROUTING_HEADER, SessionDriver
 
 ROUTER = Router()
 # Headers a proxy may legitimately change (hop-by-hop ones, and the three the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.gateway.session_driver import SessionDriver
+from tests.gateway_e2e.session_driver import SessionDriver
 
 TOOLS: list[dict[str, Any]] = [{"type": "function",
                                 "function": {"name": "calc",

@@ -15,7 +15,7 @@ from app.domain.jsonio import strict_equal
 from app.domain.samples import build_samples
 from app.domain.session import parse_close, parse_open
 from app.simulator import fold_in_memory, route
-from tests.gateway.session_driver import CHAT_PATH, SessionDriver
+from tests.gateway_e2e.session_driver import CHAT_PATH, SessionDriver
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from app.client import TurnlogClient
-from tests.gateway.checks import Router, check_reply_r3, check_samples, open_body
-from tests.gateway.scenarios import MODES, TOOLS, play
-from tests.gateway.session_driver import SessionDriver
+from tests.gateway_e2e.checks import Router, check_reply_r3, check_samples, open_body
+from tests.gateway_e2e.scenarios import MODES, TOOLS, play
+from tests.gateway_e2e.session_driver import SessionDriver
 
 ROUTER = Router()
 
