@@ -115,6 +115,7 @@ class Gateway:
     async def shutdown(self) -> None:
         if self.recorder is not None:
             await self.recorder.stop()
+            self.recorder.spool.close()
         if self.client is not None:
             await self.client.aclose()
         if self.services is not None:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 import structlog
@@ -44,6 +45,29 @@ SPOOL_FULL = "spool-full"
 OFFLOAD_BYTES = 1 << 20  # parse larger turns on a worker thread
 DRAIN_RETRY_S = 0.5  # wait between drain attempts while the store cannot answer
 PROBE_TIMEOUT_S = 2.0
+T = TypeVar("T")
+
+
+async def bounded(work: Coroutine[Any, Any, T], timeout: float) -> T:
+    """`work`, or TimeoutError after `timeout` seconds — without waiting for it to stop.
+
+    `asyncio.wait_for` waits for the cancelled work to unwind, and a SQLite
+    write blocked on another process's lock unwinds only after its busy
+    timeout: the caller would wait that long. The abandoned work goes on in
+    the background; whatever it commits later is an append the spool repeats
+    with the same event_id, which the store answers as an idempotent repeat.
+    """
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.add_done_callback(_consume)
+        raise TimeoutError(f"the store did not answer within {timeout} s")
+    return task.result()
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("an abandoned store call ended", error=type(task.exception()).__name__)
 
 
 class Recorder:
@@ -59,6 +83,7 @@ class Recorder:
         # Sessions opened by a gateway → monotonic time of their last recorded turn.
         self.last_turn: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._attempt: tuple[Any, asyncio.Future[None]] | None = None  # the drainer's
         metrics.watch_spool(lambda: len(spool), lambda: spool.bytes, spool.oldest_age)
 
     # -- lifecycle ----------------------------------------------------------------
@@ -73,6 +98,8 @@ class Recorder:
             self.wake.set()
 
     async def stop(self) -> None:
+        if self._attempt is not None:
+            self._attempt[1].cancel()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -87,8 +114,7 @@ class Recorder:
         if self.spool.holds(session_id):
             return self._spool(session_id, body, open_body)  # behind its earlier turns
         try:
-            await asyncio.wait_for(self._store(session_id, body, open_body, size),
-                                   self.store_timeout)
+            await bounded(self._store(session_id, body, open_body, size), self.store_timeout)
         except DomainError as exc:
             if exc.http_status < 500:
                 return self._verdict(session_id, exc)
@@ -148,21 +174,29 @@ class Recorder:
                 await asyncio.sleep(DRAIN_RETRY_S)
 
     async def _drain_one(self) -> bool:
-        """Append the oldest spooled turn; False when the store gave no verdict."""
+        """Append the oldest spooled turn; False when the store gave no verdict (yet).
+
+        An attempt that outlives the store timeout is not cancelled (a SQLite
+        write blocked on a lock cannot be): the next round waits for the same
+        attempt again instead of starting another one beside it.
+        """
         entry = self.spool.entries[0]
-        try:
-            await asyncio.wait_for(
-                self._store(entry.session_id, entry.body, entry.open_body, entry.size),
-                self.store_timeout)
-        except DomainError as exc:
-            if exc.http_status >= 500:
-                return False
+        if self._attempt is None or self._attempt[0] is not entry:
+            self._attempt = (entry, asyncio.ensure_future(
+                self._store(entry.session_id, entry.body, entry.open_body, entry.size)))
+        task = self._attempt[1]
+        done, _ = await asyncio.wait({task}, timeout=self.store_timeout)
+        if not done:
+            return False
+        self._attempt = None
+        exc = task.exception()
+        if exc is None:
+            self.metrics.recorded.inc()
+        elif isinstance(exc, DomainError) and exc.http_status < 500:
             self._verdict(entry.session_id, exc)
-        except Exception as exc:
+        else:
             log.debug("drain attempt failed", error=type(exc).__name__)
             return False
-        else:
-            self.metrics.recorded.inc()
         self.spool.remove(entry)
         self.drain_failing = False
         if not len(self.spool):
@@ -178,7 +212,7 @@ class Recorder:
                 async with self.services.db.read() as conn:
                     await conn.execute(sa.text("SELECT 1"))
 
-            await asyncio.wait_for(probe(), PROBE_TIMEOUT_S)
+            await bounded(probe(), PROBE_TIMEOUT_S)
         except Exception as exc:
             return False, f"the store is unreachable ({type(exc).__name__})"
         if len(self.spool) and self.drain_failing:
@@ -207,10 +241,8 @@ class Recorder:
                 if now - last <= limit or self.spool.holds(session_id):
                     continue
                 try:
-                    await asyncio.wait_for(
-                        self.services.writer.close_session(
-                            session_id, {"metadata": dict(IDLE_CLOSE)}),
-                        self.store_timeout)
+                    await bounded(self.services.writer.close_session(
+                        session_id, {"metadata": dict(IDLE_CLOSE)}), self.store_timeout)
                 except (SessionClosed, UnknownSession):
                     pass  # closed by someone else (another body) or gone
                 except Exception as exc:

@@ -15,6 +15,7 @@ Refuses: deciding what to spool or when to drain (app.gateway.recorder).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from collections import deque
@@ -25,6 +26,7 @@ from typing import Any
 from app.domain import jsonio
 
 SUFFIX = ".turn"
+LOCK_NAME = ".lock"
 NAME_DIGITS = 20
 
 
@@ -42,11 +44,23 @@ class SpoolFull(Exception):
     """Adding the turn would take the spool past its byte bound."""
 
 
+class SpoolInUse(Exception):
+    """Another live gateway holds this spool directory."""
+
+
 class Spool:
     def __init__(self, directory: Path, max_bytes: int) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
+        # One gateway per spool: two would drain (and delete) each other's turns.
+        self._lock = (self.directory / LOCK_NAME).open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise SpoolInUse(f"the spool {self.directory} is in use by another gateway: "
+                             "give each gateway its own --spool-dir") from None
         self.entries: deque[Spooled] = deque()
         self.bytes = 0
         self.per_session: dict[str, int] = {}
@@ -120,6 +134,9 @@ class Spool:
             self.per_session[entry.session_id] = left
         else:
             del self.per_session[entry.session_id]
+
+    def close(self) -> None:
+        self._lock.close()  # releases the lock
 
     def _fsync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
