@@ -4,8 +4,8 @@ A fake SGLang (`python -m app.simulator_http`) and the real `turnlog gateway`
 CLI in front of it, each a subprocess started on a free port and stopped at
 teardown; the store is read back through an in-process API app on the same
 database. (The gateway's own tests, with their fixtures, are in tests/gateway/;
-these drive whole sessions the way miles' session server would.) A missing or broken `turnlog gateway` fails these tests (it is
-never a skip).
+these drive whole sessions the way miles' session server would.) A missing
+or broken `turnlog gateway` fails these tests (it is never a skip).
 """
 
 from __future__ import annotations
