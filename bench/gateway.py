@@ -100,6 +100,13 @@ def reset_peak(pid: int) -> bool:
     return True
 
 
+def gateway_argv(upstream: str, port: int, url: str, spool: Path) -> list[str]:
+    return [str(TURNLOG), "gateway", "--upstream", upstream, "--host", "127.0.0.1",
+            "--port", str(port), "--database-url", url, "--num-layers", str(LAYERS),
+            "--version", "v2", "--pause-generation-mode", "in_place", "--no-migrate",
+            "--spool-dir", str(spool)]
+
+
 # -- a lean HTTP/1.1 client (the load generator must cost little) -------------------
 
 
@@ -158,7 +165,7 @@ class Conn:
         self.used = time.monotonic()
         if not chunked:
             return status, await self.reader.readexactly(length)
-        parts = []
+        parts: list[bytes] = []
         while True:
             size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
             if size == 0:
@@ -307,14 +314,13 @@ async def main() -> None:
                         "--num-layers", str(LAYERS), "--topk", str(TOPK),
                         "--num-experts", str(EXPERTS), "--r3", "filler"],
                        logs / "sglang.log")
-        proxy = spawn([str(TURNLOG), "gateway", "--upstream", direct, "--host", "127.0.0.1",
-                       "--port", str(gateway_port), "--database-url", url,
-                       "--num-layers", str(LAYERS), "--version", "v2",
-                       "--pause-generation-mode", "in_place",
-                       "--spool-dir", str(logs / "spool")], logs / "gateway.log")
+        proxy = spawn(gateway_argv(direct, gateway_port, url, logs / "spool"),
+                      logs / "gateway.log")
         try:
             await wait_ready(sglang, direct + "/health", "fake SGLang")
             await wait_ready(proxy, gateway + "/turnlog/readyz", "turnlog gateway")
+            print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+                  "(the figures are only comparable on a quiet machine)")
             print(f"{args.sessions} sessions x {args.turns} turns of {args.turn_tokens} "
                   f"tokens, R3 {LAYERS} layers x top-{TOPK}, PostgreSQL, addition mode",
                   flush=True)
@@ -340,16 +346,24 @@ async def main() -> None:
                   f"p99 {percentile(through, .99) * 1000:.2f} ms", flush=True)
 
             if args.big_reply_mb > 0:
+                # A fresh gateway: the latency run's freed heap would hide the growth.
+                stop(proxy)
+                proxy = spawn(gateway_argv(direct, gateway_port, url, logs / "spool-big"),
+                              logs / "gateway-big.log")
+                await wait_ready(proxy, gateway + "/turnlog/readyz", "turnlog gateway")
                 base = vm_kb(proxy.pid, "VmRSS") * 1024
-                print(f"gateway RSS before the big replies: {base / 1e6:.0f} MB")
+                print(f"fresh gateway RSS before the big replies: {base / 1e6:.0f} MB")
                 for kind, nbytes, growth, took in await big_reply(gateway, proxy.pid,
                                                                   args.big_reply_mb):
                     print(f"one {nbytes / 1e6:.0f} MB reply {kind} ({took:.2f} s): gateway "
                           f"peak RSS growth {growth / 1e6:.0f} MB = {growth / nbytes:.2f}x "
                           f"the reply   (target <= 3x)")
+                print(f"gateway peak RSS (VmHWM, whole process): "
+                      f"{vm_kb(proxy.pid, 'VmHWM') / 1e3:.0f} MB")
         finally:
             stop(proxy)
             stop(sglang)
+        print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

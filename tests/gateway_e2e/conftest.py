@@ -149,18 +149,16 @@ async def fake_sglang(processes: list[Process], tmp_path: Path
 
 
 @pytest.fixture
-async def gateway(processes: list[Process], tmp_path: Path, db_url: str
-                  ) -> Callable[..., Any]:
-    """`await start(upstream, *options, spool_dir=None) -> Process`: `turnlog gateway`
-    in front of `upstream`, writing to the test's database, ready."""
+async def gateway_at(processes: list[Process], tmp_path: Path) -> Callable[..., Any]:
+    """`await start(database_url, upstream, *options, spool_dir=None) -> Process`:
+    `turnlog gateway` in front of `upstream`, writing to `database_url`, ready."""
 
-    async def start(upstream: str, *options: str, spool_dir: Path | None = None,
-                    env: dict[str, str] | None = None) -> Process:
+    async def start(database_url: str, upstream: str, *options: str,
+                    spool_dir: Path | None = None) -> Process:
         port = free_port()
         spool = spool_dir or tmp_path / f"spool-{len(processes)}"
-        proc = Process(gateway_argv(port, upstream, db_url, spool, list(options)),
-                       tmp_path / f"gateway-{len(processes)}.log", "/turnlog/healthz", port,
-                       env=dict(env or {}))
+        proc = Process(gateway_argv(port, upstream, database_url, spool, list(options)),
+                       tmp_path / f"gateway-{len(processes)}.log", "/turnlog/healthz", port)
         processes.append(proc)
         proc.start()
         await proc.wait_ready()
@@ -170,11 +168,30 @@ async def gateway(processes: list[Process], tmp_path: Path, db_url: str
 
 
 @pytest.fixture
-async def store(db_url: str) -> AsyncIterator[TurnlogClient]:
-    """An in-process API client on the gateway's database: how the tests read what was stored."""
-    settings = Settings(database_url=db_url, migrate_on_start=False, api_tokens="")
+async def gateway(gateway_at: Callable[..., Any], db_url: str) -> Callable[..., Any]:
+    """`await start(upstream, *options) -> Process`: a gateway on the test's database."""
+
+    async def start(upstream: str, *options: str) -> Process:
+        return await gateway_at(db_url, upstream, *options)
+
+    return start
+
+
+@contextlib.asynccontextmanager
+async def store_at(database_url: str) -> AsyncIterator[TurnlogClient]:
+    """An in-process API client on `database_url`."""
+    settings = Settings(database_url=database_url, migrate_on_start=False, api_tokens="")
     app = create_app(settings)
     client = TurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app))
-    yield client
-    await client.aclose()
-    await app.state.services.db.dispose()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        await app.state.services.db.dispose()
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[TurnlogClient]:
+    """An in-process API client on the gateway's database: how the tests read what was stored."""
+    async with store_at(db_url) as client:
+        yield client

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,8 @@ class SessionDriver:
         self.nodes: list[Node] = []
         self.linear: list[int] = []  # v1: the current chain of seqs (rollbacks cut it)
         self.wire: list[Exchange] = []
+        # Awaited with the number of accepted turns before each chat call (fault injection).
+        self.before_turn: Callable[[int], Awaitable[None]] | None = None
 
     # -- attaching -------------------------------------------------------------------
 
@@ -203,6 +206,8 @@ class SessionDriver:
                    headers: dict[str, str] | None = None, **sampling: Any) -> dict[str, Any]:
         """One agent call: returns the reply the agent sees (R3 stripped, as miles does)."""
         messages = copy.deepcopy(messages)
+        if self.before_turn is not None:
+            await self.before_turn(len(self.nodes))
         parent, body = self.build_request(messages, tools, sampling)
         exchange = await self.send(body, headers)
         if exchange.status != 200:
