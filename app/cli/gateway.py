@@ -104,6 +104,14 @@ def gateway(
     problem = _cannot_listen(host, port)
     if problem is not None:
         raise CliError(problem)
+    from app.gateway.spool import Spool, SpoolInUse
+
+    try:
+        spool = Spool(spool_dir, spool_max_bytes)
+    except SpoolInUse as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot use the spool directory {spool_dir}: {exc}") from None
     if migrate:
         _migrate(url)
     defaults = GatewayDefaults(version=version.value,
@@ -118,8 +126,11 @@ def gateway(
                            spool_max_bytes=spool_max_bytes)
     err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
                 f"(store {mask(url)}, spool {spool_dir})")
+    if len(spool):
+        err().print(f"{len(spool)} spooled turns ({spool.bytes} bytes) are appended as soon "
+                    "as the store answers")
     # Date and Server are the upstream's: the caller sees its headers, not ours.
-    uvicorn.run(Gateway(config, common.settings_for(url)), host=host, port=port,
+    uvicorn.run(Gateway(config, common.settings_for(url), spool), host=host, port=port,
                 log_config=None, lifespan="on", server_header=False, date_header=False,
                 timeout_keep_alive=75)
 

@@ -78,8 +78,10 @@ class ClientGone(Exception):
 class Gateway:
     """The ASGI app: `uvicorn.run(Gateway(config, settings))`."""
 
-    def __init__(self, config: GatewayConfig, settings: Settings) -> None:
+    def __init__(self, config: GatewayConfig, settings: Settings,
+                 spool: Spool | None = None) -> None:
         self.config = config
+        self.spool = spool  # opened by the caller (the CLI reports a spool in use) or at start
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.record_paths = frozenset(config.record_paths)
@@ -104,7 +106,9 @@ class Gateway:
             del client.headers[name]
         self.client = client
         self.services = build_services(self.settings)
-        spool = Spool(self.config.spool_dir, self.config.spool_max_bytes)
+        spool = self.spool
+        if spool is None:
+            spool = Spool(self.config.spool_dir, self.config.spool_max_bytes)
         self.recorder = Recorder(self.services, spool, self.metrics,
                                  store_timeout=self.config.store_timeout,
                                  idle_close_seconds=self.config.idle_close_seconds)

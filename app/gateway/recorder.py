@@ -148,6 +148,7 @@ class Recorder:
                     exc: BaseException) -> str:
         log.warning("store gave no verdict; spooling the turn", session_id=session_id,
                     error=type(exc).__name__, detail=str(exc)[:200])
+        self.drain_failing = True  # not ready until a drain gets through
         return self._spool(session_id, body, open_body)
 
     def _spool(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any]) -> str:

@@ -8,7 +8,10 @@ run on one SQLite file.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,3 +138,18 @@ async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_proce
         turn = await send_turn(http, "s-slow", chat([1, 2]), {"X-Sim-Delay": "3"})
         assert turn.status == 502
         assert json.loads(turn.reply)["type"] == "urn:turnlog:upstream-unavailable"
+
+
+async def test_a_second_gateway_on_the_same_spool_is_refused(tmp_path, gateway_process,
+                                                            fake_sglang):
+    spool = tmp_path / "spool"
+    first = gateway_process(_sqlite(tmp_path), spool=spool)
+    await first.wait_ready()
+    second = subprocess.run(
+        [sys.executable, "-m", "app", "gateway", "--upstream", fake_sglang.url,
+         "--port", str(free_port()), "--database-url", _sqlite(tmp_path),
+         "--spool-dir", str(spool)], capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")})
+    assert second.returncode == 2, second.stderr
+    assert "in use by another gateway" in second.stderr
+    assert (second.stderr.count("\n") <= 2), second.stderr  # one line, no traceback
