@@ -16,6 +16,7 @@ Refuses: the rules of what is recorded (app.domain.gateway) and storage
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 import zlib
@@ -224,10 +225,17 @@ class Gateway:
         except UpstreamUnavailable as exc:
             await _problem(send, exc)
             return
+        # The request body is up by now: a caller that goes away stops the relay (and
+        # closes the upstream connection) instead of reading a long reply to the end.
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(receive, gone))
         try:
             await send({"type": "http.response.start", "status": response.status_code,
                         "headers": _reply_headers(response)})
             async for chunk in response.aiter_raw():
+                if gone.is_set():
+                    log.info("caller went away mid-reply", path=scope["path"])
+                    break
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -237,6 +245,7 @@ class Gateway:
                         error=type(exc).__name__)
             raise
         finally:
+            watcher.cancel()
             await response.aclose()
 
     async def _recorded_path(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -325,6 +334,12 @@ async def _stream_body(receive: Any) -> AsyncIterator[bytes]:
             yield chunk
         if not message.get("more_body", False):
             return
+
+
+async def _watch_disconnect(receive: Any, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
 async def _read_body(receive: Any) -> bytes:

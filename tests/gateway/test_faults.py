@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.gateway.spool import Spool
 from app.main import create_app
 from app.settings import Settings
 from app.store import migrate
@@ -219,3 +220,35 @@ async def test_a_sigkilled_gateway_drains_its_spool_once_after_restart(tmp_path,
     async with api(f"sqlite+aiosqlite:///{path}") as http:
         for conversation in (a, b):
             await check_stored(http, conversation)
+
+
+async def test_a_turn_committed_before_the_crash_is_not_stored_twice(tmp_path, gateway_process,
+                                                                     fake_sglang):
+    """The gateway died between the commit and deleting the spool file: the next drain
+    repeats the append, which the store answers as an idempotent repeat."""
+    path = tmp_path / "store.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    await migrate.upgrade_async(url)
+    session = f"gw-{uuid.uuid4().hex[:12]}"
+    request = chat([2, 7, 1, 8])
+    async with httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
+        reply = (await direct.post("/v1/chat/completions", json=request)).json()
+    body = {"event_id": uuid.uuid4().hex, "record": {
+        "timestamp": 2.0, "request_timestamp": 1.0, "method": "POST",
+        "path": "/v1/chat/completions", "status_code": 200, "request": request,
+        "response": reply}}
+    opening = {"session_id": session, "version": "v2", "opened_by": "gateway"}
+    async with api(url) as http:
+        assert (await http.post("/v1/sessions", json=opening)).status_code == 201
+        assert (await http.post(f"/v1/sessions/{session}/turns", json=body)).status_code == 201
+    spool = Spool(tmp_path / "spool", 1 << 20)
+    spool.add(session, body, opening)
+    spool.close()
+    gateway = gateway_process(f"sqlite:///{path}", spool=tmp_path / "spool")
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        await wait_for(lambda: drained(http), what="the spool to drain")
+    async with api(url) as http:
+        reply = await http.get(f"/v1/sessions/{session}/events")
+        turns = [e for e in reply.json() if e["type"] == "turn_recorded"]
+    assert [t["event_id"] for t in turns] == [body["event_id"]]

@@ -7,6 +7,7 @@ run on one SQLite file.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -153,3 +154,18 @@ async def test_a_second_gateway_on_the_same_spool_is_refused(tmp_path, gateway_p
     assert second.returncode == 2, second.stderr
     assert "in use by another gateway" in second.stderr
     assert (second.stderr.count("\n") <= 2), second.stderr  # one line, no traceback
+
+
+async def test_a_caller_that_goes_away_stops_the_relay(tmp_path, gateway_process):
+    gateway = gateway_process(_sqlite(tmp_path))
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
+            http.stream("GET", "/stream?chunks=200&size=1000&delay=0.05") as reply:
+        async for _chunk in reply.aiter_raw():
+            break  # the first chunk, then hang up
+    deadline = time.monotonic() + 20
+    while "caller went away mid-reply" not in gateway.log_tail(200):
+        assert time.monotonic() < deadline, gateway.log_tail()
+        await asyncio.sleep(0.1)
+    async with httpx.AsyncClient(base_url=gateway.url) as http:  # it goes on serving
+        assert (await http.get("/health")).status_code == 200
