@@ -22,15 +22,19 @@ CLIENT = ROOT / "client" / "turnlog_client"
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "app.domain": ("app.store", "app.api", "app.cli", "turnlog_client", "app.transfer",
                    "app.services", "app.main", "app.settings", "app.metrics", "app.logs",
-                   "app.simulator"),
+                   "app.simulator", "app.gateway"),
     "app.store": ("app.api", "app.cli", "turnlog_client", "app.transfer", "app.services",
-                  "app.main", "app.simulator"),
+                  "app.main", "app.simulator", "app.gateway"),
     "app.services": ("app.api", "app.cli", "app.transfer", "app.main"),
     "app.api": ("app.cli", "app.transfer", "app.main", "turnlog_client"),
     "app.transfer": ("app.api", "app.cli", "app.main", "turnlog_client"),
     # The client is installed without the server: nothing of `app` at all.
     "turnlog_client": ("app",),
     "app.simulator": ("app.store", "app.api", "app.cli", "app.services", "app.main"),
+    "app.simulator_http": ("app.store", "app.api", "app.cli", "app.services", "app.main",
+                           "app.gateway"),
+    "app.gateway": ("app.api", "app.cli", "app.transfer", "app.main", "turnlog_client",
+                    "app.ui"),
 }
 # Third-party packages the pure domain must not touch.
 DOMAIN_IO = ("sqlalchemy", "fastapi", "starlette", "httpx", "alembic", "asyncpg",

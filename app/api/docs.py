@@ -31,6 +31,7 @@ OPEN_BODY = _body({
         "spec": {"type": "boolean"},
         "max_trim_tokens": {"type": "integer", "minimum": 0},
         "labels": {"type": "object"},
+        "opened_by": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
     },
 }, {"session_id": "run7-r12-s0031", "version": "v2", "pause_generation_mode": "in_place",
     "r3": {"num_layers": 48}, "spec": True, "max_trim_tokens": 1,

@@ -148,6 +148,10 @@ class Writer:
             "recorded_us": recorded,
         })
 
+    async def definition(self, session_id: str) -> SessionDefinition:
+        """The session as opened (from the state cache when it holds it)."""
+        return await self._definition(session_id)
+
     async def _definition(self, session_id: str) -> SessionDefinition:
         cached = self.cache.get(session_id)
         if cached is not None:
