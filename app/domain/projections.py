@@ -17,6 +17,7 @@ import msgspec
 
 from app.domain import jsonio
 from app.domain.labels import label_text
+from app.domain.rewards import all_rewarded
 from app.domain.samples import Sample, SamplesResult
 from app.domain.session import SessionDefinition
 from app.domain.specinfo import SpecInfo, sum_turns
@@ -151,7 +152,7 @@ def rewards_head(state: SessionState, result: SamplesResult) -> dict[str, Any]:
     """The reward columns of a closed session's row: how many rewards were recorded
     (what a cached fold is checked against) and whether every sample has one."""
     return {"num_rewards": len(state.rewards),
-            "rewarded": all(sample.reward is not None for sample in result.samples)}
+            "rewarded": all_rewarded(sample.reward for sample in result.samples)}
 
 
 def closed_head(state: SessionState, result: SamplesResult, closed_us: int) -> dict[str, Any]:

@@ -144,6 +144,7 @@ def latest_rewards(close_reward: Any, response_ids: Sequence[str | None],
     return out
 
 
-def all_rewarded(rewards: Iterable[SampleReward]) -> bool:
-    """Every sample has a non-null reward (true without samples: nothing to wait for)."""
-    return all(r.reward is not None for r in rewards)
+def all_rewarded(rewards: Iterable[Any]) -> bool:
+    """Every sample's reward (one per sample) is non-null; true without samples:
+    there is nothing to wait for."""
+    return all(reward is not None for reward in rewards)

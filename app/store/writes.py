@@ -315,7 +315,7 @@ class Writer:
                         samples.update().where(samples.c.session_id == session_id)
                         .where(samples.c.sample_index == old.sample_index)
                         .values(reward=reward, reward_source=new.source))
-            rewarded = all_rewarded(chosen)
+            rewarded = all_rewarded(pick.reward for pick in chosen)
             await conn.execute(
                 sessions.update().where(sessions.c.session_id == session_id)
                 .values(num_rewards=len(rewards), rewarded=rewarded))
