@@ -2,9 +2,11 @@ FROM python:3.11-slim
 WORKDIR /srv/turnlog
 COPY pyproject.toml README.md ./
 COPY app ./app
-# A regular (non-editable) install: the wheel carries the migrations and the UI files,
+# The client is a distribution of its own; the server depends on it.
+COPY client ./client
+# Regular (non-editable) installs: the wheels carry the migrations and the UI files,
 # so the source tree is not needed at run time.
-RUN pip install --no-cache-dir . && rm -rf /srv/turnlog/app
+RUN pip install --no-cache-dir ./client . && rm -rf /srv/turnlog/app /srv/turnlog/client
 # SQLite by default, on a volume; docker-compose.yml points it at PostgreSQL instead.
 ENV TURNLOG_DATABASE_URL=sqlite+aiosqlite:////data/turnlog.db \
     TURNLOG_HOST=0.0.0.0 \
