@@ -172,7 +172,8 @@ def script_of(runnable: list[Block], base: str) -> str:
     parts = ["set -euo pipefail"]
     for n, block in enumerate(runnable):
         text = block.text.replace(DEFAULT_URL, base)
-        parts.append(f"echo '::block {n}' >&2; echo '::block {n}'")
+        # A newline first: the previous block's output may not end with one (curl).
+        parts.append(f"echo '::block {n}' >&2; echo; echo '::block {n}'")
         if block.lang == "python":
             parts.append(f"python - <<'__TURNLOG_DOC_PY__'\n{text}__TURNLOG_DOC_PY__")
         else:
