@@ -58,8 +58,8 @@ class Settings(BaseSettings):
     state_cache_sessions: int = Field(default=512, ge=0)
     # The state cache is bounded in bytes too (token arrays and facts of cached sessions).
     state_cache_bytes: int = Field(default_factory=lambda: default_state_cache_bytes(), ge=0)
-    # Connection limits of `turnlog serve` (see README "Production"): request headers
-    # are bounded before anything else runs, slow clients are cut off.
+    # Connection limits of `turnlog serve` (docs/operations.md, "Limits and timeouts"):
+    # request headers are bounded before anything else runs, slow clients are cut off.
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     max_headers: int = Field(default=100, ge=8)
     header_timeout_s: float = Field(default=10.0, gt=0)
@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     max_large_uploads: int = Field(default=2, ge=1)
     # Without tokens only loopback Host names are served; more names, comma-separated.
     allowed_hosts: str = ""
+    # A local tokenizer.json: the UI shows token text beside the ids (needs the optional
+    # `tokenizers` package); empty = ids only.
+    tokenizer: str = ""
     # SQLite: `PRAGMA quick_check` at start (turn off for very large files).
     integrity_check: bool = True
     # Comma-separated `token:scope` pairs (scope `read` or `write`); empty = no auth.

@@ -48,3 +48,18 @@ def test_rebuild_of_unknown_session_fails(demo_url):
                                       demo_url])
     assert result.exit_code == 2
     assert "no session 'nope'" in result.output
+
+
+def test_the_demo_records_now_spread_over_hours(demo_url):
+    import json
+    from datetime import UTC, datetime, timedelta
+
+    result = CliRunner().invoke(cli, ["analytics", "spec", "--group-by", "hour", "--json",
+                                      "--database-url", demo_url])
+    assert result.exit_code == 0, result.output
+    hours = [datetime.fromisoformat(g["key"].replace("Z", "+00:00"))
+             for g in json.loads(result.stdout)["groups"]]
+    now = datetime.now(UTC)
+    # Two sessions over the last four hours: two hourly points, none in the future.
+    assert len(hours) >= 2, hours
+    assert all(now - timedelta(hours=5) <= h <= now for h in hours), hours

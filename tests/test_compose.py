@@ -7,6 +7,7 @@ neither the compose plugin nor the standalone `docker-compose` is installed.
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,125 @@ def test_citus_profile_is_accepted_by_compose():
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert set(CITUS) <= set(yaml.safe_load(result.stdout)["services"])
+
+
+def test_a_neighbour_container_may_call_the_app_by_its_service_name():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name in ("app", "app-citus"):
+        allowed = services[name]["environment"]["TURNLOG_ALLOWED_HOSTS"]
+        assert allowed.startswith("${TURNLOG_ALLOWED_HOSTS:-") and name in allowed, allowed
+
+
+async def test_the_service_name_is_answered_by_the_loopback_guard(tmp_path):
+    import httpx
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"
+    app = create_app(Settings(database_url=url, host="0.0.0.0", allowed_hosts="app"))
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://app:8000") as http:
+            assert (await http.get("/healthz")).status_code == 200
+        async with httpx.AsyncClient(transport=transport, base_url="http://db:8000") as http:
+            assert (await http.get("/healthz")).status_code == 421
+    finally:
+        await app.state.services.db.dispose()
+
+
+def test_compose_runs_the_tested_citus_version():
+    tested = next((ROOT / "tests" / "citus").glob("citus-*.tar.gz")).name.split("-")[1]
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    images = {services[name]["image"] for name in CITUS[:4]}
+    major_minor = ".".join(tested.split(".")[:2])
+    assert images == {f"citusdata/citus:{major_minor}"}, (images, tested)
+
+
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    lines, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        if raw.lstrip().startswith("#") or not raw.strip():
+            continue
+        current += raw.rstrip("\\").strip() + " "
+        if not raw.rstrip().endswith("\\"):
+            word, _, rest = current.strip().partition(" ")
+            lines.append((word.upper(), rest))
+            current = ""
+    return lines
+
+
+def image_env() -> dict[str, str]:
+    import shlex
+
+    env: dict[str, str] = {}
+    for word, rest in dockerfile_instructions():
+        if word == "ENV":
+            env.update(part.split("=", 1) for part in shlex.split(rest))
+    return env
+
+
+def test_the_image_installs_turnlog_as_a_package_not_editable():
+    runs = [rest for word, rest in dockerfile_instructions() if word == "RUN"]
+    installs = [r for r in runs if "pip install" in r]
+    assert installs and not any(" -e " in r or "--editable" in r for r in installs), installs
+
+
+def _image_command() -> list[str]:
+    import json
+
+    (cmd,) = [rest for word, rest in dockerfile_instructions() if word == "CMD"]
+    argv = json.loads(cmd)  # exec form: no shell between docker and turnlog
+    assert argv[0] == "turnlog"
+    return [str(Path(sys.executable).with_name("turnlog")), *argv[1:]]
+
+
+def test_the_image_command_without_tokens_prints_one_line_saying_what_to_set(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
+    env.update(image_env(), TURNLOG_DATABASE_URL=f"sqlite:///{tmp_path / 't.db'}")
+    result = subprocess.run(_image_command(), capture_output=True, text=True, env=env,
+                            cwd=tmp_path, check=False, timeout=60)
+    assert result.returncode == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert "TURNLOG_API_TOKENS" in line and "0.0.0.0" in line, line
+
+
+def test_the_image_command_serves_when_tokens_are_set(tmp_path):
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    token = "t" * 24
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
+    env.update(image_env(), TURNLOG_DATABASE_URL=f"sqlite:///{tmp_path / 't.db'}",
+               TURNLOG_PORT=str(port), TURNLOG_API_TOKENS=f"{token}:write")
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(_image_command(), env=env, cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        reply = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                reply = httpx.get(f"http://127.0.0.1:{port}/v1/sessions",
+                                  headers={"Authorization": f"Bearer {token}"}, timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert reply is not None, (tmp_path / "serve.log").read_text(errors="replace")
+        assert reply.status_code == 200, reply.text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

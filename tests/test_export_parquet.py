@@ -13,6 +13,17 @@ import pyarrow.parquet as pq
 from tests.test_import_export import linear_dump, run_cli, write_jsonl
 
 
+async def wire_meta(client, sid: str, index: int) -> dict | None:
+    """Sample `index` of the samples wire's `_samples_meta`; None when the session has
+    an R3 gap (the wire then refuses the whole session)."""
+    from safetensors.numpy import load
+
+    r = await client.get(f"/v1/sessions/{sid}/samples", params={"format": "safetensors"})
+    if r.status_code != 200:
+        return None
+    return json.loads(load(r.content)["_samples_meta"].tobytes())["samples"][index]
+
+
 async def test_parquet_export_round_trip(client, db_url, tmp_path):
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     dumps = [linear_dump("in_place", turns=5, seed=7, mismatch=True),
@@ -38,6 +49,13 @@ async def test_parquet_export_round_trip(client, db_url, tmp_path):
     table = pq.read_table(out)
     assert table.num_rows == 4
     assert str(table.schema.field("tokens").type) == "list<element: int64>"
+    types = {name: str(table.schema.field(name).type) for name in (
+        "labels", "weight_versions", "prefix_cache_info", "response", "reward_source")}
+    assert types == {
+        "labels": "map<string, string ('labels')>",
+        "weight_versions": "list<element: string>",
+        "prefix_cache_info": "struct<cached_tokens: int64, total_prompt_tokens: int64>",
+        "response": "string", "reward_source": "string"}
     rows = table.to_pylist()
     assert [r["session_id"] for r in rows] == [d["session_id"] for d in dumps]
     for row in rows:
@@ -50,7 +68,15 @@ async def test_parquet_export_round_trip(client, db_url, tmp_path):
         assert json.loads(row["reward_json"]) == sample["reward"]
         assert row["spec_info"] == sample["spec_info"]
         assert json.loads(row["metadata"]) == sample["metadata"]
-        assert json.loads(row["labels"]) == {"run_id": run_id}
+        assert dict(row["labels"]) == {"run_id": run_id}
+        # The samples wire's fields, in native types, equal to its `_samples_meta`.
+        meta = await wire_meta(client, sid, index)
+        if meta is not None:
+            assert row["response"] == meta["response"]
+            assert row["prefix_cache_info"] == meta["prefix_cache_info"]
+        assert row["weight_versions"] == [None if v is None else str(v)
+                                          for v in sample["weight_versions"]]
+        assert row["reward_source"] == sample.get("reward_source")
         r = await client.get(f"/v1/sessions/{sid}/samples/{index}/r3")
         if sample["r3"] is None:
             assert row["r3"] is None and row["r3_shape"] is None

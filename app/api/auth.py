@@ -26,7 +26,8 @@ from app.api.problems import send_problem
 from app.domain.errors import DomainError, Forbidden, Unauthorized
 from app.settings import Scope as TokenScope
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs",
+# `/` only redirects to the UI (which asks for a token itself), so it is open.
+OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc", *ASSET_PATHS})
 UI_PREFIX = "/ui"
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -163,6 +163,9 @@ def tail(
     async def go(svc: Any) -> None:
         if cursor[0] is None and not from_start:
             cursor[0] = await svc.reader.feed_end()  # `tail -f`, not `cat`
+            # Silence would read as "broken": say what it waits for.
+            err().print("waiting for new events (older ones: turnlog tail --from-start)",
+                        soft_wrap=True)
         while True:
             page = await svc.reader.feed(cursor[0], PAGE, wait)
             for event in page["events"]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import random
+import time
 import uuid
 from typing import Annotated, Any
 
@@ -35,21 +36,33 @@ from app.cli.common import (
 )
 from app.settings import get_settings
 
+# The demo's sessions start over the last few hours, ending now: the run view's
+# hourly plots then show today, with more than one point.
+SPREAD_S = 4 * 3600.0
 
-async def _play(http: httpx.AsyncClient, index: int, seed: int) -> dict[str, Any]:
+
+def start_clock(index: int, sessions: int, now: float) -> float:
+    """When session `index` of `sessions` starts: evenly over the last SPREAD_S."""
+    return now - SPREAD_S * (sessions - index) / max(sessions, 1)
+
+
+async def _play(http: httpx.AsyncClient, index: int, seed: int, clock: float) -> dict[str, Any]:
     from app.simulator import SessionSimulator, SimConfig, SimRates
 
     mode = ("in_place", "retract")[index % 2]
     config = SimConfig(session_id=f"demo-{uuid.uuid4().hex[:10]}", version="v2",
                        pause_generation_mode=mode, speculative=True, max_trim_tokens=index % 2,
                        labels={"run_id": "demo", "rollout_id": index})
-    sim = SessionSimulator(config, random.Random(seed + index), SimRates())
+    rng = random.Random(seed + index)
+    sim = SessionSimulator(config, rng, SimRates())
+    sim.clock = clock
     (await http.post("/v1/sessions", json=sim.open_body())).raise_for_status()
     for body in sim.random_session(8):
         reply = await http.post(f"/v1/sessions/{config.session_id}/turns", json=body)
         reply.raise_for_status()
     closed = await http.post(f"/v1/sessions/{config.session_id}/close",
-                             json={"max_seq_len": 60, "metadata": {"reward": 1.0}})
+                             json={"max_seq_len": 60,
+                                   "metadata": {"reward": round(rng.random(), 2)}})
     closed.raise_for_status()
     samples = (await http.get(f"/v1/sessions/{config.session_id}/samples")).json()
     samples["mode"] = mode
@@ -95,10 +108,12 @@ def demo(
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 results = []
+                now = time.time()
                 with Progress(console=err(), transient=True) as bar:
                     task = bar.add_task("simulating sessions", total=sessions)
                     for i in range(sessions):
-                        results.append(await _play(http, i, seed))
+                        results.append(await _play(http, i, seed,
+                                                    start_clock(i, sessions, now)))
                         bar.advance(task)
                 report.extend(await _summarize(http, results))
         finally:

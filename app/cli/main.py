@@ -148,7 +148,8 @@ def serve(
         check_database(url)
     # log_config=None: uvicorn keeps the logging that the factory sets up per worker.
     # The guarded protocol bounds request headers and their time (app.api.serving);
-    # the rest of the connection limits are uvicorn's own (README "Running in production").
+    # the rest of the connection limits are uvicorn's own (docs/operations.md,
+    # "Limits and timeouts").
     uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port,
                 workers=workers, log_level=settings.log_level or "info", log_config=None,
                 http="app.api.serving:GuardedHttpTools",

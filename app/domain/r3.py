@@ -84,8 +84,8 @@ def decode_payload(text: str, field: str) -> np.ndarray:
         raise InvalidR3(
             "routed_experts is not a whole number of int32 values",
             field=field,
-            expected="a byte length divisible by 4",
-            actual=len(raw),
+            expected="a byte length divisible by 4 (whole int32 values)",
+            actual=f"{len(raw)} bytes",
         )
     return np.frombuffer(raw, dtype=WIRE_DTYPE)
 
@@ -96,8 +96,8 @@ def decode_raw(data: bytes, field: str) -> np.ndarray:
         raise InvalidR3(
             "routed_experts is not a whole number of int32 values",
             field=field,
-            expected="a byte length divisible by 4",
-            actual=len(data),
+            expected="a byte length divisible by 4 (whole int32 values)",
+            actual=f"{len(data)} bytes",
         )
     return np.frombuffer(data, dtype=WIRE_DTYPE)
 

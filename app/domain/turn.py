@@ -20,7 +20,14 @@ from app.domain.errors import InvalidR3, InvalidRequest
 from app.domain.r3 import decode_payload, decode_raw, infer_topk
 from app.domain.session import SessionDefinition
 from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo
-from app.domain.validate import describe, is_int, reject_unknown, require_object, require_text
+from app.domain.validate import (
+    describe,
+    is_int,
+    reject_unknown,
+    require_member,
+    require_object,
+    require_text,
+)
 
 TURN_FIELDS = frozenset({"event_id", "parent", "record", "metadata"})
 MISMATCH_TYPES = ("special_token_count", "special_token_type", "non_assistant_text",
@@ -352,9 +359,9 @@ def parse_turn(raw: Any, definition: SessionDefinition,
             raise _invalid("parent must be a node seq or null", "parent",
                            "non-negative integer | null", parent)
 
-    record = require_object(body.get("record"), "record")
-    request = require_object(record.get("request"), "record.request")
-    response = require_object(record.get("response"), "record.response")
+    record = require_member(body, "record", "record")
+    request = require_member(record, "request", "record.request")
+    response = require_member(record, "response", "record.response")
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices:
         raise _invalid("response.choices must be a non-empty list", "record.response.choices",

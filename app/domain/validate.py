@@ -68,6 +68,19 @@ def require_object(value: Any, field_name: str) -> dict[str, Any]:
     return value
 
 
+def require_member(body: dict[str, Any], key: str, field_name: str) -> dict[str, Any]:
+    """`body[key]`, which must be an object; a missing key is reported `absent`,
+    never as `null` (which would tell the sender to change a value it never sent)."""
+    if key not in body:
+        raise InvalidRequest(
+            f"{field_name} is missing",
+            field=field_name,
+            expected="object",
+            actual="absent",
+        )
+    return require_object(body[key], field_name)
+
+
 def reject_unknown(body: dict[str, Any], allowed: frozenset[str], where: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:

@@ -21,9 +21,12 @@ from app.domain import jsonio
 from app.domain.assembly import R3Plan
 from app.domain.events import TURN_RECORDED
 from app.domain.labels import LabelFilters
+from app.domain.overview import SampleFacts
 from app.domain.r3 import Patch
+from app.domain.specinfo import SPEC_INFO_KEYS
 from app.domain.tree import SessionState
 from app.store import cursor
+from app.store.analytics import spec_group
 from app.store.db import Database
 from app.store.dialect import feed_fence
 from app.store.loader import StateCache, load_state, session_row
@@ -149,3 +152,68 @@ async def folded(db: Database, cache: StateCache, session_id: str) -> SessionSta
     """The session's folded state (cached like every other read's)."""
     async with db.read() as conn:
         return await load_state(conn, cache, await session_row(conn, session_id))
+
+
+# Session ids per IN list: well under every backend's bind-parameter limit.
+IDS_PER_QUERY = 500
+# The `spec_turns` view (migration 0002) with the record's own time, for buckets.
+spec_times = sa.table(
+    "spec_turns",
+    sa.column("session_id", sa.String),
+    sa.column("record_ts", sa.Float),
+    *(sa.column(key, sa.BigInteger) for key in SPEC_INFO_KEYS),
+)
+
+
+async def sample_facts(db: Database, session_ids: list[str]) -> dict[str, list[SampleFacts]]:
+    """Reward, response length and status of every sample of these sessions (the list
+    page's overview columns), by session id."""
+    found: dict[str, list[SampleFacts]] = {}
+    async with db.read() as conn:
+        for start in range(0, len(session_ids), IDS_PER_QUERY):
+            chunk = session_ids[start:start + IDS_PER_QUERY]
+            rows = (await conn.execute(
+                sa.select(samples.c.session_id, samples.c.reward, samples.c.response_length,
+                          samples.c.status)
+                .where(samples.c.session_id.in_(chunk))
+                .order_by(samples.c.session_id, samples.c.sample_index))).all()
+            for row in rows:
+                found.setdefault(row.session_id, []).append(SampleFacts(
+                    reward=None if row.reward is None else jsonio.loads(row.reward),
+                    response_length=row.response_length, status=row.status))
+    return found
+
+
+async def run_rewards(db: Database, filters: LabelFilters) -> list[tuple[list[Any], Any]]:
+    """`(weight_versions, reward)` of every sample of the closed sessions matching
+    `filters`: the run view's reward distribution."""
+    async with db.read() as conn:
+        rows = (await conn.execute(
+            sa.select(samples.c.weight_versions, samples.c.reward)
+            .select_from(samples.join(sessions, sessions.c.session_id == samples.c.session_id))
+            .where(sessions.c.status == "closed", *label_filter(filters))
+            .order_by(samples.c.session_id, samples.c.sample_index))).all()
+    return [(jsonio.loads(row.weight_versions),
+             None if row.reward is None else jsonio.loads(row.reward)) for row in rows]
+
+
+async def spec_rates_by_bucket(db: Database, filters: LabelFilters,
+                               seconds: int) -> list[dict[str, Any]]:
+    """The spec rates per `seconds`-long bucket of the records' own time, as
+    `GET /v1/analytics/spec` groups (sums first); `key` is the bucket's start in
+    seconds since the epoch. For runs too short for hourly points to read."""
+    ts = spec_times.c.record_ts
+    async with db.read() as conn:
+        if conn.dialect.name == "postgresql":
+            bucket: sa.ColumnElement[Any] = sa.cast(sa.func.floor(ts / seconds), sa.BigInteger)
+        else:  # SQLite's cast truncates: the floor for the positive times records carry
+            bucket = sa.cast(ts / seconds, sa.Integer)
+        query = (sa.select(
+            bucket.label("key"),
+            sa.func.count(sa.distinct(spec_times.c.session_id)).label("sessions"),
+            sa.func.count().label("turns"),
+            *(sa.func.sum(spec_times.c[name]).label(name) for name in SPEC_INFO_KEYS))
+            .where(ts.is_not(None), *label_filter(filters, spec_times.c.session_id))
+            .group_by(bucket).order_by(bucket))
+        rows = (await conn.execute(query)).mappings().all()
+    return [{**spec_group(row), "key": int(row["key"]) * seconds} for row in rows]

@@ -1,10 +1,16 @@
 """Exporting closed sessions' samples as one Parquet dataset (pyarrow), one row per sample.
 
 Owns the table layout that pyarrow, polars and Hugging Face `datasets` load
-as-is (`SCHEMA`): identifiers and labels, `tokens` (list<int64>),
-`loss_mask` (list<uint8>), `rollout_log_probs` (list<float64>), `status`,
-`reward` (float64; the exact JSON value in `reward_json`), the SpecInfo
-struct, and R3 in its own column: `r3` holds the int32 tensor's raw
+as-is (`SCHEMA`), in native Arrow types and with the fields of the samples
+wire's `_samples_meta` (docs/trainers.md): identifiers, `labels`
+(map<string, string>, each value in its text form as label filters see it),
+`response` (string), `tokens` (list<int64>), `loss_mask` (list<uint8>),
+`rollout_log_probs` (list<float64>), `status`, `weight_versions`
+(list<string>, text form, null for a turn without one), `prefix_cache_info`
+(struct), `reward` (float64; the exact JSON value in `reward_json`),
+`reward_source` (string, null when the sample names none), the SpecInfo
+struct, `metadata` (JSON text: free JSON has no fixed Arrow type), and R3 in
+its own column: `r3` holds the int32 tensor's raw
 little-endian C-order bytes and `r3_shape` its `[rows, num_layers, topk]`
 (`np.frombuffer(row["r3"], "<i4").reshape(row["r3_shape"])`); an unreadable
 tensor leaves `r3` null and says why in `r3_error`.
@@ -29,6 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from app.domain.errors import DomainError
+from app.domain.labels import label_text
+from app.domain.projections import weight_version_text
 from app.domain.samples import Sample
 from app.services import Services
 from app.transfer.npz import closed_sessions
@@ -40,21 +48,26 @@ ROW_GROUP_BYTES = 128 << 20
 SPEC_INFO = pa.struct([(name, pa.int64()) for name in (
     "spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_verify_ct",
     "completion_tokens")])
+PREFIX_CACHE_INFO = pa.struct([("cached_tokens", pa.int64()),
+                               ("total_prompt_tokens", pa.int64())])
 SCHEMA = pa.schema([
     ("session_id", pa.string()),
     ("index", pa.int32()),
     ("leaf", pa.int32()),
     ("path", pa.list_(pa.int32())),
     ("version", pa.string()),
-    ("labels", pa.string()),  # JSON text: labels are free JSON
+    ("labels", pa.map_(pa.string(), pa.string())),
     ("status", pa.string()),
     ("reward", pa.float64()),
     ("reward_json", pa.string()),
+    ("reward_source", pa.string()),
+    ("response", pa.string()),
     ("response_length", pa.int32()),
     ("tokens", pa.list_(pa.int64())),
     ("loss_mask", pa.list_(pa.uint8())),
     ("rollout_log_probs", pa.list_(pa.float64())),
-    ("weight_versions", pa.string()),  # JSON text: any JSON per turn
+    ("weight_versions", pa.list_(pa.string())),
+    ("prefix_cache_info", PREFIX_CACHE_INFO),
     ("spec_info", SPEC_INFO),
     ("metadata", pa.string()),  # JSON text
     ("r3_shape", pa.list_(pa.int32())),
@@ -72,6 +85,13 @@ def _reward(value: Any) -> float | None:
         return None
     number = float(value)
     return number if math.isfinite(number) else None
+
+
+def _reward_source(sample: Sample) -> str | None:
+    """Where the reward came from, when the sample's JSON says (rewards name their
+    source); null otherwise."""
+    source = sample.to_json(arrays=False).get("reward_source")
+    return None if source is None else str(source)
 
 
 @dataclass
@@ -108,12 +128,15 @@ async def _row(svc: Services, summary: dict[str, Any], sample: Sample,
     sid = summary["session_id"]
     row: dict[str, Any] = {
         "session_id": sid, "index": sample.index, "leaf": sample.leaf, "path": sample.path,
-        "version": summary["version"], "labels": _json(summary["labels"]),
+        "version": summary["version"],
+        "labels": [(key, label_text(value)) for key, value in summary["labels"].items()],
         "status": sample.status, "reward": _reward(sample.reward),
-        "reward_json": _json(sample.reward), "response_length": sample.response_length,
+        "reward_json": _json(sample.reward), "reward_source": _reward_source(sample),
+        "response": sample.response, "response_length": sample.response_length,
         "tokens": sample.tokens, "loss_mask": sample.loss_mask,
         "rollout_log_probs": sample.rollout_log_probs,
-        "weight_versions": _json(sample.weight_versions), "spec_info": sample.spec_info,
+        "weight_versions": [weight_version_text(v) for v in sample.weight_versions],
+        "prefix_cache_info": sample.prefix_cache_info, "spec_info": sample.spec_info,
         "metadata": _json(sample.metadata),
         "r3_shape": None if sample.r3 is None else sample.r3["shape"],
         "r3": None, "r3_error": None,

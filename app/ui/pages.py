@@ -9,8 +9,9 @@ problem+json like the API. Refuses auth and headers (`app/ui/guard.py`).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import APIRouter, Query, Request
@@ -21,17 +22,30 @@ from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
 from app.api.problems import JSONText
 from app.api.sessions import label_filters
 from app.domain.errors import DomainError, UnknownParent
+from app.domain.labels import label_text, parse_label_filters
 from app.domain.lanes import token_lanes
+from app.domain.overview import (
+    mismatch_lines,
+    newest_version,
+    off_policy_lag,
+    parse_list_view,
+    reward_distribution,
+    session_overview,
+)
 from app.domain.queries import SESSIONS_PAGE, parse_status
 from app.domain.specinfo import SpecInfo, session_carrier
 from app.store import browse
-from app.ui import plots
+from app.ui import plots, tokens
 from app.ui.guard import COOKIE
 from app.ui.render import error_page, render, templates
 from app.ui.views import run_view, text_of, tree_rows, turn_messages
 
 STATIC = Path(__file__).parent / "static"
-LIST_PARAMS = frozenset({"status", "limit", "labels"})
+LIST_PARAMS = frozenset({"status", "limit", "labels", "sort", "reward_min", "reward_max",
+                         "sample_status"})
+# Below this many hourly points the run view plots 10-minute buckets instead.
+FEW_HOURS = 3
+FINE_BUCKET_S = 600
 FEED_WAIT = 25.0
 LOGIN_FORM_BYTES = 8192
 
@@ -51,7 +65,8 @@ def parse_label_text(text: str) -> list[tuple[str, str]]:
 @router.get("", response_model=None)
 async def index(
     request: Request, svc: ServicesDep, status: OptStr = None, limit: OptLimit = None,
-    labels: OptStr = None,
+    labels: OptStr = None, sort: OptStr = None, reward_min: OptStr = None,
+    reward_max: OptStr = None, sample_status: OptStr = None,
 ) -> Response:
     filters = label_filters(request, LIST_PARAMS)
     if labels is not None:
@@ -60,25 +75,45 @@ async def index(
         return RedirectResponse(f"/ui?{urlencode(query + parse_label_text(labels))}",
                                 status_code=303)
     try:
+        view = parse_list_view(sort, reward_min, reward_max, sample_status)
         recent = await browse.recent_sessions(svc.db, parse_status(status), filters,
                                               SESSIONS_PAGE.parse(limit))
+        facts = await browse.sample_facts(svc.db, [s["session_id"] for s in recent.sessions])
         run = None
+        rewards = None
+        timeline = None
         if filters:
             run = run_view(await svc.analytics.spec_rates("hour", filters),
                            await svc.analytics.spec_rates("weight_version", filters),
                            await svc.analytics.rollout(filters))
+            rewards = reward_distribution(await browse.run_rewards(svc.db, filters))
+            if len(run.by_hour) <= FEW_HOURS:
+                timeline = await browse.spec_rates_by_bucket(svc.db, filters, FINE_BUCKET_S)
     except DomainError as exc:
         return error_page(exc)
+    rows = view.order([(s, session_overview(facts.get(s["session_id"], [])))
+                       for s in recent.sessions])
     charts = None
     if run is not None:
-        hours = [str(g["key"]) for g in run.by_hour]
-        # `2026-11-29T08:00:00Z` → `11-29 08:00` on the axis.
-        hour_axis = [hour[5:16].replace("T", " ") for hour in hours]
+        if timeline is not None:
+            # A short run: 10-minute buckets of the records' own time (UTC).
+            times = [datetime.fromtimestamp(g["key"], UTC) for g in timeline]
+            hours = [t.strftime("%Y-%m-%dT%H:%M:%SZ") for t in times]
+            hour_axis = [t.strftime("%H:%M") for t in times]
+            by_time = timeline
+            bucket = "10 minutes"
+        else:
+            hours = [str(g["key"]) for g in run.by_hour]
+            # `2026-11-29T08:00:00Z` → `11-29 08:00` on the axis.
+            hour_axis = [hour[5:16].replace("T", " ") for hour in hours]
+            by_time = run.by_hour
+            bucket = "hour"
         weights = [text_of(g["key"]) or "none" for g in run.by_weight]
         charts = {
-            "rate_by_hour": plots.chart(hours, [g["accept_rate"] for g in run.by_hour], 1.0,
+            "bucket": bucket,
+            "rate_by_hour": plots.chart(hours, [g["accept_rate"] for g in by_time], 1.0,
                                         axis=hour_axis),
-            "length_by_hour": plots.chart(hours, [g["accept_length"] for g in run.by_hour],
+            "length_by_hour": plots.chart(hours, [g["accept_length"] for g in by_time],
                                           axis=hour_axis),
             "rate_by_weight": plots.chart(weights, [g["accept_rate"] for g in run.by_weight],
                                           1.0),
@@ -89,11 +124,20 @@ async def index(
     more = len(recent.sessions) >= (limit or 100) and (limit or 100) < 1000
     more_query = urlencode({**({"status": status} if status else {}), **dict(filters),
                             "limit": 1000})
-    return render("index.html", sessions=recent.sessions, status=status, filters=dict(filters),
+    view_query = {key: value for key, value in (
+        ("sort", view.sort), ("reward_min", reward_min or ""), ("reward_max", reward_max or ""),
+        ("sample_status", view.sample_status or "")) if value}
+    return render("index.html", rows=rows, status=status, filters=dict(filters),
+                  view=view, view_query=view_query, rewards=rewards,
+                  reward_plots=None if rewards is None else plots.reward_histograms(rewards),
                   more_query=more_query if more else None,
                   list_cursor=recent.list_cursor, feed_cursor=recent.feed_cursor,
                   filter_query=urlencode({**({"status": status} if status else {}),
                                           **dict(filters)}),
+                  sort_query=lambda column: urlencode({
+                      **({"status": status} if status else {}), **dict(filters),
+                      **{k: v for k, v in view_query.items() if k != "sort"},
+                      "sort": ("-" + column) if view.sort == column else column}),
                   run=run, charts=charts)
 
 
@@ -128,10 +172,27 @@ async def session(session_id: str, svc: ServicesDep) -> Response:
         return error_page(exc)
     leaf_sample = {sample["leaf"]: sample["index"] for sample in page.samples}
     carrier = session_carrier(page.state)
+    newest, run_scope = await _newest_version(svc, page.summary, page.samples)
+    for sample in page.samples:
+        sample["lag"] = off_policy_lag(sample["weight_versions"], newest)
+        sample["mismatch"] = mismatch_lines(sample["metadata"].get("tito_session_mismatch"))
     return render("session.html", s=page.summary, rows=tree_rows(page.state, leaf_sample),
                   samples=page.samples, errors=page.errors, empty_reason=page.empty_reason,
+                  newest=newest, run_scope=run_scope,
                   carrier=None if carrier is None
                   else SpecInfo.from_dict(carrier["metrics"]["spec_info"]))
+
+
+async def _newest_version(svc: Any, summary: dict[str, Any],
+                          samples: list[dict[str, Any]]) -> tuple[int | None, str]:
+    """The newest integer weight version seen in the session's run (its `run_id`
+    label: every recorded turn of the run counts), else in its own samples."""
+    run_id = summary["labels"].get("run_id")
+    if run_id is not None:
+        run_filter = parse_label_filters({"run_id": run_id})
+        groups = (await svc.analytics.spec_rates("weight_version", run_filter))["groups"]
+        return newest_version(g["key"] for g in groups), f"run_id={label_text(run_id)}"
+    return newest_version(v for s in samples for v in s["weight_versions"]), "this session"
 
 
 @router.get("/sessions/{session_id}/nodes/{seq}")
@@ -144,6 +205,9 @@ async def node_lanes(session_id: str, seq: int, svc: ServicesDep) -> JSONText:
     samples = (await svc.samples.result(session_id)).samples if state.closed else None
     body = token_lanes(state, seq, samples).as_json()
     body.update(turn_messages(await browse.turn_payload(svc.db, session_id, seq)))
+    # Token text when TURNLOG_TOKENIZER names a tokenizer.json; ids alone otherwise.
+    body["prompt_text"] = tokens.texts(svc.settings.tokenizer, body["new_prompt"])
+    body["output_text"] = tokens.texts(svc.settings.tokenizer, body["output"])
     return JSONText(body)
 
 

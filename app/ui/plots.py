@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.domain.overview import RewardDistribution, RewardGroup
+
 WIDTH, HEIGHT = 560, 200
 LEFT, RIGHT, TOP, BOTTOM = 48, 12, 12, 36
 # Heatmap shades, light to dark (a cell's share of the busiest cell).
@@ -102,3 +104,34 @@ def heatmap(counts: np.ndarray, cell: int | None = None) -> Heatmap:
                    height=max(layers, 1) * cell, busiest=busiest,
                    shades=[(shade, "".join(cells)) for shade, cells in zip(SHADES, paths,
                                                                           strict=True) if cells])
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One weight version's reward histogram: bars over the run's shared reward range."""
+
+    width: int
+    height: int
+    bars: list[tuple[float, float, float, int, str]]  # x, y, height, count, range text
+
+
+HIST_W, HIST_H = 120, 28
+
+
+def reward_histograms(dist: RewardDistribution) -> list[tuple[RewardGroup, Histogram]]:
+    """A small histogram per weight version, all on one x range and one y scale (the
+    busiest bin of any version), so the versions compare at a glance."""
+    tallest = max((max(g.histogram) for g in dist.groups), default=0) or 1
+    bins = len(dist.groups[0].histogram) if dist.groups else 0
+    step = (dist.high - dist.low) / bins if bins else 0.0
+    slot = HIST_W / max(bins, 1)
+    out = []
+    for group in dist.groups:
+        bars = []
+        for i, count in enumerate(group.histogram):
+            height = round((HIST_H - 2) * count / tallest, 2)
+            low = dist.low + step * i
+            bars.append((round(slot * i + 1, 2), round(HIST_H - height, 2), height, count,
+                         f"[{low:.3g}, {low + step:.3g}{']' if i == bins - 1 else ')'}"))
+        out.append((group, Histogram(HIST_W, HIST_H, bars)))
+    return out

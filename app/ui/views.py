@@ -13,6 +13,7 @@ from typing import Any
 
 from app.domain import jsonio
 from app.domain.lanes import node_marks
+from app.domain.overview import mismatch_lines
 from app.domain.rollout_metrics import TITO_PREFIX
 from app.domain.tree import SessionState
 
@@ -111,7 +112,8 @@ def turn_messages(payload: dict[str, Any]) -> dict[str, Any]:
     return {
         "messages": [message_text(m) for m in new],
         "reply": None if reply is None else message_text(reply),
-        "mismatch": text_of(metadata.get("tito_session_mismatch")),
+        # One readable line per reported mismatch (the panel lists them).
+        "mismatch": mismatch_lines(metadata.get("tito_session_mismatch")),
     }
 
 

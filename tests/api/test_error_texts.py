@@ -4,6 +4,8 @@ Unknown parent on an empty session, a non-integer sample index (pydantic's
 code leaked), a bare record posted as a turn, a trailing slash on a POST (a
 bodiless 307) and a mistyped path (a bare "Not Found")."""
 
+import base64
+
 from tests.factory import open_body, turn
 
 PROBLEM = "application/problem+json"
@@ -59,3 +61,38 @@ async def test_a_mistyped_path_is_a_problem_naming_it(client):
     r = await client.delete("/v1/sessions")
     assert r.status_code == 405
     assert r.json()["detail"] == "DELETE is not allowed on /v1/sessions"
+
+
+async def test_a_missing_record_is_reported_absent_not_null(client, sid):
+    assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+    r = await client.post(f"/v1/sessions/{sid}/turns", json={"event_id": "e1"})
+    assert r.status_code == 422, r.text
+    problem = r.json()
+    assert (problem["field"], problem["expected"], problem["actual"]) == (
+        "record", "object", "absent")
+    assert "missing" in problem["detail"]
+    body = turn([1, 2], [3])
+    del body["record"]["response"]
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert (r.json()["field"], r.json()["actual"]) == ("record.response", "absent")
+    # An explicit null is still reported as what was sent.
+    body["record"]["response"] = None
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert (r.json()["field"], r.json()["actual"]) == ("record.response", "null")
+
+
+async def test_an_r3_payload_of_a_partial_int32_names_its_unit(client, sid):
+    assert (await client.post("/v1/sessions",
+                              json=open_body(sid, r3={"num_layers": 1}))).status_code == 201
+    six_bytes = base64.b64encode(b"\0" * 6).decode("ascii")
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2], [3], r3=six_bytes))
+    assert r.status_code == 422, r.text
+    problem = r.json()
+    assert problem["expected"] == "a byte length divisible by 4 (whole int32 values)"
+    assert problem["actual"] == "6 bytes"
+
+
+async def test_the_root_sends_a_browser_to_the_ui(client):
+    r = await client.get("/", follow_redirects=False)
+    assert r.status_code == 307
+    assert r.headers["location"] == "/ui"

@@ -115,6 +115,9 @@ async def test_tail_follows_the_feed(client, db_url):
     result = await asyncio.to_thread(run, "tail", "--until-idle", "--wait", "0",
                                      "--database-url", db_url)
     assert result.exit_code == 0 and result.stdout == ""
+    # ... and says so on stderr, with the way to see the older ones.
+    assert result.stderr.splitlines()[0] == (
+        "waiting for new events (older ones: turnlog tail --from-start)")
     cursor = result.stderr.split("--after ")[1].split()[0]
     # From the cursor on, only what came after it.
     await client.post(f"/v1/sessions/{sid}/close", json={"metadata": {}})

@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from turnlog_client import TurnlogClient
 from app.main import create_app
 from app.settings import Settings
+from turnlog_client import TurnlogClient
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0

@@ -24,8 +24,6 @@ from typing import Any
 import httpx
 import pytest
 
-from turnlog_client import TurnlogClient
-from turnlog_client.errors import TurnlogError
 from tests.gateway_e2e.checks import (
     Router,
     check_recorded,
@@ -36,6 +34,8 @@ from tests.gateway_e2e.checks import (
 from tests.gateway_e2e.conftest import TURNLOG
 from tests.gateway_e2e.scenarios import MODES, TOOLS, play, play_v2
 from tests.gateway_e2e.session_driver import ROUTING_HEADER, SessionDriver
+from turnlog_client import TurnlogClient
+from turnlog_client.errors import TurnlogError
 
 ROUTER = Router()
 # Headers a proxy may legitimately change (hop-by-hop ones, and the three the

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from turnlog_client import TurnlogClient
 from tests.gateway_e2e.checks import Router, check_reply_r3, check_samples, open_body
 from tests.gateway_e2e.scenarios import MODES, TOOLS, play
 from tests.gateway_e2e.session_driver import SessionDriver
+from turnlog_client import TurnlogClient
 
 ROUTER = Router()
 

@@ -10,6 +10,9 @@
   let listCursor = body.dataset.listCursor;
   const filterQuery = body.dataset.filterQuery;
   const statusFilter = new URLSearchParams(filterQuery).get("status");
+  // A reward or sample-status filter: a newly opened session (no samples yet) never
+  // matches it, so none is added live.
+  const viewFiltering = body.dataset.viewFiltering === "1";
 
   function el(tag, text, cls) {
     const node = document.createElement(tag);
@@ -34,6 +37,12 @@
     tr.appendChild(el("td", s.version));
     tr.appendChild(el("td", s.r3 ? (s.use_addition_r3 ? "add" : "full") + " · " + s.r3.num_layers + "L" : "—"));
     tr.appendChild(el("td", s.num_nodes, "num nodes"));
+    // Samples, reward, response length and sample status appear once it is closed
+    // (on the next load): an open session has none.
+    tr.appendChild(el("td", "—", "num samples"));
+    tr.appendChild(el("td", "—", "num reward"));
+    tr.appendChild(el("td", "—", "num response"));
+    tr.appendChild(el("td", "—", "sample-status"));
     const labels = el("td", null, "labels");
     for (const [key, value] of Object.entries(s.labels || {})) {
       const chip = el("a", key + "=" + labelText(value), "chip");
@@ -94,7 +103,9 @@
         const page = await reply.json();
         live.className = "live on";
         live.textContent = "live";
-        if (page.events.some((e) => e.type === "session_opened")) await addNewSessions();
+        if (!viewFiltering && page.events.some((e) => e.type === "session_opened")) {
+          await addNewSessions();
+        }
         for (const event of page.events) applyEvent(event);
         feedCursor = page.next;
         wait = 25;

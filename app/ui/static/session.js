@@ -62,7 +62,10 @@
     } else {
       fact(facts, "loss mask", "known once the session is closed");
     }
-    if (node.mismatch) fact(facts, "TITO mismatch", node.mismatch);
+    const mismatch = document.getElementById("nv-mismatch");
+    mismatch.replaceChildren();
+    for (const line of node.mismatch || []) mismatch.appendChild(el("li", line));
+    document.getElementById("nv-mismatch-box").hidden = !(node.mismatch && node.mismatch.length);
 
     const spec = document.getElementById("nv-spec");
     spec.replaceChildren();
@@ -91,7 +94,15 @@
     document.getElementById("nv-shared").textContent = String(node.prompt_shared);
     const prompt = document.getElementById("nv-prompt");
     const chips = document.createDocumentFragment();
-    for (const id of node.new_prompt) chips.appendChild(el("span", id, "tok"));
+    // With a tokenizer (TURNLOG_TOKENIZER) a chip shows the token's text, its id in
+    // data-id and the title; without one, the id.
+    node.new_prompt.forEach((id, i) => {
+      const chip = el("span", node.prompt_text ? node.prompt_text[i] : id,
+                      node.prompt_text ? "tok text" : "tok");
+      chip.setAttribute("data-id", String(id));
+      chip.title = "id " + id;
+      chips.appendChild(chip);
+    });
     prompt.replaceChildren(chips);
 
     const output = document.getElementById("nv-output");
@@ -103,7 +114,9 @@
         if (!node.in_sample[i]) { cls += " cut"; loss = "not in any sample"; }
         else { cls += node.loss[i] ? " loss1" : " loss0"; loss = String(node.loss[i]); }
       }
-      const chip = el("span", id, cls);
+      const chip = el("span", node.output_text ? node.output_text[i] : id,
+                      node.output_text ? cls + " text" : cls);
+      chip.setAttribute("data-id", String(id));
       chip.style.backgroundColor = logprobColour(node.logprobs[i]);
       chip.title = "id " + id + " · logprob " + node.logprobs[i] + " · loss " + loss;
       chip.setAttribute("data-loss", node.loss ? String(node.loss[i]) : "");

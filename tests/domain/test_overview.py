@@ -1,0 +1,84 @@
+"""The UI overviews' rules, against hand-computed values: a session's reward, the
+list's sort and filters, off-policy lag, reward histograms and mismatch lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.domain.errors import InvalidRequest
+from app.domain.overview import (
+    SampleFacts,
+    mismatch_lines,
+    newest_version,
+    off_policy_lag,
+    parse_list_view,
+    reward_distribution,
+    session_overview,
+)
+
+
+def test_a_session_overview_agrees_on_one_reward_or_averages():
+    same = session_overview([SampleFacts(1.0, 10, "completed"), SampleFacts(1, 20, "truncated")])
+    assert (same.samples, same.reward, same.response_length) == (2, 1.0, 15.0)
+    assert same.status_text == "completed 1 · truncated 1"
+    mixed = session_overview([SampleFacts(0.0, 4, "completed"), SampleFacts(1.0, 4, "completed"),
+                              SampleFacts("good", 4, "completed"), SampleFacts(True, 4,
+                                                                                "completed")])
+    assert mixed.reward == 0.5 and mixed.status_text == "completed"
+    assert session_overview([]).reward is None
+    assert session_overview([SampleFacts(None, 3, "aborted")]).reward is None
+
+
+def test_the_list_view_sorts_known_values_first_and_filters():
+    rows = [("a", session_overview([SampleFacts(0.5, 1, "completed")])),
+            ("b", session_overview([])),
+            ("c", session_overview([SampleFacts(0.9, 2, "truncated")])),
+            ("d", session_overview([SampleFacts(0.1, 3, "completed")]))]
+    order = lambda view: [k for k, _ in view.order(rows)]  # noqa: E731
+    assert order(parse_list_view("reward", None, None, None)) == ["d", "a", "c", "b"]
+    assert order(parse_list_view("-reward", None, None, None)) == ["c", "a", "d", "b"]
+    assert order(parse_list_view("-response", "", "", "")) == ["d", "c", "a", "b"]
+    assert order(parse_list_view(None, "0.2", "0.9", None)) == ["a", "c"]
+    assert order(parse_list_view(None, None, None, "truncated")) == ["c"]
+    assert order(parse_list_view(None, None, None, None)) == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (("colour", None, None, None), "sort"), ((None, "x", None, None), "reward_min"),
+    ((None, None, "nan", None), "reward_max"), ((None, None, None, "lost"), "sample_status")])
+def test_bad_list_parameters_name_themselves(args, field):
+    with pytest.raises(InvalidRequest) as info:
+        parse_list_view(*args)
+    assert info.value.field == field
+
+
+def test_off_policy_lag_counts_versions_behind_the_newest():
+    newest = newest_version(["7", 9, "8", None, "v10"])
+    assert newest == 9
+    assert off_policy_lag(["7", "8"], newest) == 2
+    assert off_policy_lag([9], newest) == 0
+    assert off_policy_lag(["7", "beta"], newest) is None
+    assert off_policy_lag([], newest) is None
+    assert off_policy_lag(["7"], None) is None
+
+
+def test_reward_histograms_share_one_range_and_count_every_reward():
+    dist = reward_distribution([(["1", "2"], 0.0), (["2"], 1.0), (["2"], 0.5), (["1"], 0.25),
+                                ([], 0.75), (["3"], None), (["3"], "n/a")], bins=4)
+    assert (dist.low, dist.high, dist.unrewarded) == (0.0, 1.0, 2)
+    by_version = {g.weight_version: g for g in dist.groups}
+    assert [g.weight_version for g in dist.groups] == [None, "1", "2"]
+    assert by_version["2"].histogram == [1, 0, 1, 1]  # 0.0, 0.5, 1.0 (the top edge counts in)
+    assert by_version["1"].histogram == [0, 1, 0, 0] and by_version["1"].mean == 0.25
+    assert sum(sum(g.histogram) for g in dist.groups) == 5
+    single = reward_distribution([(["1"], 2.0), (["1"], 2.0)])
+    assert single.groups[0].histogram[0] == 2
+
+
+def test_mismatch_lines_read_as_text():
+    report = [{"type": "assistant_text", "segment_index": 1, "expected_text": "a",
+               "actual_text": "b"}, {"type": "special_token_count"}, "odd"]
+    assert mismatch_lines(report) == [
+        "assistant_text at segment index 1 (expected_text: a; actual_text: b)",
+        "special_token_count", "odd"]
+    assert mismatch_lines(None) == []
