@@ -160,6 +160,10 @@ class Recorder:
             log.error("spool full: turn answered 503, not stored", session_id=session_id,
                       detail=str(exc))
             return SPOOL_FULL
+        except OSError as exc:  # the disk refused: as good as full, never a silent loss
+            log.error("cannot write the spool: turn answered 503, not stored",
+                      session_id=session_id, error=type(exc).__name__, detail=str(exc))
+            return SPOOL_FULL
         self.wake.set()
         return SPOOLED
 
