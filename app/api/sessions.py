@@ -50,8 +50,6 @@ def label_filters(request: Request, known: frozenset[str]) -> LabelFilters:
 async def open_session(svc: ServicesDep, body: BodyDep) -> JSONText:
     definition, created = await svc.writer.open_session(body)
     summary = await svc.reader.summary(definition.session_id)
-    # A repeat matched the stored body, so the parsed definition says who opened it.
-    summary["opened_by"] = definition.opened_by
     svc.reader.notify()
     return JSONText(summary, status_code=201 if created else 200)
 

@@ -13,8 +13,9 @@
 A background drainer appends spooled turns in order with their original
 event ids (an append already committed answers as an idempotent repeat, so
 a crash between commit and delete stores nothing twice). With
-`idle_close_seconds`, sessions this gateway saw opened by a gateway are closed
-once their last recorded turn is older than that.
+`idle_close_seconds`, sessions opened by a gateway are closed once their last
+recorded turn is older than that: those this gateway records turns for, and
+the open ones a gateway opened before this one started (found in the store).
 
 Refuses: HTTP (app.gateway.proxy) and the rules of what a turn is
 (app.domain.gateway).
@@ -36,6 +37,7 @@ from app.domain.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import Spool, SpoolFull
 from app.services import Services
+from app.store.gateway import open_sessions_opened_by
 
 log = structlog.get_logger("turnlog.gateway")
 
@@ -158,6 +160,10 @@ class Recorder:
             log.error("spool full: turn answered 503, not stored", session_id=session_id,
                       detail=str(exc))
             return SPOOL_FULL
+        except OSError as exc:  # the disk refused: as good as full, never a silent loss
+            log.error("cannot write the spool: turn answered 503, not stored",
+                      session_id=session_id, error=type(exc).__name__, detail=str(exc))
+            return SPOOL_FULL
         self.wake.set()
         return SPOOLED
 
@@ -231,12 +237,31 @@ class Recorder:
                 return
         self.last_turn[session_id] = time.monotonic()
 
+    async def _adopt_open_sessions(self) -> bool:
+        """Track the open sessions a gateway opened before this one started (so one left
+        idle across a restart is still closed); False while the store cannot answer."""
+        try:
+            found = await bounded(open_sessions_opened_by(self.services.db, OPENED_BY),
+                                  self.store_timeout)
+        except Exception as exc:
+            log.debug("cannot list open sessions yet", error=type(exc).__name__)
+            return False
+        now_wall, now = time.time(), time.monotonic()
+        for session_id, last_us in found:
+            self.last_turn.setdefault(session_id, now - max(0.0, now_wall - last_us / 1e6))
+        if found:
+            log.info("tracking open sessions opened by a gateway", sessions=len(found))
+        return True
+
     async def _idle_loop(self) -> None:
         assert self.idle_close_seconds
         limit = self.idle_close_seconds
         period = max(0.05, min(limit / 4, 5.0))
+        adopted = False
         while True:
             await asyncio.sleep(period)
+            if not adopted:
+                adopted = await self._adopt_open_sessions()
             now = time.monotonic()
             for session_id, last in list(self.last_turn.items()):
                 if now - last <= limit or self.spool.holds(session_id):

@@ -109,16 +109,21 @@ class Spool:
         self.next_sequence += 1
         path = self._path(sequence)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        self._fsync_directory()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            self._fsync_directory()
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk keeps no half-written turn
+            path.unlink(missing_ok=True)  # renamed but not known durable: not spooled
+            raise
         entry = Spooled(sequence, session_id, body, open_body, len(data), spooled_at)
         self._track(entry)
         return entry

@@ -16,7 +16,13 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.events import TURN_RECORDED, inline_r3_as_bin, restore_record, without_r3
+from app.domain.events import (
+    SESSION_OPENED,
+    TURN_RECORDED,
+    inline_r3_as_bin,
+    restore_record,
+    without_r3,
+)
 from app.domain.labels import LabelFilters
 from app.domain.projections import iso_us, tree_entry
 from app.domain.r3 import Patch
@@ -46,6 +52,21 @@ def summary(row: Any) -> dict[str, Any]:
         "created_at": iso_us(row["created_us"]),
         "closed_at": None if closed_us is None else iso_us(closed_us),
     }
+
+
+async def opened_by(conn: AsyncConnection, session_ids: list[str]) -> dict[str, str | None]:
+    """Who opened each session (`opened_by` of its open body; None when not named).
+
+    Not a `sessions` column: read from the `session_opened` events, one query a page.
+    """
+    if not session_ids:
+        return {}
+    rows = (await conn.execute(
+        sa.select(events.c.session_id, events.c.payload)
+        .where(events.c.type == SESSION_OPENED)
+        .where(events.c.session_id.in_(session_ids)))).all()
+    return {row.session_id: jsonio.loads_stored(row.payload)["session"].get("opened_by")
+            for row in rows}
 
 
 def label_filter(
@@ -125,7 +146,9 @@ class Reader:
 
     async def summary(self, session_id: str) -> dict[str, Any]:
         async with self.db.read() as conn:
-            return summary(await session_row(conn, session_id))
+            body = summary(await session_row(conn, session_id))
+            body["opened_by"] = (await opened_by(conn, [session_id])).get(session_id)
+            return body
 
     async def state(self, session_id: str, leaf: int | None) -> dict[str, Any]:
         async with self.db.read() as conn:
@@ -210,11 +233,13 @@ class Reader:
             if fence is not None:
                 query = query.where(fence)
             rows = (await conn.execute(query)).mappings().all()
+            openers = await opened_by(conn, [r["session_id"] for r in rows])
         if rows:
             next_cursor = cursor.encode(rows[-1]["xid"], rows[-1]["id"])
         else:
             next_cursor = after or cursor.encode(*start)
-        return {"sessions": [summary(r) for r in rows], "next": next_cursor}
+        return {"sessions": [{**summary(r), "opened_by": openers.get(r["session_id"])}
+                             for r in rows], "next": next_cursor}
 
     async def _feed_page(self, after: tuple[int, ...], limit: int) -> list[Any]:
         async with self.db.read() as conn:

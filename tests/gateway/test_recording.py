@@ -183,3 +183,20 @@ async def test_idle_close_closes_auto_opened_sessions_only(db_url, client, gatew
         metrics = await scrape(http)
     assert metric(metrics, "turnlog_gateway_unrecorded_total", 'reason="session-closed"') == 1
     assert (await client.get(f"/v1/sessions/{mine}")).json()["status"] == "open"
+
+
+async def test_a_restarted_gateway_idle_closes_what_a_gateway_opened(db_url, client,
+                                                                    gateway_process):
+    left, mine = sid(), sid()
+    for session, extra in ((left, {"opened_by": "gateway"}), (mine, {})):
+        reply = await client.post("/v1/sessions",
+                                  json={"session_id": session, "version": "v2", **extra})
+        assert reply.status_code == 201
+    gateway = gateway_process(db_url, "--idle-close-seconds", "0.5")
+    await gateway.wait_ready()
+
+    async def closed() -> bool:
+        return bool((await client.get(f"/v1/sessions/{left}")).json()["status"] == "closed")
+
+    await wait_for(closed, what="the idle close of a session a gateway opened before")
+    assert (await client.get(f"/v1/sessions/{mine}")).json()["status"] == "open"
