@@ -22,7 +22,7 @@ from app.api.problems import JSONText
 from app.api.sessions import label_filters
 from app.domain.errors import DomainError, UnknownParent
 from app.domain.lanes import token_lanes
-from app.domain.queries import SESSIONS_PAGE, parse_status
+from app.domain.queries import SESSIONS_PAGE, parse_status, parse_wait
 from app.domain.specinfo import SpecInfo, session_carrier
 from app.store import browse
 from app.ui import plots
@@ -117,7 +117,7 @@ async def new_rows(request: Request, svc: ServicesDep, after: OptStr = None,
 async def feed(svc: ServicesDep, after: OptStr = None,
                wait: Annotated[float | None, Blank, Query()] = None) -> JSONText:
     """The feed's long-poll (`GET /v1/events`), under `/ui` where the login cookie counts."""
-    return JSONText(await svc.reader.feed(after, 1000, min(wait or 0.0, FEED_WAIT)))
+    return JSONText(await svc.reader.feed(after, 1000, parse_wait(wait, FEED_WAIT) or 0.0))
 
 
 @router.get("/sessions/{session_id}", response_model=None)
