@@ -282,3 +282,44 @@ async def test_cli_dry_run_then_free(client, db_url, sid):
     code, _, output = await run_cli("retention", "r3", "--consumer", "no-such-group",
                                     "--acked-before", later(), "--database-url", db_url)
     assert code == 2 and "no consumer group" in output
+
+
+@pytest.mark.parametrize("accept", ["application/json", "application/msgpack"])
+async def test_an_events_page_racing_retention_reads_as_pruned(settings, accept, monkeypatch):
+    # Issue 21: the page read the session row, then retention emptied the patches,
+    # then the page read them (READ COMMITTED on PostgreSQL): 500, or a body cut
+    # after a 200. The race is forced by freeing the R3 between the two reads.
+    import httpx
+    import msgspec
+
+    from app.main import create_app
+    from app.store import reads
+
+    app = create_app(settings)
+    svc = app.state.services
+    real_load_patches = reads.load_patches
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://turnlog") as http:
+        sid = await r3_session(http, {"run_id": uuid.uuid4().hex})
+
+        async def load_after_retention(conn, session_id, seqs):
+            assert await svc.retention.prune_session(session_id, dry_run=False) > 0
+            return await real_load_patches(conn, session_id, seqs)
+
+        monkeypatch.setattr(reads, "load_patches", load_after_retention)
+        r = await http.get(f"/v1/sessions/{sid}/events", headers={"accept": accept})
+        monkeypatch.setattr(reads, "load_patches", real_load_patches)
+        assert r.status_code == 200, r.text
+        page = (msgspec.msgpack.decode(r.content) if accept.endswith("msgpack") else r.json())
+        turns = [e for e in page if e["type"] == "turn_recorded"]
+        assert len(turns) == 2
+        # Either the snapshot predates retention (SQLite: one snapshot per read) and
+        # every R3 is there, or the page is a pruned one: never half of each.
+        after = (await http.get(f"/v1/sessions/{sid}/events")).json()
+        if all(e.get("r3_pruned") for e in turns):
+            assert all(e["record"] == without_r3(e["record"]) for e in turns)
+            assert [e for e in after if e["type"] == "turn_recorded"] == turns
+        else:
+            assert not any("r3_pruned" in e for e in turns)
+            assert all(e["record"] != without_r3(e["record"]) for e in turns)
+    await svc.db.dispose()
