@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     # Bodies above this many bytes are parsed on a worker thread, at most
     # `max_large_uploads` at a time, so they never stall the event loop.
     large_body_bytes: int = Field(default=1024 * 1024, ge=0)
+    # A JSON or MessagePack body that would decode into more values (containers, keys,
+    # scalars) is refused (413) before it is decoded: it bounds the decoded memory.
+    max_body_values: int = Field(default=2_000_000, ge=1000)
     max_large_uploads: int = Field(default=2, ge=1)
     # Without tokens only loopback Host names are served; more names, comma-separated.
     allowed_hosts: str = ""

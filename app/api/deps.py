@@ -18,6 +18,7 @@ from pydantic import BeforeValidator
 
 from app.domain import jsonio, msgpackio
 from app.domain.errors import UnsupportedMediaType
+from app.domain.width import MAX_VALUES
 from app.services import Services
 
 JSON = "application/json"
@@ -90,12 +91,15 @@ async def json_body(request: Request) -> Any:
     return await _decode(request, jsonio.loads, raw)
 
 
-async def _decode(request: Request, decode: Callable[[Any], Any], raw: bytes | bytearray) -> Any:
-    """A large body is decoded on a worker thread, so it never stalls the event loop."""
+async def _decode(request: Request, decode: Callable[[Any, int], Any],
+                  raw: bytes | bytearray) -> Any:
+    """A large body is decoded on a worker thread, so it never stalls the event loop;
+    either wire refuses a body of more than `TURNLOG_MAX_BODY_VALUES` values (413)."""
     uploads: Uploads | None = getattr(request.app.state, "uploads", None)
+    max_values = MAX_VALUES if uploads is None else uploads.max_values
     if uploads is not None and len(raw) > uploads.threshold:
-        return await run_in_threadpool(decode, raw)
-    return decode(raw)
+        return await run_in_threadpool(decode, raw, max_values)
+    return decode(raw, max_values)
 
 
 async def turn_body(request: Request) -> Any:
@@ -140,8 +144,9 @@ class Uploads:
     `Content-Length` (a chunked body is judged once read, by `json_body`).
     """
 
-    def __init__(self, threshold: int, slots: int) -> None:
+    def __init__(self, threshold: int, slots: int, max_values: int = MAX_VALUES) -> None:
         self.threshold = threshold
+        self.max_values = max_values  # what a body may decode into (`app.domain.width`)
         self._slots = asyncio.Semaphore(slots)
 
     def is_large(self, request: Request) -> bool:

@@ -8,6 +8,7 @@ import pytest
 
 from app.main import create_app
 from tests.factory import open_body, turn
+from tests.wire import MSGPACK, to_msgpack
 
 LIMIT = 2000
 
@@ -62,3 +63,73 @@ async def test_every_body_route_is_limited(small, route):
     raw = json.dumps({"padding": "x" * LIMIT}).encode()
     r = await small.post(route, content=chunked(raw), headers={"content-type": "application/json"})
     assert r.status_code == 413
+
+
+# -- width: what a body decodes into, bounded before it is decoded (issue 21) --------------
+
+VALUES = 1000
+
+
+@pytest.fixture
+async def narrow(settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings.model_copy(update={"max_body_values": VALUES}))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        yield http
+    await app.state.services.db.dispose()
+
+
+def wide_bodies(wire: str, kind: str) -> bytes:
+    """A body of 5,000 empty containers (or scalars) on `wire`, far under the byte limit."""
+    item = {"arrays": [], "maps": {}, "ints": 0}[kind]
+    body = {"event_id": "e-wide", "record": {"wide": [item] * 5000}}
+    return to_msgpack(body) if wire == "msgpack" else json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("wire", ["json", "msgpack"])
+@pytest.mark.parametrize("kind", ["arrays", "maps", "ints"])
+async def test_a_body_decoding_into_too_many_values_is_413(narrow, sid, wire, kind):
+    assert (await narrow.post("/v1/sessions", json=open_body(sid))).status_code == 201
+    r = await narrow.post(f"/v1/sessions/{sid}/turns", content=wide_bodies(wire, kind),
+                          headers={"content-type": MSGPACK if wire == "msgpack"
+                                   else "application/json"})
+    assert r.status_code == 413, r.text
+    problem = r.json()
+    assert problem["field"] == "body" and str(VALUES) in problem["expected"]
+    assert (await narrow.get(f"/v1/sessions/{sid}")).json()["num_nodes"] == 0
+    # An ordinary turn (and open) under the same limit is served.
+    ok = turn(list(range(1, 200)), [7, 8])
+    content = to_msgpack(ok) if wire == "msgpack" else json.dumps(ok).encode()
+    r = await narrow.post(f"/v1/sessions/{sid}/turns", content=content, headers={
+        "content-type": MSGPACK if wire == "msgpack" else "application/json"})
+    assert r.status_code == 201, r.text
+
+
+async def test_every_json_body_is_bounded_in_values(narrow, sid):
+    wide = json.dumps(open_body(sid, labels={f"k{i}": "v" for i in range(3000)})).encode()
+    r = await narrow.post("/v1/sessions", content=wide,
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert (await narrow.get(f"/v1/sessions/{sid}")).status_code == 404
+
+
+def test_the_value_count_matches_a_full_decode():
+    # The oracle: a recursive count over the decoded value (keys counted as values).
+    import msgspec
+
+    from app.domain.width import msgpack_values
+
+    def count(v):
+        if isinstance(v, dict):
+            return 1 + sum(1 + count(x) for x in v.values())
+        if isinstance(v, list):
+            return 1 + sum(count(x) for x in v)
+        return 1
+
+    docs = [{"a": [1, 2.5, None, True, "x" * 40, b"\0" * 300, -5, 2**40, -2**40, "é" * 100],
+             "b": {"c": [[], {}], "d": "y" * 70_000, "e": b"z" * 70_000}},
+            [list(range(70_000)), [1.5] * 10, {str(i): i for i in range(40)}]]
+    for doc in docs:
+        raw = msgspec.msgpack.encode(doc)
+        assert msgpack_values(raw, 10**9) == count(doc)
+        assert msgpack_values(raw, 10) == 11  # stops just past the limit
