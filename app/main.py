@@ -67,7 +67,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # that a POST client does not follow.
     app.router.redirect_slashes = False
     app.state.uploads = Uploads(settings.large_body_bytes, settings.max_large_uploads,
-                                settings.max_body_values)
+                                settings.max_body_values, settings.min_upload_rate,
+                                settings.upload_grace_s)
     problems.install(app)
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.

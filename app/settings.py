@@ -73,6 +73,10 @@ class Settings(BaseSettings):
     # scalars) is refused (413) before it is decoded: it bounds the decoded memory.
     max_body_values: int = Field(default=2_000_000, ge=1000)
     max_large_uploads: int = Field(default=2, ge=1)
+    # A large body (one holding an upload slot) must keep arriving: its byte n by
+    # `upload_grace_s + n / min_upload_rate` seconds after its first read, or 408.
+    min_upload_rate: int = Field(default=64 * 1024, ge=0)  # bytes/s; 0 = no minimum
+    upload_grace_s: float = Field(default=10.0, gt=0)
     # Without tokens only loopback Host names are served; more names, comma-separated.
     allowed_hosts: str = ""
     # SQLite: `PRAGMA quick_check` at start (turn off for very large files).

@@ -1,5 +1,6 @@
 """The body limit answers 413 before anything is parsed, with or without Content-Length."""
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -133,3 +134,74 @@ def test_the_value_count_matches_a_full_decode():
         raw = msgspec.msgpack.encode(doc)
         assert msgpack_values(raw, 10**9) == count(doc)
         assert msgpack_values(raw, 10) == 11  # stops just past the limit
+
+
+# -- upload slots: held only by bodies that keep arriving, taken by chunked bodies too ---
+
+def big_turn() -> bytes:
+    return json.dumps(turn(list(range(1, 2000)), [7, 8])).encode()  # ~30 kB
+
+
+async def test_a_trickling_slot_holder_is_408_and_frees_its_slot(settings, sid):
+    app = create_app(settings.model_copy(update={
+        "large_body_bytes": 1000, "max_large_uploads": 1,
+        "min_upload_rate": 1_000_000, "upload_grace_s": 0.05}))
+    raw = big_turn()
+
+    async def trickle():
+        for i in range(0, len(raw), 100):
+            yield raw[i:i + 100]
+            await asyncio.sleep(0.5)  # far slower than 1 MB/s once the grace is over
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        r = await http.post(f"/v1/sessions/{sid}/turns", content=trickle(), headers={
+            "content-type": "application/json", "content-length": str(len(raw))})
+        assert r.status_code == 408, r.text
+        assert r.json()["field"] == "body"
+        # The slot is free again: a large turn sent at once is served.
+        r = await http.post(f"/v1/sessions/{sid}/turns", content=raw,
+                            headers={"content-type": "application/json"})
+        assert r.status_code == 201, r.text
+    await app.state.services.db.dispose()
+
+
+async def test_a_chunked_turn_waits_for_an_upload_slot(settings, sid):
+    # Issue 21: a body without Content-Length never took a slot, so any number of
+    # 49 MB chunked turns were read and decoded at once.
+    app = create_app(settings.model_copy(update={"large_body_bytes": 1000,
+                                                 "max_large_uploads": 1}))
+    raw = big_turn()
+    holding, release = asyncio.Event(), asyncio.Event()
+    second_started = asyncio.Event()
+
+    async def first():
+        yield raw[:100]
+        holding.set()
+        await release.wait()
+        yield raw[100:]
+
+    async def second():
+        second_started.set()
+        yield raw
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        other = sid + "-b"
+        assert (await http.post("/v1/sessions", json=open_body(other))).status_code == 201
+        headers = {"content-type": "application/json"}
+        a = asyncio.create_task(http.post(f"/v1/sessions/{sid}/turns", content=first(),
+                                          headers=headers))
+        await holding.wait()
+        b = asyncio.create_task(http.post(f"/v1/sessions/{other}/turns", content=second(),
+                                          headers=headers))
+        for _ in range(50):  # let the second request run as far as it can
+            await asyncio.sleep(0.01)
+        assert not second_started.is_set(), "a chunked body was read without a slot"
+        release.set()
+        ra, rb = await a, await b
+        assert ra.status_code == rb.status_code == 201, (ra.text, rb.text)
+        assert ra.request.headers.get("transfer-encoding") == "chunked"
+    await app.state.services.db.dispose()
