@@ -84,7 +84,7 @@ async def serve(url: str, root: Path, env: dict[str, str]) -> tuple[subprocess.P
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(base_url=base, timeout=5) as http:
-        for _ in range(600):
+        for _ in range(1800):
             try:
                 if (await http.get("/readyz")).status_code == 200:
                     return proc, base
@@ -92,7 +92,7 @@ async def serve(url: str, root: Path, env: dict[str, str]) -> tuple[subprocess.P
                 pass
             await asyncio.sleep(0.1)
     proc.terminate()
-    raise RuntimeError("turnlog did not become ready within 60 s")
+    raise RuntimeError("turnlog did not become ready within 180 s")
 
 
 async def probe(base: str, stop: asyncio.Event) -> float:
