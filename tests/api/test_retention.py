@@ -76,7 +76,9 @@ async def prune(client, name, before=None, dry_run=False):
     r = await client.post("/v1/retention/r3", json={
         "consumer": name, "acked_before": before or later(), "dry_run": dry_run})
     assert r.status_code == 200, r.text
-    return r.json()
+    body = r.json()
+    assert body.pop("acked_before").endswith("Z"), body  # the instant used, in UTC
+    return body
 
 
 async def test_pruning_frees_r3_and_nothing_else(client, sid):
@@ -323,3 +325,37 @@ async def test_an_events_page_racing_retention_reads_as_pruned(settings, accept,
             assert not any("r3_pruned" in e for e in turns)
             assert all(e["record"] != without_r3(e["record"]) for e in turns)
     await svc.db.dispose()
+
+
+async def test_retention_keeps_what_another_matching_group_has_not_acknowledged(client):
+    # Issue 21: retention by one group freed R3 that another group matching the same
+    # sessions had not acknowledged; that group then claimed sessions answering 410.
+    labels = {"run_id": uuid.uuid4().hex}
+    first, (sid,) = await acked(client, labels)
+    second = await group(client, labels)
+    assert await prune(client, first) == {"sessions": 0, "bytes": 0,
+                                          "held_by": {second: 1}}
+    c = (await claim(client, second, limit=10)).json()
+    assert c["sessions"] == [sid]
+    r = await client.get(f"/v1/sessions/{sid}/samples/0/r3")
+    assert r.status_code == 200, r.text
+    # Claimed but not acknowledged still holds it.
+    assert (await prune(client, first))["held_by"] == {second: 1}
+    r = await client.post(f"/v1/consumers/{second}/claims/{c['claim_id']}/ack",
+                          json={"step": 1})
+    assert r.status_code == 200, r.text
+    freed = await prune(client, first)
+    assert freed["sessions"] == 1 and "held_by" not in freed
+    problem(await client.get(f"/v1/sessions/{sid}/samples/0/r3"), 410, "r3-pruned")
+
+
+@pytest.mark.parametrize("sent, read", [
+    ("2000-01-01T00:00:00", "2000-01-01T00:00:00Z"),
+    ("2000-01-01T02:00:00+02:00", "2000-01-01T00:00:00Z"),
+    ("2000-01-01T00:00:00.5z", "2000-01-01T00:00:00.500000Z")])
+async def test_the_reply_says_which_utc_instant_acked_before_was(client, sent, read):
+    # Issue 21: a time without a zone was read as UTC silently; the reply now names it.
+    name = await group(client, {"run_id": uuid.uuid4().hex})
+    r = await client.post("/v1/retention/r3", json={"consumer": name, "acked_before": sent})
+    assert r.status_code == 200, r.text
+    assert r.json()["acked_before"] == read
