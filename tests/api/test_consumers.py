@@ -376,3 +376,16 @@ async def test_waiting_claims_share_their_probes(client):
     # ticks of 0.25 s. One probe per claim per tick (the old loop) is ~5 per claim.
     per_claim = len(seen) / waiters
     assert per_claim < 3.5, (len(seen), seen[:5])
+
+
+@pytest.mark.parametrize("encoded", ["%2E", "%2E%2E", "g%0A"])
+async def test_group_names_no_client_can_address_are_refused(client, encoded):
+    # Issue 21: "." and ".." were accepted, though every client and proxy resolves
+    # them away as path segments (and a trailing newline slipped through `$`).
+    r = await client.put(f"/v1/consumers/{encoded}", json={"labels": {}})
+    body = problem(r, 422, "invalid-request")
+    assert body["field"] == "group"
+    assert (await client.get("/v1/consumers")).status_code == 200
+    names = [g["group"] if isinstance(g, dict) else g
+             for g in (await client.get("/v1/consumers")).json()["groups"]]
+    assert not any(n in (".", "..", "g\n") for n in names)
