@@ -185,7 +185,10 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     form = dict(parse_qsl(raw.decode("utf-8", "replace")))
     target = safe_next(form.get("next", "/ui"))
     origin = request.headers.get("origin")
-    if origin is not None and origin.split("://", 1)[-1] != request.headers.get("host"):
+    # Same origin is scheme and host: a page served over plain http must not sign in
+    # to the https site of the same name (and behind a TLS proxy the scheme is the
+    # forwarded one, as uvicorn's proxy headers set it).
+    if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host')}":
         return render("login.html", 403, next=target, error=True)
     token = form.get("token", "").strip()
     tokens = TokenTable(svc.settings.token_scopes)
