@@ -14,22 +14,17 @@ it: structlog's defaults and `structlog.testing.capture_logs` suffice there.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from typing import Any
 
 import structlog
 from structlog.types import Processor
 
+from app.domain.url_tokens import REDACTED, redact_query
+
+__all__ = ["REDACTED", "RedactTokens", "configure_logging", "redact_query"]
+
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
-REDACTED = "REDACTED"
-_TOKEN_QUERY = re.compile(
-    r"(?i)([?&](?:access_token|token|api_key|apikey|api_token|bearer|authorization)=)[^&\s]*")
-
-
-def redact_query(text: str) -> str:
-    """`text` with the values of credential-like query parameters replaced."""
-    return _TOKEN_QUERY.sub(lambda m: m.group(1) + REDACTED, text)
 
 
 class RedactTokens(logging.Filter):

@@ -66,7 +66,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # A trailing slash answers a problem naming the route, never a bodiless 307
     # that a POST client does not follow.
     app.router.redirect_slashes = False
-    app.state.uploads = Uploads(settings.large_body_bytes, settings.max_large_uploads)
+    app.state.uploads = Uploads(settings.large_body_bytes, settings.max_large_uploads,
+                                settings.max_body_values, settings.min_upload_rate,
+                                settings.upload_grace_s)
     problems.install(app)
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.

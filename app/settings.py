@@ -69,7 +69,14 @@ class Settings(BaseSettings):
     # Bodies above this many bytes are parsed on a worker thread, at most
     # `max_large_uploads` at a time, so they never stall the event loop.
     large_body_bytes: int = Field(default=1024 * 1024, ge=0)
+    # A JSON or MessagePack body that would decode into more values (containers, keys,
+    # scalars) is refused (413) before it is decoded: it bounds the decoded memory.
+    max_body_values: int = Field(default=2_000_000, ge=1000)
     max_large_uploads: int = Field(default=2, ge=1)
+    # A large body (one holding an upload slot) must keep arriving: its byte n by
+    # `upload_grace_s + n / min_upload_rate` seconds after its first read, or 408.
+    min_upload_rate: int = Field(default=64 * 1024, ge=0)  # bytes/s; 0 = no minimum
+    upload_grace_s: float = Field(default=10.0, gt=0)
     # Without tokens only loopback Host names are served; more names, comma-separated.
     allowed_hosts: str = ""
     # A local tokenizer.json: the UI shows token text beside the ids (needs the optional

@@ -17,7 +17,8 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
 from app.domain import jsonio, msgpackio
-from app.domain.errors import UnsupportedMediaType
+from app.domain.errors import RequestTimeout, UnsupportedMediaType
+from app.domain.width import MAX_VALUES
 from app.services import Services
 
 JSON = "application/json"
@@ -53,11 +54,11 @@ async def read_body(request: Request) -> bytes | bytearray:
     """
     declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
-        return await request.body()
+        return b"".join([chunk async for chunk in _chunks(request)])
     buf = bytearray()
     view = memoryview(buf)
     filled = 0
-    async for chunk in request.stream():
+    async for chunk in _chunks(request):
         if not buf and chunk:
             view.release()
             buf = bytearray(int(declared))
@@ -76,6 +77,37 @@ async def read_body(request: Request) -> bytes | bytearray:
     return buf
 
 
+async def _chunks(request: Request) -> AsyncIterator[bytes]:
+    """The body's chunks; a large body (it holds an upload slot) at a minimum pace.
+
+    Byte n must arrive within `grace + n / min_rate` seconds of the first read,
+    else 408: a client that declares 50 MB and trickles 64 bytes every 20 s
+    (each read inside the body timeout) no longer keeps a slot for minutes.
+    """
+    uploads: Uploads | None = getattr(request.app.state, "uploads", None)
+    stream = request.stream()
+    if uploads is None or not uploads.min_rate or not uploads.is_large(request):
+        async for chunk in stream:
+            yield chunk
+        return
+    loop = asyncio.get_running_loop()
+    start, seen = loop.time(), 0
+    while True:
+        deadline = start + uploads.grace + (seen + 1) / uploads.min_rate
+        try:
+            chunk = await asyncio.wait_for(anext(stream), max(deadline - loop.time(), 0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise RequestTimeout(
+                f"request body arrives slower than {uploads.min_rate} bytes/s",
+                field="body",
+                expected=f"at least {uploads.min_rate} bytes/s after {uploads.grace:g} s",
+                actual=f"{seen} bytes in {loop.time() - start:.1f} s") from None
+        seen += len(chunk)
+        yield chunk
+
+
 async def json_body(request: Request) -> Any:
     """The request body parsed strictly (we validate it in the domain, not with models).
 
@@ -90,12 +122,15 @@ async def json_body(request: Request) -> Any:
     return await _decode(request, jsonio.loads, raw)
 
 
-async def _decode(request: Request, decode: Callable[[Any], Any], raw: bytes | bytearray) -> Any:
-    """A large body is decoded on a worker thread, so it never stalls the event loop."""
+async def _decode(request: Request, decode: Callable[[Any, int], Any],
+                  raw: bytes | bytearray) -> Any:
+    """A large body is decoded on a worker thread, so it never stalls the event loop;
+    either wire refuses a body of more than `TURNLOG_MAX_BODY_VALUES` values (413)."""
     uploads: Uploads | None = getattr(request.app.state, "uploads", None)
+    max_values = MAX_VALUES if uploads is None else uploads.max_values
     if uploads is not None and len(raw) > uploads.threshold:
-        return await run_in_threadpool(decode, raw)
-    return decode(raw)
+        return await run_in_threadpool(decode, raw, max_values)
+    return decode(raw, max_values)
 
 
 async def turn_body(request: Request) -> Any:
@@ -137,15 +172,24 @@ class Uploads:
     Each large body costs memory several times its size while it is decoded and
     validated; the cap bounds that, and its processing goes to worker threads
     so small requests keep their latency. "Large" is judged by the declared
-    `Content-Length` (a chunked body is judged once read, by `json_body`).
+    `Content-Length`; a chunked body (no length) counts as large, and a large
+    body must keep arriving at `min_rate` (`_chunks`).
     """
 
-    def __init__(self, threshold: int, slots: int) -> None:
+    def __init__(self, threshold: int, slots: int, max_values: int = MAX_VALUES,
+                 min_rate: int = 0, grace: float = 10.0) -> None:
         self.threshold = threshold
+        self.max_values = max_values  # what a body may decode into (`app.domain.width`)
+        self.min_rate = min_rate  # bytes/s a slot holder's body must keep up (0: none)
+        self.grace = grace
         self._slots = asyncio.Semaphore(slots)
 
     def is_large(self, request: Request) -> bool:
-        declared = request.headers.get("content-length", "")
+        """Declared above the threshold, or of unknown length (chunked): such a body
+        may be as large as the body limit, so it takes a slot before it is read."""
+        declared = request.headers.get("content-length")
+        if declared is None:
+            return "transfer-encoding" in request.headers
         return declared.isdigit() and int(declared) > self.threshold
 
     @asynccontextmanager

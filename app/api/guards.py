@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.problems import send_problem
 from app.domain.errors import ForeignHost, HeadersTooLarge, Unauthorized, UnsupportedMediaType
+from app.domain.url_tokens import query_token_param
 
 log = structlog.get_logger("turnlog.guard")
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
@@ -139,29 +140,15 @@ def has_body(headers: dict[bytes, bytes]) -> bool:
     return length is not None and length.strip() not in (b"", b"0")
 
 
-# Query parameters that carry credentials (RFC 6750 §2.3 `access_token` and the usual
-# aliases). A token in a URL lands in access logs, proxies and browser history, so it
-# is refused, and `app.logs` redacts it from the access log line.
-TOKEN_PARAMS = frozenset({"access_token", "token", "api_key", "apikey", "api_token",
-                          "bearer", "authorization"})
-
-
-def query_token_param(query_string: bytes) -> str | None:
-    """The first credential-like parameter name in a raw query string, if any."""
-    for pair in query_string.split(b"&"):
-        name = pair.partition(b"=")[0].decode("latin-1")
-        if name.lower() in TOKEN_PARAMS:
-            return name
-    return None
-
-
+# A token in a URL lands in access logs, proxies and browser history, so it is refused;
+# the names are matched decoded (`app.domain.url_tokens`), as the routers read them.
 class QueryTokens:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            name = query_token_param(scope.get("query_string") or b"")
+            name = query_token_param((scope.get("query_string") or b"").decode("latin-1"))
             if name is not None:
                 await send_problem(send, Unauthorized(
                     "API tokens go in the Authorization header, never in the URL",

@@ -138,6 +138,22 @@ def install(app: FastAPI) -> None:
         })
 
 
+# Where a raw `OSError` must come from to mean "the database": its driver, the pool,
+# the store. Anywhere else (a local file, a socket of ours) it is a server error.
+DATABASE_MODULES = ("sqlalchemy", "asyncpg", "aiosqlite", "sqlite3", "app.store")
+
+
+def raised_by_database(exc: BaseException) -> bool:
+    """`exc` was raised inside the database path (a frame of its traceback is)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module.startswith(DATABASE_MODULES):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def database_unavailable(exc: BaseException) -> bool:
     """A lost, refused or damaged database (retryable later), not a bad statement.
 
@@ -150,9 +166,11 @@ def database_unavailable(exc: BaseException) -> bool:
         seen.add(id(current))
         if isinstance(current, DBAPIError) and current.connection_invalidated:
             return True
-        if isinstance(current, OperationalError | InterfaceError | PoolTimeout | OSError
+        if isinstance(current, OperationalError | InterfaceError | PoolTimeout
                       | asyncpg.PostgresConnectionError | asyncpg.InterfaceError
                       | OperatorInterventionError | InsufficientResourcesError):
+            return True
+        if isinstance(current, OSError) and raised_by_database(current):
             return True
         if isinstance(current, sqlite3.DatabaseError) and damaged_sqlite(current):
             return True

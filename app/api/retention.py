@@ -1,7 +1,9 @@
 """`POST /v1/retention/r3`: free the stored R3 of sessions a consumer group acknowledged.
 
 Thin: the body is parsed by `app/domain/retention.py`, the freeing is
-`app/store/retention.py`; this router answers `{"sessions", "bytes"}` and
+`app/store/retention.py`; this router answers `{"sessions", "bytes",
+"acked_before"}` (the instant used, in UTC: a time without a zone is UTC) (and
+`held_by`, {group: sessions}, when other groups still hold some) and
 counts what was freed on `/metrics`. Write scope (a POST).
 """
 
@@ -11,6 +13,7 @@ from fastapi import APIRouter
 
 from app.api.deps import BodyDep, ServicesDep
 from app.api.problems import JSONText
+from app.domain.projections import iso_us
 from app.domain.retention import parse_r3_retention
 
 router = APIRouter(prefix="/v1/retention", tags=["retention"])
@@ -34,4 +37,9 @@ async def retain_r3(svc: ServicesDep, body: BodyDep) -> JSONText:
         svc.metrics.r3_pruned_bytes.inc(result.bytes)
         svc.metrics.r3_pruned_sessions.inc(result.sessions)
         svc.reader.notify()
-    return JSONText({"sessions": result.sessions, "bytes": result.bytes})
+    # The instant used, in UTC: a time sent without a zone was read as UTC, and says so.
+    reply: dict[str, object] = {"sessions": result.sessions, "bytes": result.bytes,
+                                "acked_before": iso_us(request.acked_before_us)}
+    if result.held_by:  # kept for groups that still have to acknowledge them
+        reply["held_by"] = result.held_by
+    return JSONText(reply)

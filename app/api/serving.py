@@ -16,14 +16,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.api.guards import headers_too_large
 from app.domain import jsonio
-from app.domain.errors import DomainError, RequestTimeout
+from app.domain.errors import DomainError, Overloaded, RequestTimeout
 from app.settings import get_settings
 
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+# Cheap and database-free: a liveness probe must not read "dead" because a thousand
+# long-polls hold the concurrency limit (the orchestrator would restart a busy server).
+BYPASS_LIMIT = frozenset({"/healthz"})
 
 
 class GuardedHttpTools(HttpToolsProtocol):
@@ -122,6 +126,30 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._refusal = error
         self.transport.write(head + body)
         self.transport.close()
+
+
+    # -- the concurrency limit ------------------------------------------------------------
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # uvicorn answers over `limit_concurrency` with a plain-text 503 of its own:
+        # /healthz is served anyway, everything else gets the API's problem+json.
+        if app is service_unavailable:
+            app = self.app if cycle.scope["path"] in BYPASS_LIMIT else overloaded
+        super()._start_asgi_task(cycle, app)
+
+
+async def overloaded(_scope: Any, _receive: Any, send: Any) -> None:
+    """The 503 past `TURNLOG_LIMIT_CONCURRENCY`, as problem+json (and the connection
+    closed, as uvicorn does: the client retries on a new one)."""
+    error = Overloaded("the server is at its concurrency limit; retry shortly",
+                        field="connection", expected="fewer requests or connections in flight",
+                        actual="at TURNLOG_LIMIT_CONCURRENCY")
+    body = jsonio.dumps_bytes(error.problem())
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class HeaderLimitExceeded(Exception):

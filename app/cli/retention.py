@@ -60,9 +60,15 @@ def retention_r3(
     store = resolve_url(database_url)
     check_database(store)
     result = with_services(store, run)
-    body = {"sessions": result.sessions, "bytes": result.bytes, "dry_run": dry_run}
+    body: dict[str, Any] = {"sessions": result.sessions, "bytes": result.bytes,
+                            "dry_run": dry_run}
+    if result.held_by:
+        body["held_by"] = result.held_by
     if as_json:
         echo_json(body)
         return
     verb = "would free" if dry_run else "freed"
     out().print(f"{verb} {result.bytes} bytes of R3 in {result.sessions} session(s)")
+    for name, count in result.held_by.items():
+        out().print(f"kept {count} session(s) that group {name!r} matches and has not "
+                    "acknowledged yet")

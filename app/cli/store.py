@@ -113,6 +113,7 @@ def rebuild(
     checkpoint.unlink(missing_ok=True)
     if as_json:
         echo_json({"sessions": report.sessions, "equal": report.equal,
+                   "changed_during_rebuild": report.changed,
                    "projections": {name: {"before": before, "after": report.after[name],
                                           "equal": before == report.after[name]}
                                    for name, before in report.before.items()}})
@@ -131,7 +132,13 @@ def rebuild(
         more = f" and {len(found) - 10} more" if len(found) > 10 else ""
         err().print(f"[red]{total} {name} row(s) belong to no session[/] "
                       f"(session row missing): {shown}{more}")
-    if not report.equal:
+    if not report.equal and report.changed:
+        err().print(f"[red]the store changed during the rebuild ({report.changed} event(s) "
+                    "written by a live server), so its checksums cannot be compared: "
+                    "every session was rebuilt under its append lock, but proving the "
+                    "projections equal needs a quiet store — run `turnlog rebuild` again "
+                    "with no server writing[/]")
+    elif not report.equal:
         err().print("[red]rebuilt projections differ from the incremental ones[/]")
     if not report.accounted:
         err().print("[red]the log holds rows this rebuild cannot account for; restore the "

@@ -30,7 +30,9 @@ from app.domain.validate import (
     require_text,
 )
 
-GROUP_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+GROUP_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # matched in full (`is_group_name`)
+# URL path segments every client and proxy resolves away: no request can name them.
+DOT_SEGMENTS = frozenset({".", ".."})
 FROM_BEGINNING = "beginning"
 FROM_NOW = "now"
 GROUP_FIELDS = frozenset({"labels", "from", "require_reward"})
@@ -101,17 +103,22 @@ def label_texts(labels: Mapping[str, Any]) -> dict[str, str]:
     return {key: label_text(value) for key, value in labels.items()}
 
 
+def is_group_name(group: str) -> bool:
+    return GROUP_RE.fullmatch(group) is not None and group not in DOT_SEGMENTS
+
+
 def validate_group(group: str) -> str:
-    if not GROUP_RE.match(group):
-        raise InvalidRequest("consumer group names are 1-64 characters of [A-Za-z0-9._:-]",
-                             field="group", expected="[A-Za-z0-9._:-]{1,64}",
+    if not is_group_name(group):
+        raise InvalidRequest("consumer group names are 1-64 characters of [A-Za-z0-9._:-], "
+                             'other than "." and ".."', field="group",
+                             expected='[A-Za-z0-9._:-]{1,64}, not "." or ".."',
                              actual=describe(group))
     return group
 
 
 def known_group(group: str) -> str:
     """A group name outside the pattern names no group: 404, as one never created."""
-    if not GROUP_RE.match(group):
+    if not is_group_name(group):
         raise UnknownConsumer(f"no consumer group {describe(group)!r}", field="group",
                               expected="an existing consumer group", actual=describe(group))
     return group

@@ -200,6 +200,16 @@ class Unavailable(DomainError):
     slug = "unavailable"
     status = 503
     title = "Database unavailable"
+
+
+class Overloaded(DomainError):
+    """More requests or connections in flight than the server takes at once."""
+
+    slug = "overloaded"
+    status = 503
+    title = "Server overloaded"
+
+
 class ConsumerConflict(DomainError):
     slug = "consumer-conflict"
     status = 409

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from app.domain.errors import InvalidRequest
+from app.domain.width import MAX_VALUES, check_json
 
 MAX_DEPTH = 64
 
@@ -103,14 +104,16 @@ def gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-def loads(raw: bytes | bytearray | str) -> Any:
-    """Parse a request body; every failure is an `InvalidRequest` naming `body`.
+def loads(raw: bytes | bytearray | str, max_values: int = MAX_VALUES) -> Any:
+    """Parse a request body; every failure is an `InvalidRequest` naming `body`, and a
+    body that may decode into more than `max_values` values is a 413 (`width`).
 
     msgspec is the fast path (exact floats and big integers, ~5x the standard
     library on R3-sized bodies); whatever it refuses (lone surrogate escapes,
     out-of-range numbers, malformed text) the standard library parses again
     with our hooks and decides.
     """
+    check_json(raw, max_values)
     try:
         with gc_paused():
             value = msgspec.json.decode(raw)

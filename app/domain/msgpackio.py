@@ -20,6 +20,7 @@ import msgspec
 
 from app.domain.errors import InvalidRequest
 from app.domain.jsonio import MAX_DEPTH, children_of, containers_in, gc_paused
+from app.domain.width import MAX_VALUES, check_msgpack
 
 MEDIA_TYPES = frozenset({"application/msgpack", "application/vnd.msgpack",
                          "application/x-msgpack"})
@@ -60,8 +61,10 @@ def _r3_holder(value: Any) -> dict[str, Any] | None:
     return None
 
 
-def loads(raw: bytes | bytearray | memoryview) -> Any:
-    """Decode a request body strictly; the R3 payload may be a bin, nothing else may."""
+def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> Any:
+    """Decode a request body strictly; the R3 payload may be a bin, nothing else may.
+    A body of more than `max_values` values is a 413 before it is decoded (`width`)."""
+    check_msgpack(raw, max_values)
     try:
         with gc_paused():
             value = _DECODER.decode(raw)

@@ -52,12 +52,13 @@ def parse_status(status: str | None) -> str | None:
     return status
 
 
-def parse_wait(wait: float | None) -> float | None:
-    """The feed's long-poll seconds, clamped to `MAX_WAIT`; absent = do not wait."""
+def parse_wait(wait: float | None, maximum: float = MAX_WAIT) -> float | None:
+    """A feed's long-poll seconds, clamped to `maximum` (∞ too: "at most"); absent = do
+    not wait; negative or NaN → 422. The one parser of `wait` for every feed route."""
     if wait is not None and not wait >= 0:  # NaN fails this too
-        raise InvalidRequest(f"wait must be between 0 and {MAX_WAIT} seconds", field="wait",
-                             expected=f"number in [0, {MAX_WAIT}]", actual=wait)
-    return None if wait is None else min(wait, MAX_WAIT)
+        raise InvalidRequest(f"wait must be between 0 and {maximum:g} seconds", field="wait",
+                             expected=f"number in [0, {maximum:g}]", actual=describe(wait))
+    return None if wait is None else min(wait, maximum)
 
 
 def parse_group_by(value: str | None) -> str:

@@ -40,6 +40,11 @@ class Patch:
     def rows(self) -> int:
         return self.end - self.start
 
+    @property
+    def freed(self) -> bool:
+        """Emptied by R3 retention: the geometry stays, the bytes are gone."""
+        return not self.data and self.rows * self.num_layers * self.topk > 0
+
     def array(self) -> np.ndarray:
         """The patch as int32 `[rows, num_layers, topk]`."""
         narrow = np.frombuffer(self.data, dtype=DTYPES[self.dtype])

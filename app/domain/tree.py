@@ -10,6 +10,7 @@ transactions and HTTP live one layer up.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +42,18 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
 EMPTY_TOKENS = np.empty(0, np.int64)
 INT32 = np.iinfo(np.int32)
 NODE_OVERHEAD = 600  # bytes a node costs beyond its arrays (objects, dict entries)
+
+
+def value_bytes(value: Any) -> int:
+    """About what a decoded JSON value holds in memory (containers walked once)."""
+    if isinstance(value, str):
+        return sys.getsizeof(value)
+    if isinstance(value, dict):
+        return sys.getsizeof(value) + sum(value_bytes(k) + value_bytes(v)
+                                          for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sys.getsizeof(value) + sum(value_bytes(v) for v in value)
+    return 0 if value is None else sys.getsizeof(value)
 
 
 def compact(values: np.ndarray) -> np.ndarray:
@@ -76,22 +89,31 @@ class Node:
     logprobs: np.ndarray
     prompt_lcp: int = 0
     children: list[int] = field(default_factory=list)
+    facts_bytes: int = 0  # what the kept facts hold beyond NODE_OVERHEAD (text, metadata)
 
     @classmethod
     def build(cls, seq: int, parent: Node | None, depth: int, event_id: str,
               facts: TurnFacts, prompt_lcp: int) -> Node:
         tokens = facts.tokens
-        stripped = replace(facts, prompt=EMPTY_TOKENS, output=EMPTY_TOKENS, logprobs=[])
+        # Only what the fold and the reads of a folded state need: the token arrays
+        # live in `tail`, and the decoded R3 values were stored with the turn (on
+        # the MessagePack wire they are a view of the whole request body).
+        stripped = replace(facts, prompt=EMPTY_TOKENS, output=EMPTY_TOKENS, logprobs=[],
+                           r3_values=None)
         return cls(seq=seq, parent=None if parent is None else parent.seq, depth=depth,
                    event_id=event_id, facts=stripped, up=parent,
                    tail=compact(tokens[prompt_lcp:]), num_tokens=int(tokens.size),
                    prompt_len=int(facts.prompt.size), output_len=int(facts.output.size),
                    logprobs=np.asarray(facts.logprobs, dtype=np.float64),
-                   prompt_lcp=prompt_lcp)
+                   prompt_lcp=prompt_lcp,
+                   facts_bytes=value_bytes((stripped.content, stripped.mismatch,
+                                            stripped.weight_version)))
 
     @property
     def nbytes(self) -> int:
-        return int(self.tail.nbytes + self.logprobs.nbytes) + NODE_OVERHEAD
+        """What the state cache counts for this node: every array and text it keeps."""
+        return int(self.tail.nbytes + self.logprobs.nbytes) + self.facts_bytes \
+            + NODE_OVERHEAD
 
     def head(self, length: int) -> np.ndarray:
         """The first `length` tokens (int64), from this node's tail and its ancestors'."""

@@ -133,6 +133,8 @@ class Consumers:
         self.db = db
         # The event a close in this process sets (waiting claims wake on it).
         self.wakeup = wakeup
+        # The claimability probe under way per group, shared by its waiting claims.
+        self._probing: dict[str, asyncio.Future[bool]] = {}
 
     # -- groups ---------------------------------------------------------------
 
@@ -265,13 +267,17 @@ class Consumers:
                 raise
             return repeat
         deadline = time.monotonic() + request.wait
+        first = True
         while True:
             wakeup = self.wakeup() if self.wakeup is not None else None
             final = time.monotonic() >= deadline
             try:
                 # While waiting, a read probes first: an empty attempt would take the
                 # write lock (SQLite) for nothing on every wake-up.
-                probe = True if final else await self._probe(group, request.claim_id)
+                probe = (True if final
+                         else await self._probe(group, request.claim_id) if first
+                         else await self._claimable(group))
+                first = False
                 if isinstance(probe, Claimed):
                     return probe
                 if probe:
@@ -285,13 +291,16 @@ class Consumers:
                 if repeat is None:
                     raise
                 return Claimed(self._claim_body(repeat), created=False)
+            # Until the next tick of a grid every waiter shares (or a close wakes
+            # them): waiters of a group then probe together, and share one query.
             remaining = deadline - time.monotonic()
+            tick = POLL_SECONDS - time.monotonic() % POLL_SECONDS
+            pause = max(0.0, min(remaining, tick))
             if wakeup is not None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wakeup.wait(),
-                                           timeout=max(0.0, min(remaining, POLL_SECONDS)))
+                    await asyncio.wait_for(wakeup.wait(), timeout=pause)
             else:
-                await asyncio.sleep(max(0.0, min(remaining, POLL_SECONDS)))
+                await asyncio.sleep(pause)
 
     async def _probe(self, group: str, claim_id: str) -> Claimed | bool:
         """The original reply of a repeated claim_id, else whether some session is
@@ -302,6 +311,28 @@ class Consumers:
             repeat = await self._claim_row(conn, group, claim_id)
             if repeat is not None:
                 return Claimed(self._claim_body(repeat), created=False)
+            found = (await conn.execute(
+                sa.select(cs.session_id)
+                .where(cs.group_name == group, cs.acked_us.is_(None))
+                .where(sa.or_(cs.claim_id.is_(None), cs.expires_us <= now_us()))
+                .limit(1))).first()
+        return found is not None
+
+    async def _claimable(self, group: str) -> bool:
+        """Whether some session of `group` is claimable now: one query however many
+        claims of the group wait (they join the one under way), so 900 waiting
+        claims cost a query per wake-up, not 900."""
+        pending = self._probing.get(group)
+        if pending is None:
+            pending = asyncio.ensure_future(self._claimable_now(group))
+            self._probing[group] = pending
+            pending.add_done_callback(lambda _done: self._probing.pop(group, None))
+        return await asyncio.shield(pending)
+
+    async def _claimable_now(self, group: str) -> bool:
+        cs = consumer_sessions.c
+        async with self.db.read() as conn:
+            await self._group_row(conn, group)
             found = (await conn.execute(
                 sa.select(cs.session_id)
                 .where(cs.group_name == group, cs.acked_us.is_(None))

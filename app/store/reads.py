@@ -186,6 +186,11 @@ class Reader:
             if include_r3:
                 patches = await load_patches(
                     conn, session_id, (r["seq"] for r in rows if r["seq"] is not None))
+                # On PostgreSQL each statement has its own snapshot (READ COMMITTED):
+                # retention may have emptied the patches after the session row was
+                # read. The page is then a pruned one, decided before a byte is sent.
+                if any(patch.freed for patch in patches.values()):
+                    pruned, include_r3, patches = True, False, {}
         kept = [r for r in rows if r["seq"] is None or r["seq"] < len(state.nodes)]
         return EventsPage(kept, state, patches, include_r3, pruned, r3_raw)
 

@@ -6,7 +6,11 @@ A checksum per projection before and after proves it. Sessions are rebuilt
 in batches (in `sessions.id` order): one short write transaction per batch
 (its sessions locked like an append, so a rebuild can run next to a live
 server), one query for the batch's events and one for its patches, bulk
-deletes and inserts. A batch is the unit of progress: `start_after` and
+deletes and inserts. Next to a live writer the rebuilt rows are exact, but
+the before/after checksums are not comparable (the writer changed the
+projections between them): the report then counts the events written
+meanwhile (`changed`) and the command says it needs a quiet store to prove
+equality. A batch is the unit of progress: `start_after` and
 `on_batch` let a caller persist where it stands and resume there. Every row of the log and
 the projections must belong to a session that exists: rows whose session
 was deleted behind the server's back are reported (they cannot be rebuilt,
@@ -81,6 +85,16 @@ async def checksums(db: Database, session_ids: Sequence[str] | None = None) -> d
                     rows += await projection_rows(conn, name, ids[i:i + 500])
             out[name] = checksum(rows)
     return out
+
+
+async def log_mark(db: Database, session_ids: Sequence[str] | None = None) -> int:
+    """The events of the log, or of some sessions' part of it: events are only ever
+    added (appends, opens, closes, retention marks), so a change means a writer."""
+    query = sa.select(sa.func.count()).select_from(events)
+    if session_ids is not None:
+        query = query.where(events.c.session_id.in_(list(session_ids)))
+    async with db.read() as conn:
+        return int((await conn.execute(query)).scalar_one())
 
 
 async def all_session_ids(db: Database) -> list[str]:
@@ -174,6 +188,11 @@ class RebuildReport:
     # Rows whose session has no `sessions` row (deleted behind the server's back):
     # {table: {session_id: rows}}. A rebuild cannot account for them.
     orphans: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Events appended (or retention marks) in the rebuild's scope while it ran: a live
+    # writer changed the projections between the two checksums, so `before` and `after`
+    # cannot be compared. The rebuilt rows are still exact (each batch under the append
+    # lock); only the proof needs a quiet store.
+    changed: int = 0
 
     @property
     def equal(self) -> bool:
@@ -238,6 +257,7 @@ async def rebuild(
         keys = await session_keys(db)
         scope = None
     total = len(keys)
+    mark = await log_mark(db, scope)
     if before is None:
         before = await checksums(db, scope)
     todo = keys if start_after is None else [k for k in keys if k[0] > start_after]
@@ -257,6 +277,7 @@ async def rebuild(
         if progress is not None:
             progress(done, total)
     after = await checksums(db, scope)
+    changed = await log_mark(db, scope) - mark
     mismatched = [name for name in PROJECTIONS if before[name] != after[name]]
     orphans = await orphaned_rows(db, session_id)
-    return RebuildReport(total, before, after, mismatched, orphans)
+    return RebuildReport(total, before, after, mismatched, orphans, changed)

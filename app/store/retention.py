@@ -1,5 +1,11 @@
 """R3 retention: free the stored R3 of sessions a consumer group acknowledged.
 
+Only sessions that *every* consumer group matching them has acknowledged are
+freed: a session another group still has to claim (or has claimed and not
+acked) keeps its R3 and is reported in `held_by`, by group; a later run frees
+it once that group acked. (A group created afterwards "from the beginning"
+still gets the freed sessions, and reads their R3 as 410 `r3-pruned`.)
+
 One short transaction per session, locked like an append (so on Citus it is
 one worker's, like every write): skip a session already freed or without
 stored R3; else append an `r3_pruned` event (`{"bytes": n}`, seen in the
@@ -25,7 +31,7 @@ say), and anything but R3.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
@@ -46,6 +52,16 @@ class Pruned:
     bytes: int
     # (session_id, bytes) of each session freed (or that would be, on a dry run).
     freed: tuple[tuple[str, int], ...] = ()
+    # Sessions kept because another group matching them has not acknowledged them
+    # yet: {group: sessions}. Freed by a later run, once every such group acked.
+    held_by: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A session not freed: these groups match it and have not acknowledged it."""
+
+    groups: tuple[str, ...]
 
 
 class Retention:
@@ -79,9 +95,11 @@ class Retention:
                     self._citus = (await conn.execute(sa.text(DETECT))).first() is not None
         return self._citus
 
-    async def prune_session(self, session_id: str, dry_run: bool) -> int:
-        """Free one session's R3; the bytes freed (0: already freed or none stored)."""
+    async def prune_session(self, session_id: str, dry_run: bool) -> int | Held:
+        """Free one session's R3; the bytes freed (0: already freed or none stored), or
+        `Held` when a consumer group that matches it has not acknowledged it."""
         rp = r3_patches.c
+        cs = consumer_sessions.c
         async with self.db.write() as conn:
             if not dry_run and self.db.dialect != "sqlite":
                 # Set first, so Citus sends it to the worker before the statements there.
@@ -92,6 +110,14 @@ class Retention:
             row = await session_row(conn, session_id, lock=True)
             if row["r3_pruned_bytes"] is not None:
                 return 0
+            # Every group that matches a session gets its row when the session closes;
+            # one not acknowledged yet will claim it and read its R3.
+            waiting = tuple((await conn.execute(
+                sa.select(cs.group_name).where(cs.session_id == session_id,
+                                               cs.acked_us.is_(None))
+                .order_by(cs.group_name))).scalars())
+            if waiting:
+                return Held(waiting)
             stored = int((await conn.execute(
                 sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(rp.data)), 0))
                 .where(rp.session_id == session_id))).scalar_one())
@@ -111,13 +137,17 @@ class Retention:
                     progress: Callable[[int, int], None] | None = None) -> Pruned:
         ids = await self.candidates(request)
         freed: list[tuple[str, int]] = []
+        held_by: dict[str, int] = {}
         for done, session_id in enumerate(ids, start=1):
             count = await self.prune_session(session_id, request.dry_run)
-            if count:
+            if isinstance(count, Held):
+                for name in count.groups:
+                    held_by[name] = held_by.get(name, 0) + 1
+            elif count:
                 freed.append((session_id, count))
             if progress is not None:
                 progress(done, len(ids))
-        return Pruned(len(freed), sum(n for _, n in freed), tuple(freed))
+        return Pruned(len(freed), sum(n for _, n in freed), tuple(freed), held_by)
 
     async def vacuum(self) -> None:
         """Make the freed TOAST pages reusable now rather than at autovacuum's next pass

@@ -32,7 +32,7 @@ from app.domain.overview import (
     reward_distribution,
     session_overview,
 )
-from app.domain.queries import SESSIONS_PAGE, parse_status
+from app.domain.queries import SESSIONS_PAGE, parse_status, parse_wait
 from app.domain.specinfo import SpecInfo, session_carrier
 from app.store import browse
 from app.ui import plots, tokens
@@ -161,7 +161,7 @@ async def new_rows(request: Request, svc: ServicesDep, after: OptStr = None,
 async def feed(svc: ServicesDep, after: OptStr = None,
                wait: Annotated[float | None, Blank, Query()] = None) -> JSONText:
     """The feed's long-poll (`GET /v1/events`), under `/ui` where the login cookie counts."""
-    return JSONText(await svc.reader.feed(after, 1000, min(wait or 0.0, FEED_WAIT)))
+    return JSONText(await svc.reader.feed(after, 1000, parse_wait(wait, FEED_WAIT) or 0.0))
 
 
 @router.get("/sessions/{session_id}", response_model=None)
@@ -249,7 +249,10 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     form = dict(parse_qsl(raw.decode("utf-8", "replace")))
     target = safe_next(form.get("next", "/ui"))
     origin = request.headers.get("origin")
-    if origin is not None and origin.split("://", 1)[-1] != request.headers.get("host"):
+    # Same origin is scheme and host: a page served over plain http must not sign in
+    # to the https site of the same name (and behind a TLS proxy the scheme is the
+    # forwarded one, as uvicorn's proxy headers set it).
+    if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host')}":
         return render("login.html", 403, next=target, error=True)
     token = form.get("token", "").strip()
     tokens = TokenTable(svc.settings.token_scopes)

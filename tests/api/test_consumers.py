@@ -344,3 +344,49 @@ async def test_the_same_claim_id_sent_twice_at_once_takes_one_batch(client):
     doc = (await client.get(f"/v1/consumers/{name}")).json()
     assert (doc["leased"], doc["available"]) == (2, 2)
     assert (await claim(client, name)).json()["epoch"] == 2
+
+
+async def test_waiting_claims_share_their_probes(client):
+    # Issue 21: 900 waiting claims each polled the database every 0.25 s (and on every
+    # wake-up). Now the claims of a group share one probe per tick or wake-up. The
+    # oracle counts the statements that read consumer_sessions while they wait.
+    import asyncio
+
+    from sqlalchemy import event
+
+    name = await group(client, {"run_id": uuid.uuid4().hex})  # matches no session
+    db = client._transport.app.state.services.db
+    engines = {id(e): e.sync_engine for e in (db.reader, db.writer)}
+    seen: list[str] = []
+
+    def count(_conn, _cursor, statement, *_args):
+        if "consumer_sessions" in statement:
+            seen.append(statement)
+
+    for engine in engines.values():
+        event.listen(engine, "before_cursor_execute", count)
+    try:
+        waiters = 12
+        replies = await asyncio.gather(*(claim(client, name, wait=1.2, limit=1)
+                                         for _ in range(waiters)))
+    finally:
+        for engine in engines.values():
+            event.remove(engine, "before_cursor_execute", count)
+    assert all(r.status_code == 201 and r.json()["sessions"] == [] for r in replies)
+    # Each claim's own first probe and final attempt, plus shared probes: about five
+    # ticks of 0.25 s. One probe per claim per tick (the old loop) is ~5 per claim.
+    per_claim = len(seen) / waiters
+    assert per_claim < 3.5, (len(seen), seen[:5])
+
+
+@pytest.mark.parametrize("encoded", ["%2E", "%2E%2E", "g%0A"])
+async def test_group_names_no_client_can_address_are_refused(client, encoded):
+    # Issue 21: "." and ".." were accepted, though every client and proxy resolves
+    # them away as path segments (and a trailing newline slipped through `$`).
+    r = await client.put(f"/v1/consumers/{encoded}", json={"labels": {}})
+    body = problem(r, 422, "invalid-request")
+    assert body["field"] == "group"
+    assert (await client.get("/v1/consumers")).status_code == 200
+    names = [g["group"] if isinstance(g, dict) else g
+             for g in (await client.get("/v1/consumers")).json()["groups"]]
+    assert not any(n in (".", "..", "g\n") for n in names)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.api.helpers import feed_tail, opened
 
 
@@ -21,3 +23,23 @@ async def test_the_feed_from_the_beginning_starts_at_the_first_event(client, sid
     first = (await client.get("/v1/events", params={"limit": 1})).json()
     again = (await client.get("/v1/events", params={"limit": 1, "after": ""})).json()
     assert first["events"] == again["events"] and len(first["events"]) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/events", "/ui/feed"])
+@pytest.mark.parametrize("wait", ["nan", "NaN", "-1", "-inf", "-0.5"])
+async def test_a_bad_wait_is_the_same_422_on_every_feed_route(client, path, wait):
+    # One parser of `wait` (issue 21): /ui/feed?wait=nan used to answer 500.
+    r = await client.get(path, params={"wait": wait})
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "wait"
+
+
+@pytest.mark.parametrize("path", ["/v1/events", "/ui/feed"])
+@pytest.mark.parametrize("wait", ["inf", "1e400", "0"])
+async def test_a_huge_wait_is_clamped_on_every_feed_route(client, path, wait, sid):
+    # "at most": an infinite wait is the route's maximum, and the feed answers at once
+    # when an event is already there.
+    await opened(client, sid)
+    r = await client.get(path, params={"wait": wait})
+    assert r.status_code == 200, r.text
+    assert r.json()["events"]

@@ -1,5 +1,6 @@
 """The body limit answers 413 before anything is parsed, with or without Content-Length."""
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -8,6 +9,7 @@ import pytest
 
 from app.main import create_app
 from tests.factory import open_body, turn
+from tests.wire import MSGPACK, to_msgpack
 
 LIMIT = 2000
 
@@ -62,3 +64,144 @@ async def test_every_body_route_is_limited(small, route):
     raw = json.dumps({"padding": "x" * LIMIT}).encode()
     r = await small.post(route, content=chunked(raw), headers={"content-type": "application/json"})
     assert r.status_code == 413
+
+
+# -- width: what a body decodes into, bounded before it is decoded (issue 21) --------------
+
+VALUES = 1000
+
+
+@pytest.fixture
+async def narrow(settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings.model_copy(update={"max_body_values": VALUES}))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        yield http
+    await app.state.services.db.dispose()
+
+
+def wide_bodies(wire: str, kind: str) -> bytes:
+    """A body of 5,000 empty containers (or scalars) on `wire`, far under the byte limit."""
+    item = {"arrays": [], "maps": {}, "ints": 0}[kind]
+    body = {"event_id": "e-wide", "record": {"wide": [item] * 5000}}
+    return to_msgpack(body) if wire == "msgpack" else json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("wire", ["json", "msgpack"])
+@pytest.mark.parametrize("kind", ["arrays", "maps", "ints"])
+async def test_a_body_decoding_into_too_many_values_is_413(narrow, sid, wire, kind):
+    assert (await narrow.post("/v1/sessions", json=open_body(sid))).status_code == 201
+    r = await narrow.post(f"/v1/sessions/{sid}/turns", content=wide_bodies(wire, kind),
+                          headers={"content-type": MSGPACK if wire == "msgpack"
+                                   else "application/json"})
+    assert r.status_code == 413, r.text
+    problem = r.json()
+    assert problem["field"] == "body" and str(VALUES) in problem["expected"]
+    assert (await narrow.get(f"/v1/sessions/{sid}")).json()["num_nodes"] == 0
+    # An ordinary turn (and open) under the same limit is served.
+    ok = turn(list(range(1, 200)), [7, 8])
+    content = to_msgpack(ok) if wire == "msgpack" else json.dumps(ok).encode()
+    r = await narrow.post(f"/v1/sessions/{sid}/turns", content=content, headers={
+        "content-type": MSGPACK if wire == "msgpack" else "application/json"})
+    assert r.status_code == 201, r.text
+
+
+async def test_every_json_body_is_bounded_in_values(narrow, sid):
+    wide = json.dumps(open_body(sid, labels={f"k{i}": "v" for i in range(3000)})).encode()
+    r = await narrow.post("/v1/sessions", content=wide,
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert (await narrow.get(f"/v1/sessions/{sid}")).status_code == 404
+
+
+def test_the_value_count_matches_a_full_decode():
+    # The oracle: a recursive count over the decoded value (keys counted as values).
+    import msgspec
+
+    from app.domain.width import msgpack_values
+
+    def count(v):
+        if isinstance(v, dict):
+            return 1 + sum(1 + count(x) for x in v.values())
+        if isinstance(v, list):
+            return 1 + sum(count(x) for x in v)
+        return 1
+
+    docs = [{"a": [1, 2.5, None, True, "x" * 40, b"\0" * 300, -5, 2**40, -2**40, "é" * 100],
+             "b": {"c": [[], {}], "d": "y" * 70_000, "e": b"z" * 70_000}},
+            [list(range(70_000)), [1.5] * 10, {str(i): i for i in range(40)}]]
+    for doc in docs:
+        raw = msgspec.msgpack.encode(doc)
+        assert msgpack_values(raw, 10**9) == count(doc)
+        assert msgpack_values(raw, 10) == 11  # stops just past the limit
+
+
+# -- upload slots: held only by bodies that keep arriving, taken by chunked bodies too ---
+
+def big_turn() -> bytes:
+    return json.dumps(turn(list(range(1, 2000)), [7, 8])).encode()  # ~30 kB
+
+
+async def test_a_trickling_slot_holder_is_408_and_frees_its_slot(settings, sid):
+    app = create_app(settings.model_copy(update={
+        "large_body_bytes": 1000, "max_large_uploads": 1,
+        "min_upload_rate": 1_000_000, "upload_grace_s": 0.05}))
+    raw = big_turn()
+
+    async def trickle():
+        for i in range(0, len(raw), 100):
+            yield raw[i:i + 100]
+            await asyncio.sleep(0.5)  # far slower than 1 MB/s once the grace is over
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        r = await http.post(f"/v1/sessions/{sid}/turns", content=trickle(), headers={
+            "content-type": "application/json", "content-length": str(len(raw))})
+        assert r.status_code == 408, r.text
+        assert r.json()["field"] == "body"
+        # The slot is free again: a large turn sent at once is served.
+        r = await http.post(f"/v1/sessions/{sid}/turns", content=raw,
+                            headers={"content-type": "application/json"})
+        assert r.status_code == 201, r.text
+    await app.state.services.db.dispose()
+
+
+async def test_a_chunked_turn_waits_for_an_upload_slot(settings, sid):
+    # Issue 21: a body without Content-Length never took a slot, so any number of
+    # 49 MB chunked turns were read and decoded at once.
+    app = create_app(settings.model_copy(update={"large_body_bytes": 1000,
+                                                 "max_large_uploads": 1}))
+    raw = big_turn()
+    holding, release = asyncio.Event(), asyncio.Event()
+    second_started = asyncio.Event()
+
+    async def first():
+        yield raw[:100]
+        holding.set()
+        await release.wait()
+        yield raw[100:]
+
+    async def second():
+        second_started.set()
+        yield raw
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        other = sid + "-b"
+        assert (await http.post("/v1/sessions", json=open_body(other))).status_code == 201
+        headers = {"content-type": "application/json"}
+        a = asyncio.create_task(http.post(f"/v1/sessions/{sid}/turns", content=first(),
+                                          headers=headers))
+        await holding.wait()
+        b = asyncio.create_task(http.post(f"/v1/sessions/{other}/turns", content=second(),
+                                          headers=headers))
+        for _ in range(50):  # let the second request run as far as it can
+            await asyncio.sleep(0.01)
+        assert not second_started.is_set(), "a chunked body was read without a slot"
+        release.set()
+        ra, rb = await a, await b
+        assert ra.status_code == rb.status_code == 201, (ra.text, rb.text)
+        assert ra.request.headers.get("transfer-encoding") == "chunked"
+    await app.state.services.db.dispose()

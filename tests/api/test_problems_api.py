@@ -84,3 +84,40 @@ async def test_reads_of_an_unknown_session_are_404_unknown_session(client, sid, 
 async def test_closing_an_unknown_session_is_404(client, sid):
     assert_problem(await client.post(f"/v1/sessions/{sid}/close", json={}), 404,
                    "unknown-session")
+
+
+async def test_a_local_file_error_is_a_500_not_database_unavailable(settings, tmp_path):
+    # Issue 21: every OSError read as "database unavailable" (503, retry): only one
+    # raised inside the database path is; a local file error is the server's own.
+    import httpx
+
+    from app.main import create_app
+
+    app = create_app(settings)
+
+    @app.get("/test-local-file")
+    async def local_file() -> None:
+        (tmp_path / "no" / "such" / "file").read_text()
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(
+            app=app, raise_app_exceptions=False), base_url="http://turnlog") as http:
+        r = await http.get("/test-local-file")
+        assert r.status_code == 500, r.text
+        assert r.json()["type"] == "urn:turnlog:internal"
+    await app.state.services.db.dispose()
+
+
+async def test_an_unreachable_database_is_still_503(tmp_path):
+    import httpx
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    missing = tmp_path / "no" / "such" / "dir" / "db.sqlite"
+    app = create_app(Settings(database_url=f"sqlite+aiosqlite:///{missing}",
+                              migrate_on_start=False, api_tokens=""))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        r = await http.get("/v1/sessions")
+    assert r.status_code == 503 and r.json()["type"] == "urn:turnlog:unavailable", r.text
+    await app.state.services.db.dispose()

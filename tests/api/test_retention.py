@@ -76,7 +76,9 @@ async def prune(client, name, before=None, dry_run=False):
     r = await client.post("/v1/retention/r3", json={
         "consumer": name, "acked_before": before or later(), "dry_run": dry_run})
     assert r.status_code == 200, r.text
-    return r.json()
+    body = r.json()
+    assert body.pop("acked_before").endswith("Z"), body  # the instant used, in UTC
+    return body
 
 
 async def test_pruning_frees_r3_and_nothing_else(client, sid):
@@ -282,3 +284,78 @@ async def test_cli_dry_run_then_free(client, db_url, sid):
     code, _, output = await run_cli("retention", "r3", "--consumer", "no-such-group",
                                     "--acked-before", later(), "--database-url", db_url)
     assert code == 2 and "no consumer group" in output
+
+
+@pytest.mark.parametrize("accept", ["application/json", "application/msgpack"])
+async def test_an_events_page_racing_retention_reads_as_pruned(settings, accept, monkeypatch):
+    # Issue 21: the page read the session row, then retention emptied the patches,
+    # then the page read them (READ COMMITTED on PostgreSQL): 500, or a body cut
+    # after a 200. The race is forced by freeing the R3 between the two reads.
+    import httpx
+    import msgspec
+
+    from app.main import create_app
+    from app.store import reads
+
+    app = create_app(settings)
+    svc = app.state.services
+    real_load_patches = reads.load_patches
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://turnlog") as http:
+        sid = await r3_session(http, {"run_id": uuid.uuid4().hex})
+
+        async def load_after_retention(conn, session_id, seqs):
+            assert await svc.retention.prune_session(session_id, dry_run=False) > 0
+            return await real_load_patches(conn, session_id, seqs)
+
+        monkeypatch.setattr(reads, "load_patches", load_after_retention)
+        r = await http.get(f"/v1/sessions/{sid}/events", headers={"accept": accept})
+        monkeypatch.setattr(reads, "load_patches", real_load_patches)
+        assert r.status_code == 200, r.text
+        page = (msgspec.msgpack.decode(r.content) if accept.endswith("msgpack") else r.json())
+        turns = [e for e in page if e["type"] == "turn_recorded"]
+        assert len(turns) == 2
+        # Either the snapshot predates retention (SQLite: one snapshot per read) and
+        # every R3 is there, or the page is a pruned one: never half of each.
+        after = (await http.get(f"/v1/sessions/{sid}/events")).json()
+        if all(e.get("r3_pruned") for e in turns):
+            assert all(e["record"] == without_r3(e["record"]) for e in turns)
+            assert [e for e in after if e["type"] == "turn_recorded"] == turns
+        else:
+            assert not any("r3_pruned" in e for e in turns)
+            assert all(e["record"] != without_r3(e["record"]) for e in turns)
+    await svc.db.dispose()
+
+
+async def test_retention_keeps_what_another_matching_group_has_not_acknowledged(client):
+    # Issue 21: retention by one group freed R3 that another group matching the same
+    # sessions had not acknowledged; that group then claimed sessions answering 410.
+    labels = {"run_id": uuid.uuid4().hex}
+    first, (sid,) = await acked(client, labels)
+    second = await group(client, labels)
+    assert await prune(client, first) == {"sessions": 0, "bytes": 0,
+                                          "held_by": {second: 1}}
+    c = (await claim(client, second, limit=10)).json()
+    assert c["sessions"] == [sid]
+    r = await client.get(f"/v1/sessions/{sid}/samples/0/r3")
+    assert r.status_code == 200, r.text
+    # Claimed but not acknowledged still holds it.
+    assert (await prune(client, first))["held_by"] == {second: 1}
+    r = await client.post(f"/v1/consumers/{second}/claims/{c['claim_id']}/ack",
+                          json={"step": 1})
+    assert r.status_code == 200, r.text
+    freed = await prune(client, first)
+    assert freed["sessions"] == 1 and "held_by" not in freed
+    problem(await client.get(f"/v1/sessions/{sid}/samples/0/r3"), 410, "r3-pruned")
+
+
+@pytest.mark.parametrize("sent, read", [
+    ("2000-01-01T00:00:00", "2000-01-01T00:00:00Z"),
+    ("2000-01-01T02:00:00+02:00", "2000-01-01T00:00:00Z"),
+    ("2000-01-01T00:00:00.5z", "2000-01-01T00:00:00.500000Z")])
+async def test_the_reply_says_which_utc_instant_acked_before_was(client, sent, read):
+    # Issue 21: a time without a zone was read as UTC silently; the reply now names it.
+    name = await group(client, {"run_id": uuid.uuid4().hex})
+    r = await client.post("/v1/retention/r3", json={"consumer": name, "acked_before": sent})
+    assert r.status_code == 200, r.text
+    assert r.json()["acked_before"] == read

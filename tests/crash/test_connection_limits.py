@@ -139,3 +139,29 @@ def test_a_token_in_the_query_string_is_refused_and_not_logged(server):
     log = server.log_path.read_text(errors="replace")
     assert "access_token=REDACTED" in log, log[-2000:]
     assert SECRET not in log
+
+
+def test_at_the_concurrency_limit_healthz_answers_and_the_rest_is_problem_json(
+        server_process, fresh_database):
+    # Issue 21: 1,000 open long-polls reached the limit and /healthz answered uvicorn's
+    # plain-text 503 for 30 s. Connections held open stand in for the long-polls.
+    server = server_process(fresh_database("sqlite"), {
+        "TURNLOG_LIMIT_CONCURRENCY": "4", "TURNLOG_HEADER_TIMEOUT_S": "30"})
+    asyncio.run(server.wait_ready())
+    held = [connect(server) for _ in range(6)]
+    time.sleep(0.3)  # every connection accepted by the server
+    try:
+        answers = {}
+        for path in ("/healthz", "/v1/sessions"):
+            sock = connect(server)
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            answers[path] = read_all(sock, time.monotonic() + 10)
+            sock.close()
+    finally:
+        for sock in held:
+            sock.close()
+    assert answers["/healthz"].startswith(b"HTTP/1.1 200 "), answers["/healthz"][:300]
+    busy = answers["/v1/sessions"]
+    assert busy.startswith(b"HTTP/1.1 503 "), busy[:300]
+    assert b"application/problem+json" in busy and b"urn:turnlog:overloaded" in busy, busy

@@ -210,7 +210,10 @@ async def test_docs_serve_swagger_ui_from_this_server(client):
 
 
 @pytest.mark.parametrize("query", ["access_token=secret-secret-secret", "token=x",
-                                   "limit=5&API_KEY=abc"])
+                                   "limit=5&API_KEY=abc",
+                                   # percent-encoded names are the same names to a router
+                                   "%61ccess_token=secret", "access%5Ftoken=secret",
+                                   "limit=5&api%5fkey=abc", "%54OKEN=secret"])
 async def test_a_token_in_the_query_string_is_refused(client, query):
     r = await client.get(f"/v1/sessions?{query}")
     body = is_problem(r, 401, "unauthorized")
@@ -222,6 +225,9 @@ def test_the_access_log_redacts_query_tokens():
 
     line = redact_query('GET /v1/sessions?limit=5&access_token=s3cr3t&token=t0k HTTP/1.1')
     assert "s3cr3t" not in line and "t0k" not in line and "limit=5" in line
+    for encoded in ("%61ccess_token", "access%5Ftoken", "api%5fkey", "to%6Ben"):
+        line = redact_query(f"GET /v1/sessions?limit=5&{encoded}=s3cr3t HTTP/1.1")
+        assert "s3cr3t" not in line and "limit=5" in line and encoded in line, line
     import logging
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1,
                                '%s - "%s %s HTTP/%s" %d',

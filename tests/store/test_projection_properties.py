@@ -120,3 +120,37 @@ async def test_rebuild_equals_incremental(client, settings):
         assert await checksums(db, sids) == before
     finally:
         await db.dispose()
+
+
+async def test_a_rebuild_beside_a_live_writer_says_it_needs_a_quiet_store(
+        client, settings, monkeypatch):
+    # Issue 21: beside a live writer every rebuild failed with "rebuilt projections
+    # differ" although nothing was wrong. The writer is forced between the two
+    # checksums (it closes the session being rebuilt): the rebuild must tell a changed
+    # store from a wrong projection.
+    from app.store import rebuild as rebuild_module
+    from app.store.db import Database
+
+    sid = f"rb-live-{uuid.uuid4().hex}"
+    assert (await client.post("/v1/sessions", json={
+        "session_id": sid, "version": "v2", "labels": {"k": "v"}})).status_code == 201
+    real = rebuild_module.checksums
+    calls = []
+
+    async def checksums_with_a_writer(db, session_ids=None):
+        calls.append(session_ids)
+        if len(calls) == 2:  # between "before" and "after": a live server writes
+            r = await client.post(f"/v1/sessions/{sid}/close", json={})
+            assert r.status_code == 200, r.text
+        return await real(db, session_ids)
+
+    db = Database(settings.database_url, settings)
+    try:
+        monkeypatch.setattr(rebuild_module, "checksums", checksums_with_a_writer)
+        report = await rebuild(db, sid)
+        monkeypatch.setattr(rebuild_module, "checksums", real)
+        assert not report.equal and report.changed == 1
+        quiet = await rebuild(db, sid)
+        assert quiet.equal and quiet.changed == 0 and quiet.ok
+    finally:
+        await db.dispose()

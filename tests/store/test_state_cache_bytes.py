@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import random
 
+import httpx
+import msgspec
 import numpy as np
+import pytest
 
+from app.main import create_app
 from app.simulator import SessionSimulator, SimConfig, SimRates
 from app.store.loader import StateCache
-from tests.factory import open_body, turn
+from tests.factory import open_body, r3_b64, turn
+from tests.wire import MSGPACK, to_msgpack
 
 
 async def chain(client, sid: str, turns: int, new: int, out: int) -> list[list[int]]:
@@ -95,3 +100,56 @@ def test_tokens_beyond_int32_are_kept_whole():
     wide = np.array([1, 2**40], dtype=np.int64)
     assert compact(wide).dtype == np.int64
     assert compact(np.array([1, 2], dtype=np.int64)).dtype == np.int32
+
+
+def kept_bytes(state) -> int:
+    """An independent count of what a cached state keeps alive: its token and
+    log-prob arrays, any R3 values its nodes still hold, and the message texts."""
+    total = 0
+    for node in state.nodes:
+        total += node.tail.nbytes + node.logprobs.nbytes + len(node.facts.content)
+        if node.facts.r3_values is not None:
+            total += node.facts.r3_values.nbytes
+    return total
+
+
+@pytest.mark.parametrize("wire", ["json", "msgpack"])
+async def test_the_cache_keeps_only_what_the_fold_needs_and_counts_it(settings, wire, sid):
+    # Issue 21: a cached turn kept its decoded R3 values (on MessagePack a view of the
+    # whole request body) and the byte count ignored them and the message text, so
+    # a 10 MB budget grew ~10 MB per turn.
+    budget = 200_000
+    app = create_app(settings.model_copy(update={"state_cache_bytes": budget}))
+    svc = app.state.services
+    layers, topk, rows, text = 8, 8, 1_500, 60_000
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://turnlog") as http:
+        r = await http.post("/v1/sessions", json=open_body(
+            sid, pause_generation_mode="in_place", r3={"num_layers": layers}))
+        assert r.status_code == 201, r.text
+        for i in range(3):
+            body = turn(list(range(1, rows)), [7, 8], r3=r3_b64(rows, layers, topk, seed=i),
+                        start=0, parent=None)
+            body["record"]["response"]["choices"][0]["message"]["content"] = "y" * text
+            content = to_msgpack(body) if wire == "msgpack" else msgspec.json.encode(body)
+            r = await http.post(f"/v1/sessions/{sid}/turns", content=content, headers={
+                "content-type": MSGPACK if wire == "msgpack" else "application/json"})
+            assert r.status_code == 201, r.text
+            appended = svc.cache.get(sid)  # measured again, evicted if over the budget
+            assert appended is not None
+            assert all(n.facts.r3_values is None for n in appended.nodes)
+            assert appended.nbytes >= kept_bytes(appended)
+            assert svc.cache.nbytes <= budget
+            if svc.cache.nbytes:  # still held: counted in full
+                assert svc.cache.nbytes >= kept_bytes(appended)
+        # Three turns of 60 kB text are more than the budget: not kept at all.
+        assert svc.cache.get(sid) is None and svc.cache.nbytes == 0
+        big = app.state.services.cache
+        big.max_bytes = None
+        state = (await http.get(f"/v1/sessions/{sid}/state")).json()
+        assert len(state["checkpoint_token_ids"]) == rows + 1
+        folded = big.get(sid)
+        assert folded is not None and len(folded.nodes) == 3
+        assert all(n.facts.r3_values is None for n in folded.nodes)
+        assert folded.nbytes >= kept_bytes(folded) >= 3 * text
+    await svc.db.dispose()
