@@ -149,9 +149,10 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
 
 
 async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int,
-                        wire: str = "json", py_spy: str | None = None) -> tuple[float, float]:
+                        wire: str = "json", py_spy: str | None = None,
+                        root: Path | None = None) -> tuple[float, float]:
     """(wall seconds, server CPU seconds) of appending every turn of `plans`."""
-    proc, base = await start_server(url, workers)
+    proc, base = await start_server(url, workers, root)
     spy = None
     if py_spy:
         # Sample the server (and its worker processes) for the whole phase.
@@ -392,6 +393,12 @@ async def main() -> None:
                              "these client counts, e.g. 1,4,16,64 (one session per client, at "
                              "least --sessions; --curve-turns turns each)")
     parser.add_argument("--curve-turns", type=int, default=4)
+    parser.add_argument("--baseline", metavar="DIR", type=Path,
+                        help="also run the turnlog phases (1 worker) with the checkout in DIR "
+                             "(its own .venv), e.g. the code before a change: phases "
+                             "'<wire> base' in the same run")
+    parser.add_argument("--baseline-revision", default="0006",
+                        help="the migration the --baseline checkout's schema stops at")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
     args = parser.parse_args()
@@ -425,6 +432,9 @@ async def main() -> None:
     for workers in worker_counts:
         for wire in wires:
             phases.append((f"{wire} w{workers}", ("turnlog", wire, workers)))
+    if args.baseline:
+        for wire in wires:
+            phases.append((f"{wire} base", ("baseline", wire, 1)))
     phases += [("naive", ("naive", None, 0)), ("floor", ("floor", None, 0))]
     phases += [(f"http {wire}", ("http", wire, 1)) for wire in wires]
     for round_no in range(1, args.rounds + 1):
@@ -435,10 +445,13 @@ async def main() -> None:
                 elapsed = await bench_http_floor(plans, args.clients, wire)
             else:
                 url = create_database(server, f"bench_{kind}_{uuid.uuid4().hex[:6]}")
-                if kind == "turnlog":
-                    await migrate.upgrade_async(url)
+                if kind in ("turnlog", "baseline"):
+                    root = args.baseline if kind == "baseline" else None
+                    # The other checkout knows only the revisions it ships.
+                    await migrate.upgrade_async(url, "head" if root is None else
+                                                args.baseline_revision)
                     elapsed, cpu_s = await bench_turnlog(url, plans, args.clients, workers,
-                                                         wire, args.py_spy)
+                                                         wire, args.py_spy, root)
                     cpu[name] = min(cpu.get(name, cpu_s), cpu_s)
                     tables: tuple[str, ...] = TURNLOG_TABLES
                 elif kind == "naive":
@@ -462,7 +475,10 @@ async def main() -> None:
               f"{(f'{cpu[name] / turns * 1e3:.2f}' if name in cpu else '-'):>19s}")
     print()
     for name, (elapsed, _size) in results.items():
-        if name.startswith("msgpack"):
+        if name.endswith("base"):
+            print(f"turnlog {name} (--baseline) / floor:  {t_floor / elapsed:.2f}   "
+                  f"server CPU {cpu[name] / turns * 1e3:.2f} ms/turn")
+        elif name.startswith("msgpack"):
             print(f"turnlog MessagePack ({name}) / floor: {t_floor / elapsed:.2f}   "
                   f"(target >= 0.5); server CPU {cpu[name] / turns * 1e3:.2f} ms/turn "
                   f"(target <= 4)")
