@@ -182,3 +182,42 @@ async def test_rows_carry_the_coordinators_transaction_id(client, settings, sid,
         assert low < xid < high
     finally:
         await db.dispose()
+
+
+async def test_on_citus_the_call_is_a_one_worker_transaction(client, settings, sid, backend,
+                                                             calls):
+    """Citus records every two-phase commit in pg_dist_transaction: one-trip appends of
+    sessions on both workers add none (each call stays on its session's worker)."""
+    if backend != "citus":
+        pytest.skip("Citus only")
+    db = Database(settings.database_url, settings)
+    pool = await db.driver_pool()
+    try:
+        async with pool.acquire() as conn:
+            by_worker: dict[int, list[str]] = {}
+            for i in range(64):  # two sessions on each of the two workers
+                port = await conn.fetchval(
+                    "SELECT nodeport FROM citus_shards WHERE table_name = 'sessions'::regclass "
+                    "AND shardid = get_shard_id_for_distribution_column('sessions', $1::text)",
+                    f"{sid}-{i}")
+                by_worker.setdefault(port, [])
+                if len(by_worker[port]) < 2:
+                    by_worker[port].append(f"{sid}-{i}")
+                if len(by_worker) == 2 and all(len(v) == 2 for v in by_worker.values()):
+                    break
+            before = await conn.fetchval("SELECT count(*) FROM pg_dist_transaction")
+        sids = [s for group in by_worker.values() for s in group]
+        assert len(by_worker) == 2 and len(sids) == 4
+        for s in sids:
+            await client.post("/v1/sessions", json=open_body(s))
+        for s in sids:
+            for k in range(2):
+                r = await client.post(f"/v1/sessions/{s}/turns",
+                                      json=turn(list(range(1, 3 + 2 * k)), [k + 100]))
+                assert r.status_code == 201, r.text
+        async with pool.acquire() as conn:
+            after = await conn.fetchval("SELECT count(*) FROM pg_dist_transaction")
+        assert calls["written"] == len(sids) * 2
+        assert after == before
+    finally:
+        await db.dispose()
