@@ -50,7 +50,6 @@ from typing import Any
 import asyncpg
 import numpy as np
 
-from app.client.async_client import _encode_turn
 from bench.common import (
     ROOT,
     RawHttp,
@@ -61,6 +60,7 @@ from bench.common import (
     stop_server,
 )
 from tests.pg import create_database, drop_database
+from turnlog_client.async_client import _encode_turn
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")

@@ -33,10 +33,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from app.client import SyncTurnlogClient
 from bench.common import postgres, start_server, stop_server
 from bench.ingest import LAYERS, TOPK, make_session
 from tests.pg import create_database
+from turnlog_client import SyncTurnlogClient
 
 
 def rss_kib(pid: int, field: str) -> int:

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from app.client import TurnlogClient, TurnlogError, new_event_id
+from turnlog_client import TurnlogClient, TurnlogError, new_event_id
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 

@@ -1,4 +1,4 @@
-"""`app.client`: typed errors, retries that are safe, and every read docs/api.md offers."""
+"""`turnlog_client`: typed errors, retries that are safe, and every read docs/api.md offers."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from app.client import TurnlogClient
-from app.client.errors import TurnlogConnectionError, TurnlogError
-from app.client.sync import SyncTurnlogClient
 from app.main import create_app
 from app.simulator import SessionSimulator, SimConfig, route
 from tests.factory import r3_b64, turn
+from turnlog_client import TurnlogClient
+from turnlog_client.errors import TurnlogConnectionError, TurnlogError
+from turnlog_client.sync import SyncTurnlogClient
 
 
 @pytest.fixture

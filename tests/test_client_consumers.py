@@ -1,4 +1,5 @@
-"""The trainer side of `app.client`: claim contexts, iter_claims, the samples wire, R3 slices."""
+"""The trainer side of `turnlog_client`: claim contexts, iter_claims, the samples wire,
+R3 slices."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import httpx
 import numpy as np
 import pytest
 
-from app.client import Claim, TurnlogClient, TurnlogError
 from app.main import create_app
 from tests.factory import open_body, r3_b64, turn
+from turnlog_client import Claim, TurnlogClient, TurnlogError
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ async def test_samples_wire_and_r3_slices(tl):
 
 
 def test_sync_claim_context(settings):
-    from app.client.sync import SyncTurnlogClient
+    from turnlog_client.sync import SyncTurnlogClient
 
     app = create_app(settings)
     with SyncTurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app)) as tl:

@@ -1,9 +1,11 @@
 """The wheel a user installs with pip migrates and serves without a source checkout.
 
-Builds the wheel from a copy of the project (offline: no build isolation, the
-test extra brings setuptools and wheel), installs it with `--no-deps` into a
-fresh venv whose dependencies resolve from this venv's site-packages (a `.pth`
-line; the package itself must come from the wheel), then runs the installed
+Builds the wheel from a copy of the project, and the client's wheel
+(`turnlog-client`, a dependency of the server) from a copy of ./client
+(offline: no build isolation, the test extra brings setuptools and wheel),
+installs both with `--no-deps` into a fresh venv whose other dependencies
+resolve from this venv's site-packages (a `.pth` line; both packages must
+come from the wheels), then runs the installed
 `turnlog` script from an empty working directory: `migrate` on a fresh SQLite
 file, `serve` on a free port, and `/readyz` must answer 200 at schema head.
 """
@@ -50,32 +52,50 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+
+
+def build_wheel(src: Path, dist: Path) -> None:
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-cache-dir", "--wheel-dir", str(dist), str(src)], cwd=src, env=clean_env())
+
+
+@pytest.fixture(scope="module")
+def client_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The client distribution's wheel, built from a copy of ./client."""
+    src = tmp_path_factory.mktemp("client-src") / "client"
+    shutil.copytree(ROOT / "client", src, ignore=IGNORED)
+    dist = tmp_path_factory.mktemp("client-dist")
+    build_wheel(src, dist)
+    (built,) = dist.glob("turnlog_client-*.whl")
+    return built
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A copy of what the wheel is built from, so the build leaves nothing in the checkout.
     src = tmp_path_factory.mktemp("src")
     shutil.copy(ROOT / "pyproject.toml", src)
     shutil.copy(ROOT / "README.md", src)
-    shutil.copytree(ROOT / "app", src / "app",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(ROOT / "app", src / "app", ignore=IGNORED)
     dist = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--no-cache-dir", "--wheel-dir", str(dist), str(src)], cwd=src, env=clean_env())
+    build_wheel(src, dist)
     (built,) = dist.glob("turnlog-*.whl")
     return built
 
 
 @pytest.fixture(scope="module")
-def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def venv(wheel: Path, client_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("venv")
     run([sys.executable, "-m", "venv", "--without-pip", str(home)], cwd=home)
     python = home / "bin" / "python"
     run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-         "--no-index", str(wheel)], cwd=home, env=clean_env())
+         "--no-index", str(wheel), str(client_wheel)], cwd=home, env=clean_env())
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = Path(run([str(python), "-c", purelib], cwd=home).stdout.strip())
     # Dependencies from this venv; a plain path line, so this venv's editable-install
-    # hooks (.pth files there) are not run and `app` can only come from the wheel.
+    # hooks (.pth files there) are not run and `app` and `turnlog_client` can only
+    # come from the wheels.
     (site / "zz_outer_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return home
 
@@ -91,10 +111,19 @@ def test_the_wheel_ships_the_migrations(wheel: Path) -> None:
     assert not [n for n in names if n.startswith(("tests/", "bench/", "alembic/"))]
 
 
-def test_app_is_imported_from_the_wheel_not_the_checkout(venv: Path, tmp_path: Path) -> None:
-    found = run([str(venv / "bin" / "python"), "-c", "import app; print(app.__file__)"],
+@pytest.mark.parametrize("package", ["app", "turnlog_client"])
+def test_packages_are_imported_from_the_wheels_not_the_checkout(
+        venv: Path, tmp_path: Path, package: str) -> None:
+    where = f"import {package}; print({package}.__file__)"
+    found = run([str(venv / "bin" / "python"), "-c", where],
                 cwd=tmp_path, env=clean_env()).stdout.strip()
     assert Path(found).is_relative_to(venv), found
+
+
+def test_the_client_wheel_ships_only_the_client(client_wheel: Path) -> None:
+    names = zipfile.ZipFile(client_wheel).namelist()
+    assert "turnlog_client/miles.py" in names and "turnlog_client/py.typed" in names
+    assert all(n.startswith(("turnlog_client/", "turnlog_client-")) for n in names), names
 
 
 @pytest.fixture

@@ -28,7 +28,8 @@ def _body(schema: dict[str, Any], example: dict[str, Any]) -> dict[str, Any]:
 
 
 GROUP_BODY = _body({"properties": {"labels": {"type": "object"},
-                                   "from": {"enum": ["beginning", "now"]}}},
+                                   "from": {"enum": ["beginning", "now"]},
+                                   "require_reward": {"type": "boolean"}}},
                    {"labels": {"run_id": "run7"}, "from": "beginning"})
 CLAIM_BODY = _body({"required": ["claim_id"], "properties": {
     "claim_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"},

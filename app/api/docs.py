@@ -31,6 +31,7 @@ OPEN_BODY = _body({
         "spec": {"type": "boolean"},
         "max_trim_tokens": {"type": "integer", "minimum": 0},
         "labels": {"type": "object"},
+        "opened_by": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
     },
 }, {"session_id": "run7-r12-s0031", "version": "v2", "pause_generation_mode": "in_place",
     "r3": {"num_layers": 48}, "spec": True, "max_trim_tokens": 1,
@@ -79,3 +80,17 @@ CLOSE_BODY = _body({
         "metadata": {"type": ["object", "null"]},
     },
 }, {"max_seq_len": 32768, "metadata": {"reward": 1.0}})
+
+REWARD_BODY = _body({
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["event_id", "reward"],
+    "properties": {
+        "event_id": {"type": "string", "minLength": 1, "maxLength": 128},
+        "reward": {"type": "number"},
+        "sample": {"type": ["integer", "null"], "minimum": 0},
+        "response_id": {"type": ["string", "null"], "minLength": 1},
+        "source": {"type": ["string", "null"], "maxLength": 128},
+    },
+}, {"event_id": "rm-7f3a", "reward": 0.75, "sample": None, "response_id": None,
+    "source": "rm:qwen3-rm-v2"})

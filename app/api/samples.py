@@ -1,5 +1,6 @@
-"""`/v1/sessions/{sid}/close` and the samples of closed sessions: JSON, the miles
-samples wire (safetensors) and R3 tensors or slices of them as `.npy`."""
+"""`/v1/sessions/{sid}/close`, rewards recorded after it, and the samples of closed
+sessions: JSON, the miles samples wire (safetensors) and R3 tensors or slices of
+them as `.npy`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Header, Path, Query
 from fastapi.responses import Response, StreamingResponse
 
 from app.api.deps import BodyDep, ServicesDep, accepts
-from app.api.docs import CLOSE_BODY
+from app.api.docs import CLOSE_BODY, REWARD_BODY
 from app.api.problems import JSONText
 from app.domain.errors import InvalidRequest
 from app.domain.samples_wire import MEDIA_TYPE as SAFETENSORS
@@ -33,6 +34,17 @@ async def close_session(session_id: str, svc: ServicesDep, body: BodyDep) -> JSO
     if await svc.writer.close_session(session_id, body):
         svc.reader.notify()
     return JSONText(await svc.samples.samples(session_id, arrays=False))
+
+
+@router.post("/{session_id}/rewards", status_code=201, openapi_extra=REWARD_BODY)
+async def record_reward(session_id: str, svc: ServicesDep, body: BodyDep) -> JSONText:
+    """Record a reward of a closed session (the samples show the latest one);
+    201 new, 200 an identical repeat of its event_id."""
+    written = await svc.writer.record_reward(session_id, body)
+    if written.created:
+        # Feed readers, and claims of groups waiting for rewarded sessions, wake.
+        svc.reader.notify()
+    return JSONText(written.body, status_code=201 if written.created else 200)
 
 
 @router.get("/{session_id}/samples",

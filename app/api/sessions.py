@@ -50,6 +50,8 @@ def label_filters(request: Request, known: frozenset[str]) -> LabelFilters:
 async def open_session(svc: ServicesDep, body: BodyDep) -> JSONText:
     definition, created = await svc.writer.open_session(body)
     summary = await svc.reader.summary(definition.session_id)
+    # A repeat matched the stored body, so the parsed definition says who opened it.
+    summary["opened_by"] = definition.opened_by
     svc.reader.notify()
     return JSONText(summary, status_code=201 if created else 200)
 
@@ -115,8 +117,10 @@ async def session_events(
         try:
             return Response(await run_in_threadpool(msgpackio.dumps, events),
                             media_type=msgpackio.MEDIA_TYPE)
-        except UnicodeEncodeError:
-            pass  # a JSON-appended lone surrogate has no UTF-8 form: answer JSON, as allowed
+        except (UnicodeEncodeError, OverflowError):
+            # A JSON-appended lone surrogate has no UTF-8 form, an integer beyond 64 bits
+            # (a record's or a reward's) no MessagePack form: answer JSON, as allowed.
+            pass
     page = await svc.reader.session_events_page(
         session_id, after, EVENTS_PAGE.parse(limit), include_r3)
     if len(page) <= EVENTS_BATCH:

@@ -205,7 +205,7 @@ async def resolve_session(db: Any, prefix: str) -> str:
 
 def remote(url: str, token: str | None, call: str, *args: Any, **kwargs: Any) -> Any:
     """One call of the project's client against a running server (`--url`, `--token`)."""
-    from app.client import TurnlogClient, TurnlogError
+    from turnlog_client import TurnlogClient, TurnlogConnectionError, TurnlogError
 
     async def run() -> Any:
         async with TurnlogClient(url, token=token, retries=2) as client:
@@ -213,6 +213,8 @@ def remote(url: str, token: str | None, call: str, *args: Any, **kwargs: Any) ->
 
     try:
         return asyncio.run(run())
+    except TurnlogConnectionError as exc:
+        raise CliError(exc.detail) from None  # names the URL and how to start a server
     except TurnlogError as exc:
         status = "" if exc.status is None else f"{exc.status} "
         hint = " (pass --token or set TURNLOG_TOKEN)" if exc.status in (401, 403) else ""

@@ -23,6 +23,7 @@ from app.cli.browse import sessions, show, tail
 from app.cli.common import CliError, DatabaseUrl, check_database, err, mask, resolve_url
 from app.cli.consumers import consumers_cli
 from app.cli.demo import demo
+from app.cli.gateway import gateway
 from app.cli.retention import retention_cli
 from app.cli.store import rebuild, replay
 from app.cli.transfer import export, import_
@@ -59,7 +60,7 @@ def _global(
     import app.logs
 
     common.set_debug(debug)
-    if ctx.invoked_subcommand == "serve":
+    if ctx.invoked_subcommand in ("serve", "gateway"):
         # uvicorn's worker processes read their logging settings from the environment.
         if log_format:
             os.environ["TURNLOG_LOG_FORMAT"] = log_format
@@ -67,7 +68,7 @@ def _global(
             os.environ["TURNLOG_LOG_LEVEL"] = log_level.lower()
         get_settings.cache_clear()
     settings = get_settings()
-    default_level = "info" if ctx.invoked_subcommand == "serve" else "warning"
+    default_level = "info" if ctx.invoked_subcommand in ("serve", "gateway") else "warning"
     try:
         app.logs.configure_logging(log_level or settings.log_level or default_level,
                                    log_format or settings.log_format)
@@ -195,6 +196,7 @@ def _exists(url: str) -> None:
         raise CliError(f"no database at {path}: run `turnlog migrate` to create one")
 
 
+cli.command()(gateway)
 for command in (sessions, show, tail, replay, rebuild, demo):
     cli.command()(command)
 cli.command("import")(import_)

@@ -3,7 +3,8 @@
 Owns parsing the group definition, claim, ack and release bodies (limits,
 defaults, the group and claim id patterns), which sessions a group consumes
 (label matching), which of a group's sessions a claim may take (neither
-acknowledged nor held under a live lease, oldest close first) and the ack
+acknowledged nor held under a live lease, oldest close first; with
+`require_reward`, only sessions whose samples all have a reward) and the ack
 verdict (a late ack wins only when nobody else acknowledged or holds the
 session). Pure: the store locks rows, reads the clock and persists; every
 decision it takes about a session's hand-off is a function here.
@@ -24,6 +25,7 @@ from app.domain.validate import (
     describe,
     is_int,
     reject_unknown,
+    require_bool,
     require_object,
     require_text,
 )
@@ -31,7 +33,7 @@ from app.domain.validate import (
 GROUP_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 FROM_BEGINNING = "beginning"
 FROM_NOW = "now"
-GROUP_FIELDS = frozenset({"labels", "from"})
+GROUP_FIELDS = frozenset({"labels", "from", "require_reward"})
 CLAIM_FIELDS = frozenset({"claim_id", "limit", "lease_seconds", "wait"})
 ACK_FIELDS = frozenset({"sessions", "step"})
 RELEASE_FIELDS = frozenset({"sessions"})
@@ -47,10 +49,18 @@ class GroupSpec:
     group: str
     labels: dict[str, Any]
     start: str  # "beginning" | "now" (the body's `from`)
+    # Offer a session only once every one of its samples has a reward.
+    require_reward: bool = False
 
     def body(self) -> dict[str, Any]:
-        """The definition as compared by a repeated PUT (defaults filled in)."""
-        return {"labels": self.labels, "from": self.start}
+        """The definition as compared by a repeated PUT (defaults filled in).
+
+        `require_reward` appears only when true, so a group defined before the
+        field existed keeps its fingerprint."""
+        body: dict[str, Any] = {"labels": self.labels, "from": self.start}
+        if self.require_reward:
+            body["require_reward"] = True
+        return body
 
     def label_texts(self) -> dict[str, str]:
         return label_texts(self.labels)
@@ -122,7 +132,22 @@ def parse_group(group: str, raw: Any) -> GroupSpec:
     if start not in (FROM_BEGINNING, FROM_NOW):
         raise InvalidRequest('from must be "beginning" or "now"', field="from",
                              expected='"beginning" | "now"', actual=describe(start))
-    return GroupSpec(group=group, labels=dict(labels), start=start)
+    require_reward = require_bool(body.get("require_reward", False), "require_reward")
+    return GroupSpec(group=group, labels=dict(labels), start=start,
+                     require_reward=require_reward)
+
+
+def offered(require_reward: bool, rewarded: bool) -> bool:
+    """Whether a closed session goes to a group now: a group that requires rewards
+    waits until every sample of the session has one (`rewarded`)."""
+    return rewarded or not require_reward
+
+
+def enqueued_late(start: str, created_us: int, closed_us: int) -> bool:
+    """Whether a `require_reward` group takes a session that became rewarded only
+    after its close: it does if it consumes every close (`beginning`) or existed
+    when the session closed (`now`)."""
+    return start == FROM_BEGINNING or created_us <= closed_us
 
 
 def _int_in(body: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:

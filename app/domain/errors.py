@@ -228,3 +228,19 @@ class R3Pruned(DomainError):
     slug = "r3-pruned"
     status = 410
     title = "R3 was freed by retention"
+
+
+class UpstreamUnavailable(DomainError):
+    """The recording gateway could not reach its upstream, or it did not answer in time."""
+
+    slug = "upstream-unavailable"
+    status = 502
+    title = "Upstream unavailable"
+
+
+class SpoolFull(DomainError):
+    """The recording gateway can neither store a turn nor spool it: it is not answered."""
+
+    slug = "spool-full"
+    status = 503
+    title = "Gateway spool full"

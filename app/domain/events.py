@@ -28,7 +28,9 @@ TURN_RECORDED = "turn_recorded"
 SESSION_CLOSED = "session_closed"
 # The session's stored R3 was freed by retention (`{"bytes": n}`); folds ignore it.
 R3_PRUNED = "r3_pruned"
-EVENT_TYPES = (SESSION_OPENED, TURN_RECORDED, SESSION_CLOSED, R3_PRUNED)
+# A reward recorded after the close (`{"reward": <the body>}`, `event_id` set, no seq).
+REWARD_RECORDED = "reward_recorded"
+EVENT_TYPES = (SESSION_OPENED, TURN_RECORDED, SESSION_CLOSED, R3_PRUNED, REWARD_RECORDED)
 TOKEN_DTYPE = np.dtype("<i4")
 
 

@@ -17,6 +17,7 @@ import msgspec
 
 from app.domain import jsonio
 from app.domain.labels import label_text
+from app.domain.rewards import all_rewarded
 from app.domain.samples import Sample, SamplesResult
 from app.domain.session import SessionDefinition
 from app.domain.specinfo import SpecInfo, sum_turns
@@ -141,9 +142,17 @@ def sample_row(session_id: str, sample: Sample) -> dict[str, Any]:
         "weight_versions": jsonio.dumps(sample.weight_versions),
         **SpecInfo.from_dict(sample.spec_info).columns(),
         "reward": None if sample.reward is None else jsonio.dumps(sample.reward),
+        "reward_source": sample.reward_source,
         "sample_metadata": jsonio.dumps(sample.metadata),
         "r3": None if sample.r3 is None else jsonio.dumps(sample.r3),
     }
+
+
+def rewards_head(state: SessionState, result: SamplesResult) -> dict[str, Any]:
+    """The reward columns of a closed session's row: how many rewards were recorded
+    (what a cached fold is checked against) and whether every sample has one."""
+    return {"num_rewards": len(state.rewards),
+            "rewarded": all_rewarded(sample.reward for sample in result.samples)}
 
 
 def closed_head(state: SessionState, result: SamplesResult, closed_us: int) -> dict[str, Any]:
@@ -155,6 +164,7 @@ def closed_head(state: SessionState, result: SamplesResult, closed_us: int) -> d
         "close_fingerprint": jsonio.fingerprint(state.close.body()),
         "empty_reason": result.empty_reason,
         "sample_errors": jsonio.dumps(result.errors),
+        **rewards_head(state, result),
     })
     return head
 
@@ -201,7 +211,7 @@ def project_session(
     else:
         row.update(session_head(state))
         row.update({"closed_us": None, "close_fingerprint": None, "empty_reason": None,
-                    "sample_errors": None})
+                    "sample_errors": None, "num_rewards": 0, "rewarded": None})
     return {
         "sessions": [row],
         "session_labels": label_rows(state.definition),

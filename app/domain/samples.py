@@ -5,8 +5,9 @@ retries, longest path first), who keeps the loss of a completion shared by
 several v2 samples, each sample's SpecInfo, metadata, reward and R3 plan, the
 empty reasons, and the exact sample JSON. Refuses to own the per-path merge
 (`app/domain/samples_merge.py`), R3 row planning (`app/domain/assembly.py`),
-SpecInfo arithmetic (`app/domain/specinfo.py`) and persistence or streaming
-(the store materializes arrays and tensors from the log on demand).
+which recorded reward a sample shows (`app/domain/rewards.py`), SpecInfo
+arithmetic (`app/domain/specinfo.py`) and persistence or streaming (the store
+materializes arrays and tensors from the log on demand).
 
 Leaf turn: a sample's `leaf` is the last node of its root→leaf `path`, even
 when truncation or the merge stop left that node out of the sample's tokens.
@@ -16,11 +17,12 @@ so `metadata.tito_session_mismatch` always comes from the leaf node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.domain.assembly import R3Plan, plan_r3
 from app.domain.errors import Alignment, R3Gap, UnknownSample
+from app.domain.rewards import latest_rewards
 from app.domain.samples_merge import MergedPath, merge_path
 from app.domain.session import SessionClose
 from app.domain.specinfo import session_carrier, sum_turns
@@ -54,6 +56,9 @@ class Sample:
     # The miles samples wire's text fields (`app/domain/samples_wire.py`).
     response: str = ""
     prefix_cache_info: dict[str, int] = field(default_factory=dict)
+    # Where `reward` came from: the `source` of the recorded reward it is, null for
+    # the close's reward (or a recorded one sent without a source).
+    reward_source: str | None = None
 
     def read_plan(self) -> R3Plan:
         """The plan `…/samples/{index}/r3` streams: 404 without R3, 422 on a gap."""
@@ -78,6 +83,7 @@ class Sample:
             "weight_versions": self.weight_versions,
             "spec_info": self.spec_info,
             "reward": self.reward,
+            "reward_source": self.reward_source,
             "metadata": self.metadata,
             "r3": self.r3,
         })
@@ -223,5 +229,24 @@ def build_samples(state: SessionState, close: SessionClose) -> SamplesResult:
         # Every picked leaf was either unalignable or truncated away; any
         # error is the actionable cause, so it wins over truncation.
         empty_reason = ASSEMBLY_ERROR if errors else ALL_TRUNCATED
-    return SamplesResult(sid, version, samples, errors, empty_reason, carrier,
-                         state.definition.labels)
+    return with_rewards(
+        SamplesResult(sid, version, samples, errors, empty_reason, carrier,
+                      state.definition.labels),
+        state, close)
+
+
+def leaf_response_ids(state: SessionState, samples: list[Sample]) -> list[str | None]:
+    """Each sample's leaf `response.id`, in sample order (what `response_id` names)."""
+    return [state.node(sample.leaf).facts.response_id for sample in samples]
+
+
+def with_rewards(result: SamplesResult, state: SessionState,
+                 close: SessionClose) -> SamplesResult:
+    """`result` with each sample's reward and source after the recorded rewards."""
+    if not state.rewards:
+        return result
+    chosen = latest_rewards(close.reward, leaf_response_ids(state, result.samples),
+                            state.rewards.values())
+    return replace(result, samples=[
+        replace(sample, reward=pick.reward, reward_source=pick.source)
+        for sample, pick in zip(result.samples, chosen, strict=True)])

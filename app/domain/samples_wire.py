@@ -81,6 +81,7 @@ def sample_meta(result: SamplesResult, sample: Sample) -> dict[str, Any]:
             "session_id": result.session_id, "index": sample.index, "leaf": sample.leaf,
             "path": sample.path}},
         "reward": sample.reward,
+        "reward_source": sample.reward_source,
         "spec_info": sample.spec_info,
         "nulls": nulls,
     }

@@ -15,6 +15,7 @@ from typing import Any
 from app.domain.errors import InvalidRequest
 from app.domain.labels import parse_labels
 from app.domain.validate import (
+    LABEL_KEY,
     SESSION_ID,
     describe,
     is_int,
@@ -24,7 +25,8 @@ from app.domain.validate import (
 )
 
 OPEN_FIELDS = frozenset(
-    {"session_id", "version", "pause_generation_mode", "r3", "spec", "max_trim_tokens", "labels"}
+    {"session_id", "version", "pause_generation_mode", "r3", "spec", "max_trim_tokens", "labels",
+     "opened_by"}
 )
 CLOSE_FIELDS = frozenset({"max_seq_len", "metadata"})
 MAX_LAYERS = 4096
@@ -49,6 +51,8 @@ class SessionDefinition:
     speculative: bool  # wire name `spec`: the session runs speculative decoding
     max_trim_tokens: int
     labels: dict[str, Any] = field(default_factory=dict)
+    # Who opened the session when it says so (the recording gateway: "gateway"); None otherwise.
+    opened_by: str | None = None
 
     @property
     def use_addition_r3(self) -> bool:
@@ -59,8 +63,13 @@ class SessionDefinition:
         return self.num_layers is not None
 
     def body(self) -> dict[str, Any]:
-        """The open body with defaults filled in (what `session_opened` stores)."""
-        return {
+        """The open body with defaults filled in (what `session_opened` stores).
+
+        `opened_by` appears only when it was sent: a session opened without it keeps
+        the body (and so the fingerprint an idempotent repeat is compared against)
+        it had before the field existed.
+        """
+        body: dict[str, Any] = {
             "session_id": self.session_id,
             "version": self.version,
             "pause_generation_mode": self.pause_generation_mode,
@@ -69,6 +78,9 @@ class SessionDefinition:
             "max_trim_tokens": self.max_trim_tokens,
             "labels": self.labels,
         }
+        if self.opened_by is not None:
+            body["opened_by"] = self.opened_by
+        return body
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> SessionDefinition:
@@ -82,6 +94,7 @@ class SessionDefinition:
             speculative=bool(body["spec"]),
             max_trim_tokens=int(body["max_trim_tokens"]),
             labels=dict(body.get("labels") or {}),
+            opened_by=body.get("opened_by"),
         )
 
 
@@ -139,6 +152,10 @@ def parse_open(raw: Any) -> SessionDefinition:
 
     labels = parse_labels(body.get("labels"))
 
+    opened_by = body.get("opened_by")
+    if opened_by is not None:
+        opened_by = LABEL_KEY.require(opened_by, "opened_by", "opened_by")
+
     return SessionDefinition(
         session_id=session_id,
         version=version,
@@ -147,6 +164,7 @@ def parse_open(raw: Any) -> SessionDefinition:
         speculative=speculative,
         max_trim_tokens=trim,
         labels=labels,
+        opened_by=opened_by,
     )
 
 

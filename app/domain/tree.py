@@ -24,6 +24,7 @@ from app.domain.errors import (
     UnknownParent,
     UnstablePrefix,
 )
+from app.domain.rewards import RewardBody
 from app.domain.session import SessionClose, SessionDefinition
 from app.domain.turn import OMITTED, TurnBody, TurnFacts
 
@@ -153,6 +154,8 @@ class SessionState:
     topk: int | None = None
     close: SessionClose | None = None
     event_ids: dict[str, int] = field(default_factory=dict)
+    # Rewards recorded after the close, by event_id, in commit order.
+    rewards: dict[str, RewardBody] = field(default_factory=dict)
 
     @property
     def closed(self) -> bool:
@@ -220,6 +223,10 @@ class SessionState:
 
     def apply_close(self, close: SessionClose) -> None:
         self.close = close
+
+    def apply_reward(self, reward: RewardBody) -> None:
+        """Idempotent: a refold of the log's tail may meet a reward already held."""
+        self.rewards.setdefault(reward.event_id, reward)
 
     # -- attach ---------------------------------------------------------------
 

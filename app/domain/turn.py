@@ -60,6 +60,8 @@ class TurnFacts:
     # prompt token count as reported (a value that is not a counter counts 0).
     content: str = ""
     prompt_tokens: int = 0
+    # `response.id` when it is a string: how a reward recorded later names a leaf.
+    response_id: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -410,6 +412,7 @@ def parse_turn(raw: Any, definition: SessionDefinition,
         mismatch=_mismatch(metadata),
         content=_content(choice),
         prompt_tokens=_lenient_counter(meta, "prompt_tokens"),
+        response_id=response_id if isinstance(response_id := response.get("id"), str) else None,
     )
     return TurnBody(event_id=event_id, parent=parent, record=record, metadata=metadata,
                     facts=facts)

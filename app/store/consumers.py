@@ -7,8 +7,11 @@ claimers never wait on (or take) each other's sessions, and only then bump
 the group's epoch counter; SQLite has one writer. A group's rows are made
 when it is defined (`from: beginning`: every matching closed session) and
 when a matching session closes (`enqueue_closed`, inside the close's
-transaction). The two cannot miss each other on PostgreSQL: closes hold a
-shared advisory lock that defining a group takes exclusively.
+transaction) — for a group that requires rewards, once every sample of the
+session has one: at the close, or when a recorded reward completes them
+(`enqueue_rewarded`, inside the reward's transaction). These cannot miss
+each other on PostgreSQL: closes and rewards hold a shared advisory lock
+that defining a group takes exclusively.
 
 The rules (what is claimable, the ack verdict, parsing) are
 `app/domain/consumers.py`; this module only orders locks, reads the clock
@@ -36,9 +39,11 @@ from app.domain.consumers import (
     Holding,
     ack_verdict,
     claim_id_of,
+    enqueued_late,
     known_group,
     label_texts,
     matches,
+    offered,
     parse_ack,
     parse_claim,
     parse_group,
@@ -76,13 +81,33 @@ async def _groups_lock(conn: AsyncConnection, shared: bool) -> None:
 
 
 async def enqueue_closed(conn: AsyncConnection, session_id: str, labels: Mapping[str, Any],
-                         closed_us: int) -> None:
-    """Hand a session that is closing (in `conn`'s transaction) to every group it matches."""
+                         closed_us: int, rewarded: bool = True) -> None:
+    """Hand a session that is closing (in `conn`'s transaction) to every group it
+    matches; a group requiring rewards only if every sample has one (`rewarded`)."""
     await _groups_lock(conn, shared=True)
     groups = (await conn.execute(
-        sa.select(consumer_groups.c.group_name, consumer_groups.c.labels))).all()
+        sa.select(consumer_groups.c.group_name, consumer_groups.c.labels,
+                  consumer_groups.c.require_reward))).all()
     rows = [{"session_id": session_id, "group_name": g.group_name, "closed_us": closed_us}
-            for g in groups if matches(label_texts(jsonio.loads(g.labels)), labels)]
+            for g in groups if matches(label_texts(jsonio.loads(g.labels)), labels)
+            and offered(g.require_reward, rewarded)]
+    if rows:
+        await conn.execute(consumer_sessions.insert(), rows)
+
+
+async def enqueue_rewarded(conn: AsyncConnection, session_id: str, labels: Mapping[str, Any],
+                           closed_us: int) -> None:
+    """Hand a closed session whose samples have all just got a reward (in `conn`'s
+    transaction) to the groups requiring rewards that it matches. It happens once
+    per session: a recorded reward is never null, so it never becomes unrewarded."""
+    await _groups_lock(conn, shared=True)
+    groups = (await conn.execute(
+        sa.select(consumer_groups.c.group_name, consumer_groups.c.labels,
+                  consumer_groups.c.start, consumer_groups.c.created_us)
+        .where(consumer_groups.c.require_reward.is_(True)))).all()
+    rows = [{"session_id": session_id, "group_name": g.group_name, "closed_us": closed_us}
+            for g in groups if matches(label_texts(jsonio.loads(g.labels)), labels)
+            and enqueued_late(g.start, g.created_us, closed_us)]
     if rows:
         await conn.execute(consumer_sessions.insert(), rows)
 
@@ -153,13 +178,17 @@ class Consumers:
     async def _create(self, conn: AsyncConnection, spec: GroupSpec, fingerprint: str) -> None:
         await conn.execute(consumer_groups.insert().values(
             group_name=spec.group, labels=jsonio.dumps(spec.labels), start=spec.start,
-            fingerprint=fingerprint, epoch=0, created_us=now_us()))
+            require_reward=spec.require_reward, fingerprint=fingerprint, epoch=0,
+            created_us=now_us()))
         if spec.start != FROM_BEGINNING:
             return
         closed = (sa.select(sessions.c.session_id, sa.literal(spec.group),
                             sessions.c.closed_us)
                   .where(sessions.c.status == "closed")
                   .where(*label_filter(parse_label_filters(spec.label_texts()))))
+        if spec.require_reward:
+            # The others wait for their rewards (`enqueue_rewarded`).
+            closed = closed.where(sessions.c.rewarded.is_(True))
         await conn.execute(consumer_sessions.insert().from_select(
             ["session_id", "group_name", "closed_us"], closed))
 
@@ -197,6 +226,7 @@ class Consumers:
             "group": group,
             "labels": dict(jsonio.loads(row.labels)),
             "from": row.start,
+            "require_reward": bool(row.require_reward),
             "acked": int(acked),
             "leased": int(leased),
             "available": int(available),

@@ -2,7 +2,8 @@
 
 Events are immutable and a session's turn seqs are dense, so a cached state
 with `n` nodes is exactly the fold of the first `n` turn events: validating
-the cache needs only the session row's `num_nodes` and status, and a stale
+the cache needs only the session row's `num_nodes`, status and `num_rewards`
+(rewards come after the close, in commit order), and a stale
 entry is brought up to date by folding just the missing events. The cache
 is per process and purely an optimization; a miss folds from the log.
 """
@@ -21,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.domain import jsonio
 from app.domain.errors import UnknownSession
 from app.domain.events import (
+    REWARD_RECORDED,
     SESSION_CLOSED,
     SESSION_OPENED,
     TURN_RECORDED,
@@ -28,6 +30,7 @@ from app.domain.events import (
     stored_facts,
 )
 from app.domain.r3 import Patch
+from app.domain.rewards import RewardBody
 from app.domain.session import SessionDefinition, parse_close
 from app.domain.tree import SessionState
 from app.domain.validate import SESSION_ID
@@ -207,6 +210,8 @@ def fold_rows(
             if log is not None:
                 log.closed_us = row.recorded_us
             state.apply_close(parse_close(payload["close"]))
+        elif row.type == REWARD_RECORDED and state is not None:
+            state.apply_reward(RewardBody.from_body(payload["reward"]))
     if state is None:
         raise _unknown(session_id)
     return state
@@ -218,10 +223,13 @@ async def load_state(
     """The folded state of the session in `row` (a `sessions` row read in this txn)."""
     session_id = row["session_id"]
     closed = row["status"] == "closed"
+    rewards = row["num_rewards"]
     state = cache.get(session_id)
-    if state is not None and len(state.nodes) == row["num_nodes"] and state.closed == closed:
+    if state is not None and len(state.nodes) == row["num_nodes"] and state.closed == closed \
+            and len(state.rewards) == rewards:
         return state
-    if state is None or len(state.nodes) > row["num_nodes"] or state.closed and not closed:
+    if state is None or len(state.nodes) > row["num_nodes"] or state.closed and not closed \
+            or len(state.rewards) > rewards:
         state = await fold_events(conn, None, session_id, 0)
     else:
         # Stale but a prefix of the truth: fold only what is missing.

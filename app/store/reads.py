@@ -118,6 +118,7 @@ class Reader:
             row = await session_row(conn, session_id)
             state = await load_state(conn, self.cache, row)
         body = summary(row)
+        body["opened_by"] = state.definition.opened_by
         body["num_nodes"] = len(state.nodes)
         body["tree"] = [tree_entry(node) for node in state.nodes]
         return body

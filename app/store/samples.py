@@ -1,5 +1,10 @@
 """Serving samples of closed sessions: JSON from the fold, R3 tensors streamed.
 
+The samples of a closed session are built once and kept; only their rewards
+change (rewards recorded after the close), which the session row's
+`num_rewards` tells, so every read asks the row and re-applies the rewards
+when it counts more than the kept samples show.
+
 Arrays are materialized on demand from the log: tokens, loss masks and
 log-probs come from the folded state; an R3 tensor is streamed as `.npy`
 one patch at a time, so serving it holds one patch in memory, never the
@@ -19,11 +24,11 @@ from app.domain.assembly import PlanSlice, R3Plan, check_patches, check_slice, p
 from app.domain.errors import R3Gap, R3Pruned, SessionOpen
 from app.domain.r3 import DTYPES, Patch, npy_header
 from app.domain.r3_slices import Bounds, parse_bounds, restrict, slice_blocks, slice_shape
-from app.domain.samples import SamplesResult, build_samples
+from app.domain.samples import SamplesResult, build_samples, with_rewards
 from app.domain.samples_wire import WireLayout, wire_layout
 from app.store.db import Database
 from app.store.loader import StateCache, load_patches, load_state, session_row
-from app.store.schema import r3_patches, sessions
+from app.store.schema import r3_patches
 
 # Rows are widened to int32 in blocks of about this size, so a reply never
 # holds a second copy of a large tensor.
@@ -35,21 +40,9 @@ class SampleReader:
         self.db = db
         self.cache = cache
         self.capacity = capacity
-        # A closed session never changes, so its samples can be kept as built.
-        self._closed: OrderedDict[str, SamplesResult] = OrderedDict()
-        # Sessions whose R3 retention freed: that never reverts, so it can be kept.
-        self._pruned: set[str] = set()
-
-    async def pruned(self, session_id: str) -> bool:
-        """Whether retention freed this session's R3 (asked of the database until it has)."""
-        if session_id in self._pruned:
-            return True
-        async with self.db.read() as conn:
-            freed = (await conn.execute(sa.select(sessions.c.r3_pruned_bytes).where(
-                sessions.c.session_id == session_id))).scalar()
-        if freed is not None:
-            self._pruned.add(session_id)
-        return freed is not None
+        # A closed session's samples never change but for their rewards, so they are
+        # kept as built, with the number of recorded rewards they show.
+        self._closed: OrderedDict[str, tuple[int, SamplesResult]] = OrderedDict()
 
     @staticmethod
     def _gone(session_id: str) -> R3Pruned:
@@ -57,34 +50,47 @@ class SampleReader:
                         field="r3", expected="stored R3", actual="pruned")
 
     async def result(self, session_id: str) -> SamplesResult:
-        kept = self._closed.get(session_id)
-        if kept is not None:
-            self._closed.move_to_end(session_id)
-            return kept
+        return (await self._read(session_id))[0]
+
+    async def _read(self, session_id: str) -> tuple[SamplesResult, bool]:
+        """The samples as they stand (rebuilt only when first read, their rewards
+        brought up to date whenever the session row counts more rewards) and
+        whether retention freed the session's R3, from one read of the row."""
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
+            pruned = row["r3_pruned_bytes"] is not None
+            kept = self._closed.get(session_id)
+            if kept is not None and kept[0] == row["num_rewards"]:
+                self._closed.move_to_end(session_id)
+                return kept[1], pruned
             state = await load_state(conn, self.cache, row)
         if state.close is None:
             raise SessionOpen(f"session {session_id!r} is still open; close it first",
                               field="session_id", expected="a closed session", actual="open")
-        result = build_samples(state, state.close)
+        if kept is not None:
+            result = with_rewards(kept[1], state, state.close)
+        else:
+            result = build_samples(state, state.close)
         if self.capacity > 0:
-            self._closed[session_id] = result
+            self._closed[session_id] = (len(state.rewards), result)
+            self._closed.move_to_end(session_id)
             while len(self._closed) > self.capacity:
                 self._closed.popitem(last=False)
-        return result
+        return result, pruned
 
     async def samples(self, session_id: str, arrays: bool) -> dict[str, Any]:
-        body = (await self.result(session_id)).to_json(arrays)
-        if await self.pruned(session_id):
+        result, pruned = await self._read(session_id)
+        body = result.to_json(arrays)
+        if pruned:
             for sample in body["samples"]:
                 if sample["r3"] is not None:
                     sample["r3"] = {**sample["r3"], "pruned": True}
         return body
 
     async def r3_plan(self, session_id: str, index: int) -> R3Plan:
-        sample = (await self.result(session_id)).sample(index)
-        if sample.r3 is not None and await self.pruned(session_id):
+        result, pruned = await self._read(session_id)
+        sample = result.sample(index)
+        if sample.r3 is not None and pruned:
             raise self._gone(session_id)
         return sample.read_plan()
 
@@ -124,8 +130,8 @@ class SampleReader:
         """The samples as a safetensors file: its layout and every patch its R3
         tensors read, checked before the reply starts (a gap is a 422, never a
         truncated 200)."""
-        result = await self.result(session_id)
-        if any(s.r3 is not None for s in result.samples) and await self.pruned(session_id):
+        result, pruned = await self._read(session_id)
+        if any(s.r3 is not None for s in result.samples) and pruned:
             raise self._gone(session_id)
         layout = wire_layout(result)
         patches = await self.read_patches(session_id, *layout.plans.values())

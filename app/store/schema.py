@@ -69,6 +69,10 @@ sessions = sa.Table(
     # samples projection, session level
     sa.Column("empty_reason", sa.String(32), nullable=True),
     sa.Column("sample_errors", sa.Text, nullable=True),
+    # rewards recorded after the close: their count (a cached fold is checked against
+    # it) and whether every sample has a non-null reward (NULL while open)
+    sa.Column("num_rewards", sa.Integer, nullable=False, server_default=sa.text("0")),
+    sa.Column("rewarded", sa.Boolean, nullable=True),
     # R3 retention: bytes freed (NULL while the session's R3 is stored). Written with
     # the `r3_pruned` event; like `id` and `xid` it is not rewritten by rebuild.
     sa.Column("r3_pruned_bytes", sa.BigInteger, nullable=True),
@@ -172,6 +176,7 @@ samples = sa.Table(
     sa.Column("weight_versions", sa.Text, nullable=False),
     *spec_info_columns(),
     sa.Column("reward", sa.Text, nullable=True),
+    sa.Column("reward_source", sa.Text, nullable=True),
     sa.Column("sample_metadata", sa.Text, nullable=False),
     sa.Column("r3", sa.Text, nullable=True),
 )
@@ -190,6 +195,8 @@ consumer_groups = sa.Table(
     sa.Column("group_name", sa.String(64), primary_key=True),
     sa.Column("labels", sa.Text, nullable=False),
     sa.Column("start", sa.String(16), nullable=False),
+    # offer a session only once every one of its samples has a reward
+    sa.Column("require_reward", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("fingerprint", sa.String(64), nullable=False),
     sa.Column("epoch", sa.BigInteger, nullable=False),
     sa.Column("created_us", sa.BigInteger, nullable=False),

@@ -1,4 +1,5 @@
-"""The append transactions: open a session, record a turn, close a session.
+"""The append transactions: open a session, record a turn, close a session, record
+a reward after the close.
 
 Each write is one short transaction that appends the event (and its R3
 patch) and updates the inline projections, serialized per session only (a
@@ -25,8 +26,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.errors import DomainError, IdempotencyConflict, SessionClosed, SessionConflict
+from app.domain.errors import (
+    DomainError,
+    IdempotencyConflict,
+    SessionClosed,
+    SessionConflict,
+    SessionOpen,
+)
 from app.domain.events import (
+    REWARD_RECORDED,
     SESSION_CLOSED,
     SESSION_OPENED,
     TURN_RECORDED,
@@ -35,18 +43,20 @@ from app.domain.events import (
 )
 from app.domain.projections import (
     closed_head,
+    iso_us,
     label_rows,
     node_row,
     sample_row,
     session_definition,
     session_head,
 )
+from app.domain.rewards import RewardBody, all_rewarded, latest_rewards, parse_reward, targets
 from app.domain.samples import build_samples
 from app.domain.session import SessionDefinition, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import TurnBody, parse_turn
 from app.store import fastpath
-from app.store.consumers import enqueue_closed
+from app.store.consumers import enqueue_closed, enqueue_rewarded
 from app.store.db import Database, now_us
 from app.store.loader import StateCache, load_patches, load_state, session_row
 from app.store.schema import (
@@ -149,6 +159,10 @@ class Writer:
             "payload": jsonio.dumps({"session": definition.body()}),
             "recorded_us": recorded,
         })
+
+    async def definition(self, session_id: str) -> SessionDefinition:
+        """The session as opened (from the state cache when it holds it)."""
+        return await self._definition(session_id)
 
     async def _definition(self, session_id: str) -> SessionDefinition:
         cached = self.cache.get(session_id)
@@ -308,11 +322,92 @@ class Writer:
             rows = [sample_row(session_id, sample) for sample in result.samples]
             if rows:
                 await conn.execute(samples.insert(), rows)
-            await enqueue_closed(conn, session_id, state.definition.labels, recorded)
+            head = closed_head(closed, result, recorded)
+            await enqueue_closed(conn, session_id, state.definition.labels, recorded,
+                                 rewarded=head["rewarded"])
             await conn.execute(
                 sessions.update().where(sessions.c.session_id == session_id)
-                .values(**closed_head(closed, result, recorded))
+                .values(**head)
             )
         if len(state.nodes) == row["num_nodes"] and not state.closed:
             state.apply_close(close)
         return True
+
+    async def record_reward(self, session_id: str, raw: Any) -> Written:
+        """Record a reward of a closed session and bring its samples' rewards up to date.
+
+        The same transaction shape as an append: parse, lock the session row,
+        fold, idempotency, the domain's rules, insert the event, update the
+        projections (the changed `samples` rows and the head), hand a session
+        that has just become fully rewarded to the groups waiting for that.
+        """
+        body = parse_reward(raw)
+        async with self.db.write() as conn:
+            row = await session_row(conn, session_id, lock=True)
+            state = await load_state(conn, self.cache, row)
+            if body.event_id in state.rewards or body.event_id in state.event_ids:
+                return Written(await self._reward_repeat(conn, session_id, body), created=False)
+            if state.close is None:
+                raise SessionOpen(f"session {session_id!r} is still open; rewards come after "
+                                  "the close", field="session_id", expected="a closed session",
+                                  actual="open")
+            stored = (await conn.execute(
+                sa.select(samples.c.sample_index, samples.c.leaf, samples.c.reward,
+                          samples.c.reward_source)
+                .where(samples.c.session_id == session_id).order_by(samples.c.sample_index)
+            )).all()
+            response_ids = [state.node(r.leaf).facts.response_id for r in stored]
+            targets(body, response_ids)  # 404 for a sample or response_id no sample has
+            rewards = [*state.rewards.values(), body]
+            chosen = latest_rewards(state.close.reward, response_ids, rewards)
+            recorded = now_us()
+            position = await _insert_event(conn, {
+                "session_id": session_id,
+                "type": REWARD_RECORDED,
+                "event_id": body.event_id,
+                "payload": jsonio.dumps({"reward": body.body()}),
+                "recorded_us": recorded,
+            })
+            for old, new in zip(stored, chosen, strict=True):
+                reward = None if new.reward is None else jsonio.dumps(new.reward)
+                if (old.reward, old.reward_source) != (reward, new.source):
+                    await conn.execute(
+                        samples.update().where(samples.c.session_id == session_id)
+                        .where(samples.c.sample_index == old.sample_index)
+                        .values(reward=reward, reward_source=new.source))
+            rewarded = all_rewarded(pick.reward for pick in chosen)
+            await conn.execute(
+                sessions.update().where(sessions.c.session_id == session_id)
+                .values(num_rewards=len(rewards), rewarded=rewarded))
+            if rewarded and not row["rewarded"]:
+                await enqueue_rewarded(conn, session_id, state.definition.labels,
+                                       row["closed_us"])
+        # The cached state only takes the reward once the transaction has committed.
+        if len(state.rewards) == len(rewards) - 1:
+            state.apply_reward(body)
+        return Written(reward_reply(position, recorded, body), created=True)
+
+    @staticmethod
+    async def _reward_repeat(conn: AsyncConnection, session_id: str,
+                             body: RewardBody) -> dict[str, Any]:
+        """The original reply if `body` is the reward first sent with its event_id, else 409."""
+        event = (await conn.execute(
+            sa.select(events.c.position, events.c.type, events.c.payload, events.c.recorded_us)
+            .where(events.c.session_id == session_id)
+            .where(events.c.event_id == body.event_id))).one()
+        first = jsonio.loads_stored(event.payload).get("reward") \
+            if event.type == REWARD_RECORDED else None
+        if first is None or not jsonio.strict_equal(first, body.body()):
+            raise IdempotencyConflict(
+                f"event_id {body.event_id!r} was already recorded with other content",
+                field="event_id", expected="the content first sent with this event_id",
+                actual="different content",
+            )
+        return reward_reply(event.position, event.recorded_us, RewardBody.from_body(first))
+
+
+def reward_reply(position: int, recorded_us: int, body: RewardBody) -> dict[str, Any]:
+    """The reward event as `GET …/events` shows it."""
+    return {"position": position, "type": REWARD_RECORDED, "seq": None,
+            "event_id": body.event_id, "recorded_at": iso_us(recorded_us),
+            "reward": body.body()}

@@ -15,14 +15,14 @@ from tests.factory import open_body
 L, K = 2, 2  # R3 layers and top-k of the small test sessions
 SUMMARY_KEYS = {"session_id", "version", "pause_generation_mode", "use_addition_r3", "r3",
                 "spec", "max_trim_tokens", "labels", "status", "num_nodes", "created_at",
-                "closed_at"}
+                "closed_at", "opened_by"}
 TREE_KEYS = {"seq", "parent", "depth", "num_tokens", "completion_span", "finish_reason",
              "weight_version", "is_leaf", "r3"}
 TURN_REPLY_KEYS = {"session_id", "seq", "parent", "depth", "num_tokens", "r3",
                    "finish_reason", "position"}
 SAMPLE_KEYS = {"index", "leaf", "path", "tokens", "response_length", "loss_mask",
                "rollout_log_probs", "status", "weight_versions", "spec_info", "reward",
-               "metadata", "r3"}
+               "reward_source", "metadata", "r3"}
 
 
 def assert_problem(r: httpx.Response, status: int, slug: str | None = None) -> dict[str, Any]:

@@ -49,8 +49,9 @@ async def test_put_answers_201_then_200_for_the_same_body_and_409_for_another(cl
     name = f"g-{uuid.uuid4().hex[:12]}"
     first = await client.put(f"/v1/consumers/{name}", json={"labels": labels})
     assert first.status_code == 201
-    assert first.json() == {"group": name, "labels": labels, "from": "beginning", "acked": 0,
-                            "leased": 0, "available": 0, "oldest_available_closed_at": None}
+    assert first.json() == {"group": name, "labels": labels, "from": "beginning",
+                            "require_reward": False, "acked": 0, "leased": 0, "available": 0,
+                            "oldest_available_closed_at": None}
     again = await client.put(f"/v1/consumers/{name}", json={"labels": labels,
                                                             "from": "beginning"})
     assert again.status_code == 200 and again.json() == first.json()

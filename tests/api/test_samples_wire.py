@@ -68,7 +68,8 @@ async def assert_wire_equals_json(client, sid):
         assert tensors[f"rollout_log_probs.{i}"].dtype == np.float64
         assert tensors[f"rollout_log_probs.{i}"].tolist() == sample["rollout_log_probs"]
         expected_names |= {f"tokens.{i}", f"loss_mask.{i}", f"rollout_log_probs.{i}"}
-        for key in ("response_length", "status", "weight_versions", "reward", "spec_info"):
+        for key in ("response_length", "status", "weight_versions", "reward", "reward_source",
+                    "spec_info"):
             assert entry[key] == sample[key], key
         assert entry["metadata"]["turnlog"] == {"session_id": sid, "index": i,
                                                 "leaf": sample["leaf"], "path": sample["path"]}

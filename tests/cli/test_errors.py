@@ -136,3 +136,10 @@ def test_a_usage_error_is_one_line_naming_the_help(args, text):
     command = " ".join(["turnlog", *args[:2 if args[0] == "gate" else 1]])
     line = one_error_line(run(*args))
     assert text in line and f"(see `{command} --help`)" in line
+
+
+def test_a_server_url_nothing_answers_names_it_and_how_to_start_one():
+    url = f"http://127.0.0.1:{free_port()}"
+    line = one_error_line(run("consumers", "list", "--url", url))
+    assert line.count(url) == 1 and "turnlog serve" in line, line
+    assert "None" not in line, line

@@ -1,6 +1,6 @@
 """Fixtures for the crash-safety tests: a real `turnlog serve` subprocess that can be
 SIGKILLed and restarted on the same port, and simulated sessions played through
-`app.client` and checked against an uninterrupted in-memory run."""
+`turnlog_client` and checked against an uninterrupted in-memory run."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import httpx
 import numpy as np
 import pytest
 
-from app.client import TurnlogClient
 from app.domain.jsonio import strict_equal
 from app.domain.samples import build_samples
 from app.domain.session import parse_close, parse_open
 from app.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory, route
+from turnlog_client import TurnlogClient
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0

@@ -15,11 +15,11 @@ import asyncpg
 import httpx
 from sqlalchemy.engine import make_url
 
-from app.client import TurnlogClient
 from app.main import create_app
 from app.settings import Settings
 from app.store import migrate
 from tests.crash.conftest import Played, check_session, play, simulator
+from turnlog_client import TurnlogClient
 
 TERMINATE = (
     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "

@@ -19,7 +19,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from app.client import TurnlogClient
+from turnlog_client import TurnlogClient
 
 
 async def closed_sessions(tl: TurnlogClient, labels: dict[str, str], n: int) -> list[str]:
@@ -38,7 +38,7 @@ async def closed_sessions(tl: TurnlogClient, labels: dict[str, str], n: int) -> 
 
 TRAINER = textwrap.dedent("""
     import os, signal, sys
-    from app.client import SyncTurnlogClient
+    from turnlog_client import SyncTurnlogClient
     with SyncTurnlogClient(sys.argv[1]) as tl:
         claim = tl.claim_sessions(sys.argv[2], limit=int(sys.argv[3]), lease_seconds=2)
         print(" ".join(claim.sessions), flush=True)

@@ -2,7 +2,7 @@
 
 `python -m app serve` runs as a real subprocess; a supervisor kills it with
 SIGKILL (no shutdown, no flush) a few times while appends are in flight and
-restarts it on the same port. The clients (`app.client`, retries on) play
+restarts it on the same port. The clients (`turnlog_client`, retries on) play
 simulated sessions in both R3 modes, v1 and v2, half of them letting the
 client generate the event ids. Afterwards every session holds exactly the
 turns its client sent (no loss, no duplicate, JSON-equal records), the feed
@@ -20,8 +20,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from app.client import TurnlogClient
 from tests.crash.conftest import Played, check_session, play, simulator
+from turnlog_client import TurnlogClient
 
 KILLS = 3
 

@@ -20,9 +20,9 @@ import httpx
 import numpy as np
 import pytest
 
-from app.client import TurnlogClient
 from app.main import create_app
 from app.simulator import OUTPUT_BASE, VOCAB, route
+from turnlog_client import TurnlogClient
 
 LAYERS, TOPK, EXPERTS = 3, 2, 16
 TURNS, CRASH_AFTER = 6, 3

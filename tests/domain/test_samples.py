@@ -415,7 +415,7 @@ def test_an_addition_gap_is_served_and_fails_only_the_tensor_read() -> None:
 
 SAMPLE_KEYS = ["index", "leaf", "path", "tokens", "response_length", "loss_mask",
                "rollout_log_probs", "status", "weight_versions", "spec_info", "reward",
-               "metadata", "r3"]
+               "reward_source", "metadata", "r3"]
 
 
 def test_sample_json_has_exactly_the_documented_keys() -> None:

@@ -227,6 +227,34 @@ async def test_close_repeats_identically_and_refuses_another_body_and_more_turns
     assert await event_count(store, sid) == 3
 
 
+async def test_a_reward_after_close_reaches_the_samples_of_every_store(stores, sid):
+    """A reward recorded by one store is what another store, whose samples were
+    already built and kept, serves next; repeats and conflicts as for turns."""
+    first, second = await stores(), await stores()
+    await opened(first, sid)
+    await first.writer.append_turn(sid, turn([1, 2], [3]))
+    reward = {"event_id": "rw-1", "reward": 0.5, "source": "rm"}
+    with pytest.raises(SessionOpen):
+        await first.writer.record_reward(sid, reward)
+    await first.writer.close_session(sid, {"metadata": {"reward": 1.0}})
+    (kept,) = (await second.samples.samples(sid, arrays=False))["samples"]
+    assert (kept["reward"], kept["reward_source"]) == (1.0, None)
+    written = await first.writer.record_reward(sid, reward)
+    assert written.created and written.body["reward"] == {**reward, "sample": None,
+                                                          "response_id": None}
+    (sample,) = (await second.samples.samples(sid, arrays=False))["samples"]
+    assert (sample["reward"], sample["reward_source"]) == (0.5, "rm")
+    again = await second.writer.record_reward(sid, reward)
+    assert not again.created and again.body == written.body
+    with pytest.raises(IdempotencyConflict):
+        await second.writer.record_reward(sid, {**reward, "reward": 0.25})
+    with pytest.raises(UnknownSample):
+        await second.writer.record_reward(sid, {"event_id": "rw-2", "reward": 1, "sample": 1})
+    with pytest.raises(UnknownSession):
+        await second.writer.record_reward(f"{sid}-x", {"event_id": "rw-3", "reward": 1})
+    assert await event_count(first, sid) == 4
+
+
 async def test_the_r3_tensor_streams_the_appended_rows(stores, sid):
     writer, reader = await stores(), await stores()
     await opened(writer, sid, pause_generation_mode="in_place", r3={"num_layers": L})

@@ -20,7 +20,7 @@ The argument order is the one `app/store/fastpath.py` binds. SQLite has no
 functions; its append stays a `BEGIN IMMEDIATE` transaction.
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-02
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0008"
-down_revision: str | None = "0006"
+down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

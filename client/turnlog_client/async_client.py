@@ -1,21 +1,21 @@
-"""A small async Python client for turnlog (httpx): the wire calls of docs/api.md.
+"""A small async Python client for turnlog (httpx): one method per wire call.
 
 Owns one method per call and what makes resending them safe: every write
 is idempotent on the wire — a turn carries an `event_id`, an open carries a
-`session_id`, a close repeats identically — so the client always sends both
-ids, generating them when the caller does not, and every request goes
-through the retry policy of `client_errors.py`. Failed answers become the
-`TurnlogError`s defined there.
+`session_id`, a close repeats identically, a reward carries an `event_id` —
+so the client always sends those ids, generating them when the caller does
+not, and every request goes through the one `Transport` (`transport.py`:
+retries of `errors.py`, failed answers as `TurnlogError`s).
 
-Owns the wire too: turns go as MessagePack by default (`wire="json"` opts
-out) with the record taken as the session server wrote it and its base64 R3
-decoded once here into the raw int32 bin the server stores without another
-decode (docs/ingest.md); R3 tensors stream into one preallocated array.
+Owns the wire of a turn too: turns go as MessagePack by default (`wire="json"`
+opts out) with the record taken as the session server wrote it and its base64
+R3 decoded once here into the raw int32 bin the server stores without another
+decode; R3 tensors stream into one preallocated array (`npy_stream.py`).
 
 Refuses to own any rule of the store: answers are returned as the JSON the
 server sent (plain dicts), and R3 tensors as numpy arrays read from `.npy`.
-Also refuses the error types and retry policy (`client_errors.py`) and the
-blocking facade (`client_sync.py`).
+Also refuses the trainer calls (`consumers.py`), the error types and retry
+policy (`errors.py`) and the blocking facade (`sync.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import msgspec
 import numpy as np
 import pybase64
 
-from app.client.consumers import Claim, ConsumerCalls, bounds
-from app.client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
-from app.client.npy_stream import HttpReply, fast_path_url, get_npy, read_chunks
+from turnlog_client.consumers import Claim, ConsumerCalls, bounds
+from turnlog_client.npy_stream import HttpReply, fast_path_url, get_npy, read_chunks
+from turnlog_client.transport import JSON, Transport, encode, error_from
 
 __all__ = [
     "Claim",
@@ -48,26 +48,11 @@ __all__ = [
 OMITTED: Any = object()
 WIRES = ("msgpack", "json")
 MSGPACK = "application/msgpack"
-JSON = "application/json"
 
 
 def new_event_id() -> str:
     """A fresh idempotency key for one turn (uuid4 hex); reuse it when resending that turn."""
     return uuid.uuid4().hex
-
-
-def _decode(content: bytes) -> Any:
-    try:
-        return msgspec.json.decode(content)
-    except msgspec.DecodeError:
-        # Lone surrogate escapes are valid JSON text that msgspec refuses.
-        return json.loads(content)
-
-
-def _encode(body: Any) -> bytes:
-    # allow_nan=False: the server rejects non-finite numbers; fail before sending.
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("ascii")
 
 
 def _r3_bin(text: str) -> bytes | None:
@@ -113,30 +98,7 @@ def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
     if wire == "msgpack":
         with contextlib.suppress(OverflowError, TypeError):
             return msgspec.msgpack.encode(_with_r3_bin(body)), MSGPACK
-    return _encode(body), JSON
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(float(value), 0.0)
-    except ValueError:
-        return None  # an HTTP date: the backoff decides instead
-
-
-def _error(response: httpx.Response, event_id: str | None) -> TurnlogError:
-    problem: dict[str, Any] | None = None
-    with contextlib.suppress(ValueError, msgspec.DecodeError):
-        body = _decode(response.content)
-        if isinstance(body, dict) and "type" in body:
-            problem = body
-    if problem is None:
-        problem = {"type": "about:blank", "title": response.reason_phrase,
-                   "detail": response.text[:500]}
-    problem.setdefault("status", response.status_code)
-    return TurnlogError(problem, retry_after=_retry_after(response), event_id=event_id)
+    return encode(body), JSON
 
 
 @dataclass(frozen=True)
@@ -180,22 +142,20 @@ class TurnlogClient(ConsumerCalls):
         headers: Mapping[str, str] | None = None,
         wire: str = "msgpack",
     ) -> None:
-        if retries < 0:
-            raise ValueError("retries must be >= 0")
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}")
         self.wire = wire
-        all_headers = {"accept": "application/json, application/problem+json",
-                       **dict(headers or {})}
-        if token:
-            all_headers["authorization"] = f"Bearer {token}"
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
-                                       headers=all_headers, transport=transport)
+        super().__init__(Transport(base_url, token, timeout=timeout, retries=retries,
+                                   retry_deadline=retry_deadline, backoff=backoff,
+                                   max_backoff=max_backoff, transport=transport,
+                                   headers=headers))
+        self._http = self._transport.http
         # Plain HTTP on the default transport: R3 tensors take the in-place fast path.
         self._fast = None if transport is not None else fast_path_url(base_url)
-        self.retries = retries
-        self.retry_deadline = retry_deadline
-        self._wait = Backoff(backoff, max_backoff)
+
+    @property
+    def base_url(self) -> str:
+        return self._transport.base_url
 
     async def __aenter__(self) -> TurnlogClient:
         return self
@@ -204,41 +164,7 @@ class TurnlogClient(ConsumerCalls):
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
-
-    # -- transport ---------------------------------------------------------------
-
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        params: Mapping[str, Any] | None = None,
-        event_id: str | None = None,
-        timeout: httpx.Timeout | None = None,
-        encoded: tuple[bytes, str] | None = None,
-    ) -> httpx.Response:
-        if encoded is None and body is not None:
-            encoded = _encode(body), JSON
-        content = None if encoded is None else encoded[0]
-        headers = None if encoded is None else {"content-type": encoded[1]}
-        query = {k: v for k, v in (params or {}).items() if v is not None}
-        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
-            with attempt:
-                try:
-                    response = await self._http.request(method, path, content=content,
-                                                        headers=headers, params=query, **extra)
-                except httpx.TransportError as exc:
-                    raise TurnlogConnectionError(exc, event_id=event_id) from exc
-                if response.status_code >= 400:
-                    raise _error(response, event_id)
-                return response
-        raise AssertionError("unreachable: tenacity re-raises the last error")
-
-    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return _decode((await self._send(method, path, **kwargs)).content)
+        await self._transport.aclose()
 
     # -- sessions ------------------------------------------------------------------
 
@@ -251,7 +177,7 @@ class TurnlogClient(ConsumerCalls):
         payload = {**dict(body or {}), **fields}
         if payload.get("session_id") is None:
             payload["session_id"] = uuid.uuid4().hex
-        result: dict[str, Any] = await self._json("POST", "/v1/sessions", body=payload)
+        result: dict[str, Any] = await self._transport.json("POST", "/v1/sessions", body=payload)
         return result
 
     async def append(
@@ -283,7 +209,7 @@ class TurnlogClient(ConsumerCalls):
         if payload.get("event_id") is None:
             payload["event_id"] = new_event_id()
         # Encoded once, outside the retries: a resend sends the very same bytes.
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "POST", f"/v1/sessions/{session_id}/turns",
             encoded=_encode_turn(payload, self.wire), event_id=payload["event_id"])
         return result
@@ -297,18 +223,45 @@ class TurnlogClient(ConsumerCalls):
     ) -> dict[str, Any]:
         """Close a session; returns its samples without arrays. Repeats are idempotent."""
         body: dict[str, Any] = {"max_seq_len": max_seq_len, "metadata": dict(metadata or {})}
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "POST", f"/v1/sessions/{session_id}/close", body=body)
+        return result
+
+    async def record_reward(
+        self,
+        session_id: str,
+        reward: float,
+        *,
+        sample: int | None = None,
+        response_id: str | None = None,
+        source: str | None = None,
+        event_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Record a reward for a closed session (`POST …/rewards`); returns the
+        `reward_recorded` event.
+
+        `sample` (an index) or `response_id` (the leaf turn's `response.id`)
+        picks the samples it scores; neither = every sample of the session.
+        Without an `event_id` one is generated and reused by this call's
+        retries (a repeat answers the original event); if the call still
+        fails, the error's `event_id` is the one to resend with.
+        """
+        body: dict[str, Any] = {"event_id": event_id or new_event_id(), "reward": reward,
+                                "sample": sample, "response_id": response_id,
+                                "source": source}
+        result: dict[str, Any] = await self._transport.json(
+            "POST", f"/v1/sessions/{session_id}/rewards", body=body,
+            event_id=body["event_id"])
         return result
 
     async def session(self, session_id: str) -> dict[str, Any]:
         """The session summary with its `tree`."""
-        result: dict[str, Any] = await self._json("GET", f"/v1/sessions/{session_id}")
+        result: dict[str, Any] = await self._transport.json("GET", f"/v1/sessions/{session_id}")
         return result
 
     async def state(self, session_id: str, leaf: int | None = None) -> dict[str, Any]:
         """`GET …/state`: where the session stands (for `leaf`, default the latest node)."""
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "GET", f"/v1/sessions/{session_id}/state", params={"leaf": leaf})
         return result
 
@@ -326,7 +279,7 @@ class TurnlogClient(ConsumerCalls):
         include_r3: bool = True,
     ) -> list[dict[str, Any]]:
         """One page of a session's events in commit order (records exactly as appended)."""
-        result: list[dict[str, Any]] = await self._json(
+        result: list[dict[str, Any]] = await self._transport.json(
             "GET", f"/v1/sessions/{session_id}/events",
             params={"after": after, "limit": limit,
                     "include_r3": "true" if include_r3 else "false"})
@@ -354,7 +307,7 @@ class TurnlogClient(ConsumerCalls):
         limit: int | None = None,
     ) -> dict[str, Any]:
         """One page of `GET /v1/sessions`: `{"sessions": [...], "next": cursor}`."""
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "GET", "/v1/sessions",
             params={"status": status, "after": after, "limit": limit,
                     **_label_params(labels)})
@@ -386,7 +339,7 @@ class TurnlogClient(ConsumerCalls):
         `format="safetensors"`: the miles samples wire as `{name: ndarray}`."""
         if format == "safetensors":
             return await self.samples_wire(session_id)
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "GET", f"/v1/sessions/{session_id}/samples",
             params={"arrays": "true" if arrays else "false", "format": format})
         return result
@@ -404,7 +357,7 @@ class TurnlogClient(ConsumerCalls):
             return await self.r3_slice(session_id, index, rows=bounds(rows),
                                        layers=bounds(layers))
         path = f"/v1/sessions/{session_id}/samples/{index}/r3"
-        async for attempt in retrying(self.retries, self.retry_deadline, self._wait):
+        async for attempt in self._transport.retrying():
             with attempt:
                 if self._fast is not None:
                     return await self._r3_fast(path)
@@ -412,10 +365,10 @@ class TurnlogClient(ConsumerCalls):
                     async with self._http.stream("GET", path) as response:
                         if response.status_code >= 400:
                             await response.aread()
-                            raise _error(response, None)
+                            raise error_from(response, None)
                         return await read_chunks(response.aiter_bytes())
                 except httpx.TransportError as exc:
-                    raise TurnlogConnectionError(exc) from exc
+                    raise self._transport.unreachable(exc) from exc
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _r3_fast(self, path: str) -> np.ndarray:
@@ -428,28 +381,24 @@ class TurnlogClient(ConsumerCalls):
         try:
             return await get_npy(host, port, target, headers, self._http.timeout.read)
         except HttpReply as reply:
-            raise _error(httpx.Response(reply.status, headers=reply.headers,
+            raise error_from(httpx.Response(reply.status, headers=reply.headers,
                                         content=reply.body), None) from None
         except TimeoutError as exc:
-            raise TurnlogConnectionError(httpx.ReadTimeout(str(exc) or "timed out")) from exc
+            raise self._transport.unreachable(httpx.ReadTimeout(str(exc) or "timed out")) from exc
         except OSError as exc:
             cause = httpx.ConnectError(str(exc)) if isinstance(exc, ConnectionRefusedError) \
                 else httpx.ReadError(str(exc))
-            raise TurnlogConnectionError(cause) from exc
+            raise self._transport.unreachable(cause) from exc
 
     # -- feed ----------------------------------------------------------------------
 
     async def feed(self, *, after: str | None = None, limit: int | None = None,
                    wait: float | None = None) -> FeedPage:
         """One page of the global feed; `wait` long-polls up to that many seconds."""
-        timeout = None
-        if wait:
-            base = self._http.timeout
-            timeout = httpx.Timeout(connect=base.connect, write=base.write, pool=base.pool,
-                                    read=None if base.read is None else base.read + wait)
-        body = await self._json("GET", "/v1/events",
-                                params={"after": after, "limit": limit, "wait": wait},
-                                timeout=timeout)
+        timeout = self._transport.long_poll(wait)
+        body = await self._transport.json(
+            "GET", "/v1/events", params={"after": after, "limit": limit, "wait": wait},
+            timeout=timeout)
         return FeedPage(events=body["events"], next=body["next"])
 
     async def follow_pages(
@@ -490,24 +439,24 @@ class TurnlogClient(ConsumerCalls):
     async def submit_history(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """`POST /v1/metric-history`: one attempt's points; the reply lists `dropped`
         metrics (not in the server's whitelist). Re-posting the same body is a no-op."""
-        result: dict[str, Any] = await self._json("POST", "/v1/metric-history", body=body)
+        result: dict[str, Any] = await self._transport.json("POST", "/v1/metric-history", body=body)
         return result
 
     async def metric_history(self, coordinate: Mapping[str, str], run_id: str) -> dict[str, Any]:
         """`GET /v1/metric-history`: a run's merged series (`attempts` empty: no such run)."""
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "GET", "/v1/metric-history", params={**coordinate, "run_id": run_id})
         return result
 
     async def evaluate_gates(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """`POST /v1/gates/evaluate`: the verdict (records the run's values unless
         `record` is false)."""
-        result: dict[str, Any] = await self._json("POST", "/v1/gates/evaluate", body=body)
+        result: dict[str, Any] = await self._transport.json("POST", "/v1/gates/evaluate", body=body)
         return result
 
     # -- service -------------------------------------------------------------------
 
     async def ready(self) -> dict[str, Any]:
         """`GET /readyz` (raises `TurnlogError` 503 `not-ready` after the retries)."""
-        result: dict[str, Any] = await self._json("GET", "/readyz")
+        result: dict[str, Any] = await self._transport.json("GET", "/readyz")
         return result

@@ -9,8 +9,9 @@ never shorter than a `Retry-After`, resending only errors that are
 carry the `event_id` of the turn they were appending, so a caller that did
 not choose one can still resend the same turn later without a duplicate.
 
-Refuses to own the wire: sending requests, reading a response into an error
-and making writes idempotent are `client.py`'s; nothing here does I/O.
+Refuses to own the wire: sending requests and reading a response into an
+error are `transport.py`'s, making writes idempotent `async_client.py`'s;
+nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -67,17 +68,36 @@ class TurnlogError(Exception):
 class TurnlogConnectionError(TurnlogError):
     """The server could not be reached or did not answer in time (after the retries).
 
-    Its `__cause__` is the httpx exception; `status` is None.
+    Its `__cause__` is the httpx exception; `status` is None; `url` is the server
+    the client was pointed at. The message names that URL and, when nothing
+    answered there, how to start a server.
     """
 
-    def __init__(self, cause: httpx.TransportError, *, event_id: str | None = None) -> None:
+    def __init__(self, cause: httpx.TransportError, *, url: str | None = None,
+                 event_id: str | None = None) -> None:
+        where = f"turnlog at {url}" if url else "the turnlog server"
+        if isinstance(cause, httpx.TimeoutException):
+            detail = f"{where} did not answer in time ({_cause_text(cause)})"
+        else:
+            detail = f"cannot reach {where} ({_cause_text(cause)})"
+        if isinstance(cause, httpx.ConnectError):
+            detail += ("; is a server running there? Start one with `turnlog serve`"
+                       " (or point the client at the right URL)")
         super().__init__({"type": f"{URN}connection-failed", "title": "Connection failed",
-                          "detail": f"{type(cause).__name__}: {cause}"}, event_id=event_id)
+                          "detail": detail}, event_id=event_id)
+        self.url = url
         self.transient = not isinstance(cause, _PERMANENT_TRANSPORT)
+        # No status to show: the message is the slug and the detail alone.
+        self.args = (f"{self.slug}: {detail}",)
 
     @property
     def retryable(self) -> bool:
         return self.transient
+
+
+def _cause_text(cause: httpx.TransportError) -> str:
+    text = str(cause)
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
 class Backoff:

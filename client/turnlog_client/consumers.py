@@ -6,7 +6,8 @@ claim carries a client-made `claim_id` (a retried claim answers the original
 sessions), `claim()` is an async context manager that acknowledges the claim
 with its `step` when the block succeeds and releases it when the block raises,
 and `iter_claims()` acknowledges each claim when the loop asks for the next.
-Mixed into `TurnlogClient`, whose transport and retries it uses; refuses to
+`TurnlogClient` inherits these calls; they send through the client's one
+`Transport` (retries, errors), handed to `ConsumerCalls.__init__`. Refuses to
 own any rule (the server decides what a claim holds and whether an ack wins).
 """
 
@@ -17,15 +18,12 @@ import io
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import httpx
 import numpy as np
 
-from app.client.errors import TurnlogError
-
-if TYPE_CHECKING:
-    from app.client.async_client import TurnlogClient
+from turnlog_client.errors import TurnlogError
+from turnlog_client.transport import Transport
 
 SAFETENSORS = "application/x-safetensors"
 
@@ -42,7 +40,7 @@ class Claim:
     sessions: list[str]
     step: int | None = None
     settled: bool = field(default=False, repr=False)
-    client: TurnlogClient | None = field(default=None, repr=False, compare=False)
+    client: ConsumerCalls | None = field(default=None, repr=False, compare=False)
 
     async def ack(self, sessions: list[str] | None = None, step: int | None = None
                   ) -> list[str]:
@@ -64,7 +62,7 @@ class Claim:
 
 
 class _ClaimContext:
-    def __init__(self, client: TurnlogClient, group: str, options: dict[str, Any]) -> None:
+    def __init__(self, client: ConsumerCalls, group: str, options: dict[str, Any]) -> None:
         self.client = client
         self.group = group
         self.options = options
@@ -88,24 +86,10 @@ class _ClaimContext:
 
 
 class ConsumerCalls:
-    """Consumer-group and trainer read calls (mixed into `TurnlogClient`)."""
+    """Consumer-group and trainer read calls (inherited by `TurnlogClient`)."""
 
-    _http: httpx.AsyncClient
-
-    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _send(self, method: str, path: str, *, body: Any = None,
-                    params: Mapping[str, Any] | None = None, event_id: str | None = None,
-                    timeout: httpx.Timeout | None = None) -> httpx.Response:
-        raise NotImplementedError
-
-    def _long_poll(self, wait: float) -> httpx.Timeout | None:
-        if not wait:
-            return None
-        base = self._http.timeout
-        return httpx.Timeout(connect=base.connect, write=base.write, pool=base.pool,
-                             read=None if base.read is None else base.read + wait)
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     # -- groups -------------------------------------------------------------------
 
@@ -113,24 +97,24 @@ class ConsumerCalls:
                            start: str = "beginning") -> dict[str, Any]:
         """`PUT /v1/consumers/{group}`: consume the closed sessions matching `labels`,
         from the `beginning` or only those closed from `now` on. Idempotent."""
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "PUT", f"/v1/consumers/{group}", body={"labels": dict(labels or {}), "from": start})
         return result
 
     async def group(self, group: str) -> dict[str, Any]:
         """The group's definition and its acked / leased / available counts."""
-        result: dict[str, Any] = await self._json("GET", f"/v1/consumers/{group}")
+        result: dict[str, Any] = await self._transport.json("GET", f"/v1/consumers/{group}")
         return result
 
     async def groups(self) -> list[dict[str, Any]]:
         """Every consumer group, by name."""
-        result: dict[str, Any] = await self._json("GET", "/v1/consumers")
+        result: dict[str, Any] = await self._transport.json("GET", "/v1/consumers")
         return list(result["groups"])
 
     async def acks(self, group: str, *, step: int | None = None, after: str | None = None,
                    limit: int | None = None) -> dict[str, Any]:
         """One page of the group's acks in ack order (which sessions trained `step`)."""
-        result: dict[str, Any] = await self._json(
+        result: dict[str, Any] = await self._transport.json(
             "GET", f"/v1/consumers/{group}/acks",
             params={"step": step, "after": after, "limit": limit})
         return result
@@ -142,17 +126,18 @@ class ConsumerCalls:
         """`POST …/claims` once (retries reuse the same `claim_id`)."""
         body = {"claim_id": claim_id or uuid.uuid4().hex, "limit": limit,
                 "lease_seconds": lease_seconds, "wait": wait}
-        reply = await self._json("POST", f"/v1/consumers/{group}/claims", body=body,
-                                 timeout=self._long_poll(wait))
+        reply = await self._transport.json(
+            "POST", f"/v1/consumers/{group}/claims", body=body,
+            timeout=self._transport.long_poll(wait))
         return Claim(group=group, claim_id=reply["claim_id"], epoch=reply["epoch"],
                      expires_at=reply["expires_at"], sessions=list(reply["sessions"]),
-                     client=self)  # type: ignore[arg-type]
+                     client=self)
 
     def claim(self, group: str, *, limit: int = 1, lease_seconds: int = 600, wait: float = 0,
               claim_id: str | None = None) -> _ClaimContext:
         """`async with tl.claim(group, limit=32) as c:` — the block gets `c.sessions`;
         leaving it normally acknowledges them with `c.step`, an exception releases them."""
-        return _ClaimContext(self, group, {  # type: ignore[arg-type]
+        return _ClaimContext(self, group, {
             "limit": limit, "lease_seconds": lease_seconds, "wait": wait,
             "claim_id": claim_id})
 
@@ -179,16 +164,16 @@ class ConsumerCalls:
         body: dict[str, Any] = {"step": step}
         if sessions is not None:
             body["sessions"] = sessions
-        reply = await self._json("POST", f"/v1/consumers/{group}/claims/{claim_id}/ack",
-                                 body=body)
+        reply = await self._transport.json(
+            "POST", f"/v1/consumers/{group}/claims/{claim_id}/ack", body=body)
         return list(reply["acked"])
 
     async def release(self, group: str, claim_id: str, *,
                       sessions: list[str] | None = None) -> list[str]:
         """Give a claim's unacknowledged sessions back at once (all by default)."""
         body: dict[str, Any] = {} if sessions is None else {"sessions": sessions}
-        reply = await self._json("POST", f"/v1/consumers/{group}/claims/{claim_id}/release",
-                                 body=body)
+        reply = await self._transport.json(
+            "POST", f"/v1/consumers/{group}/claims/{claim_id}/release", body=body)
         return list(reply["released"])
 
     # -- trainer reads ------------------------------------------------------------
@@ -199,16 +184,17 @@ class ConsumerCalls:
         `rollout_routed_experts.<i>`, `_samples_meta`)."""
         from safetensors.numpy import load
 
-        response = await self._send("GET", f"/v1/sessions/{session_id}/samples",
-                                    params={"format": "safetensors"})
+        response = await self._transport.send(
+            "GET", f"/v1/sessions/{session_id}/samples", params={"format": "safetensors"})
         tensors: dict[str, np.ndarray] = load(response.content)
         return tensors
 
     async def r3_slice(self, session_id: str, index: int, *, rows: str | None = None,
                        layers: str | None = None) -> np.ndarray:
         """`[a:b, c:d, :]` of a sample's R3 (`rows="a:b"`, `layers="c:d"`)."""
-        response = await self._send("GET", f"/v1/sessions/{session_id}/samples/{index}/r3",
-                                    params={"rows": rows, "layers": layers})
+        response = await self._transport.send(
+            "GET", f"/v1/sessions/{session_id}/samples/{index}/r3",
+            params={"rows": rows, "layers": layers})
         array: np.ndarray = np.load(io.BytesIO(response.content), allow_pickle=False)
         return array
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from app.client.async_client import Claim, TurnlogClient
+from turnlog_client.async_client import Claim, TurnlogClient
 
 __all__ = ["SyncTurnlogClient"]
 
@@ -95,6 +95,7 @@ class SyncTurnlogClient:
     append = _bind("append")
     append_body = _bind("append_body")
     close = _bind("close")
+    record_reward = _bind("record_reward")
     session = _bind("session")
     state = _bind("state")
     resume = _bind("resume")

@@ -1,0 +1,147 @@
+"""`turnlog gateway`: the recording gateway in front of SGLang (docs/gateway.md).
+
+Parses the flags (each has a `TURNLOG_GATEWAY_*` environment variable),
+checks the port before anything starts, migrates the store when it can
+(a store that is down at start is not fatal: turns go to the spool), then
+serves `app.gateway.proxy.Gateway` with uvicorn.
+
+Refuses: forwarding and recording (app.gateway) and their rules (app.domain.gateway).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from app.cli import common
+from app.cli.common import CliError, DatabaseUrl, err, mask, resolve_url
+
+
+class Version(StrEnum):
+    v1 = "v1"
+    v2 = "v2"
+
+
+class PauseMode(StrEnum):
+    retract = "retract"
+    in_place = "in_place"
+
+
+def _env(name: str) -> dict[str, object]:
+    return {"envvar": f"TURNLOG_GATEWAY_{name}", "show_envvar": True}
+
+
+def gateway(
+    upstream: Annotated[str, typer.Option(
+        metavar="URL", help="The SGLang router (or engine) every request is forwarded to",
+        **_env("UPSTREAM"))],
+    host: Annotated[str, typer.Option(help="Address to bind", **_env("HOST"))] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port", **_env("PORT"))] = 30000,
+    database_url: DatabaseUrl = None,
+    record_path: Annotated[list[str] | None, typer.Option(
+        "--record-path", metavar="PATH",
+        help="Path whose POSTs are recorded (repeatable) [default: /v1/chat/completions]",
+        **_env("RECORD_PATH"))] = None,
+    session_header: Annotated[str, typer.Option(
+        metavar="NAME", help="Request header holding the session id",
+        **_env("SESSION_HEADER"))] = "X-SMG-Routing-Key",
+    upstream_timeout: Annotated[float, typer.Option(
+        min=0.001, metavar="SECONDS", help="Connect/read/write timeout towards the upstream",
+        **_env("UPSTREAM_TIMEOUT"))] = 600.0,
+    store_timeout: Annotated[float, typer.Option(
+        min=0.001, metavar="SECONDS",
+        help="How long a store write may take before the turn goes to the spool",
+        **_env("STORE_TIMEOUT"))] = 10.0,
+    version: Annotated[Version, typer.Option(
+        help="Auto-opened sessions: version", **_env("VERSION"))] = Version.v2,
+    pause_generation_mode: Annotated[PauseMode, typer.Option(
+        help="Auto-opened sessions: pause_generation_mode (in_place = addition R3)",
+        **_env("PAUSE_GENERATION_MODE"))] = PauseMode.retract,
+    num_layers: Annotated[int | None, typer.Option(
+        min=1, max=4096, help="Auto-opened sessions: r3.num_layers (without it, turns "
+                              "asking for R3 are rejected)", **_env("NUM_LAYERS"))] = None,
+    max_trim_tokens: Annotated[int, typer.Option(
+        min=0, help="Auto-opened sessions: max_trim_tokens", **_env("MAX_TRIM_TOKENS"))] = 0,
+    speculative: Annotated[bool, typer.Option(
+        "--speculative", help="Auto-opened sessions: spec = true",
+        **_env("SPECULATIVE"))] = False,
+    label: Annotated[list[str] | None, typer.Option(
+        "--label", metavar="KEY=VALUE",
+        help="Auto-opened sessions: a label (repeatable; X-Turnlog-Labels wins on a key)",
+        **_env("LABEL"))] = None,
+    idle_close_seconds: Annotated[float | None, typer.Option(
+        min=0.001, metavar="SECONDS",
+        help="Close an auto-opened session this long after its last recorded turn "
+             "[default: off]", **_env("IDLE_CLOSE_SECONDS"))] = None,
+    spool_dir: Annotated[Path, typer.Option(
+        metavar="DIR", help="Where turns wait while the store cannot take them",
+        **_env("SPOOL_DIR"))] = Path("turnlog-spool"),
+    spool_max_bytes: Annotated[int, typer.Option(
+        min=1, metavar="BYTES", help="Bound of the spool; past it a turn is answered 503",
+        **_env("SPOOL_MAX_BYTES"))] = 1 << 30,
+    migrate: Annotated[bool, typer.Option(
+        help="Apply the store's migrations first (skipped with a warning if the store is "
+             "down)", **_env("MIGRATE"))] = True,
+) -> None:
+    """Forward every request to SGLang and record each chat turn before answering it."""
+    import uvicorn
+
+    from app.cli.main import _cannot_listen
+    from app.domain.errors import DomainError
+    from app.domain.gateway import GatewayDefaults, parse_label_flags
+    from app.gateway.proxy import Gateway, GatewayConfig
+
+    if not upstream.startswith(("http://", "https://")):
+        raise CliError(f"--upstream {upstream!r} must be an http:// or https:// URL")
+    try:
+        labels = parse_label_flags(label or ())
+    except DomainError as exc:
+        raise CliError(exc.detail) from None
+    url = resolve_url(database_url)
+    problem = _cannot_listen(host, port)
+    if problem is not None:
+        raise CliError(problem)
+    from app.gateway.spool import Spool, SpoolInUse
+
+    try:
+        spool = Spool(spool_dir, spool_max_bytes)
+    except SpoolInUse as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot use the spool directory {spool_dir}: {exc}") from None
+    if migrate:
+        _migrate(url)
+    defaults = GatewayDefaults(version=version.value,
+                               pause_generation_mode=pause_generation_mode.value,
+                               num_layers=num_layers, max_trim_tokens=max_trim_tokens,
+                               speculative=speculative, labels=labels)
+    config = GatewayConfig(upstream=upstream.rstrip("/"), database_url=url,
+                           record_paths=tuple(record_path or ("/v1/chat/completions",)),
+                           session_header=session_header, upstream_timeout=upstream_timeout,
+                           store_timeout=store_timeout, defaults=defaults,
+                           idle_close_seconds=idle_close_seconds, spool_dir=spool_dir,
+                           spool_max_bytes=spool_max_bytes)
+    err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
+                f"(store {mask(url)}, spool {spool_dir})")
+    if len(spool):
+        err().print(f"{len(spool)} spooled turns ({spool.bytes} bytes) are appended as soon "
+                    "as the store answers")
+    # Date and Server are the upstream's: the caller sees its headers, not ours.
+    uvicorn.run(Gateway(config, common.settings_for(url), spool), host=host, port=port,
+                log_config=None, lifespan="on", server_header=False, date_header=False,
+                timeout_keep_alive=75)
+
+
+def _migrate(url: str) -> None:
+    from app.cli.common import check_database
+    from app.store import migrate as migrations
+
+    check_database(url, creating=True)
+    try:
+        migrations.upgrade(url)
+    except Exception as exc:  # the store may be down: the gateway spools until it is back
+        common.warn(f"could not migrate {mask(url)} ({common.describe_failure(exc)}); "
+                    "starting anyway, turns go to the spool until the store answers")

@@ -1,0 +1,54 @@
+"""The gateway's Prometheus metrics (`/turnlog/metrics`), in a registry of their own.
+
+Fed by the proxy and the recorder; the spool gauges are read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from app.domain.gateway import UNRECORDED_REASONS
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Added latency is milliseconds on a healthy store, up to the store timeout on a sick one.
+ADDED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.recorded = Counter(
+            "turnlog_gateway_recorded", "Turns made durable: committed, or spooled and drained",
+            registry=self.registry)
+        self.unrecorded = Counter(
+            "turnlog_gateway_unrecorded",
+            "Requests to a recorded path forwarded without being recorded, by reason",
+            ["reason"], registry=self.registry)
+        for reason in UNRECORDED_REASONS:
+            self.unrecorded.labels(reason)
+        self.spooled_turns = Gauge(
+            "turnlog_gateway_spooled_turns", "Turns waiting in the spool for the store",
+            registry=self.registry)
+        self.spooled_bytes = Gauge(
+            "turnlog_gateway_spooled_bytes", "Bytes of the turns waiting in the spool",
+            registry=self.registry)
+        self.drain_lag = Gauge(
+            "turnlog_gateway_drain_lag_seconds",
+            "Age of the oldest turn waiting in the spool (0 when it is empty)",
+            registry=self.registry)
+        self.added = Histogram(
+            "turnlog_gateway_added_seconds",
+            "Latency the gateway adds to a recorded turn: reply sent minus upstream reply "
+            "complete", buckets=ADDED_BUCKETS, registry=self.registry)
+
+    def watch_spool(self, turns: Callable[[], float], size: Callable[[], float],
+                    lag: Callable[[], float]) -> None:
+        self.spooled_turns.set_function(turns)
+        self.spooled_bytes.set_function(size)
+        self.drain_lag.set_function(lag)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,382 @@
+"""The recording gateway's HTTP side: a bare ASGI reverse proxy in front of SGLang.
+
+Every request is forwarded to the upstream with one pooled httpx client:
+method, raw path, query, headers less the hop-by-hop ones and `Host` (the
+upstream's), plus `X-Forwarded-For`. Passthrough requests are streamed both
+ways (the request body up as it arrives, the reply back chunk by chunk, so a
+100 MB reply never sits in memory); a POST to a recorded path has its body
+buffered (it must be parsed), and a reply that may complete a turn is
+buffered too, since it goes back only once the turn is durable
+(app.gateway.recorder). The gateway's own routes live under `/turnlog/`.
+Upstream unreachable or timed out → 502 problem+json `upstream-unavailable`.
+
+Refuses: the rules of what is recorded (app.domain.gateway) and storage
+(app.gateway.recorder, through app.services).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+from app.domain import jsonio
+from app.domain.errors import DomainError, SpoolFull, UpstreamUnavailable
+from app.domain.gateway import (
+    LABELS_HEADER,
+    Candidate,
+    GatewayDefaults,
+    Unrecorded,
+    build_record,
+    classify_reply,
+    classify_request,
+    is_hop_by_hop,
+    open_body,
+    parse_labels_header,
+    turn_body,
+)
+from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from app.gateway.recorder import SPOOL_FULL, Recorder
+from app.gateway.spool import Spool
+from app.services import Services, build_services
+from app.settings import Settings
+
+log = structlog.get_logger("turnlog.gateway")
+
+PROBLEM = b"application/problem+json"
+OWN_PREFIX = "/turnlog/"
+# Request headers never sent on: hop-by-hop ones, and Host (httpx sets the upstream's).
+DROP_REQUEST = frozenset({b"host"})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    upstream: str
+    database_url: str
+    record_paths: tuple[str, ...] = ("/v1/chat/completions",)
+    session_header: str = "X-SMG-Routing-Key"
+    upstream_timeout: float = 600.0
+    store_timeout: float = 10.0
+    defaults: GatewayDefaults = field(default_factory=GatewayDefaults)
+    idle_close_seconds: float | None = None
+    spool_dir: Path = Path("turnlog-spool")
+    spool_max_bytes: int = 1 << 30
+    max_connections: int = 1000
+
+
+class ClientGone(Exception):
+    """The caller went away while its request body was coming in."""
+
+
+class Gateway:
+    """The ASGI app: `uvicorn.run(Gateway(config, settings))`."""
+
+    def __init__(self, config: GatewayConfig, settings: Settings,
+                 spool: Spool | None = None) -> None:
+        self.config = config
+        self.spool = spool  # opened by the caller (the CLI reports a spool in use) or at start
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.record_paths = frozenset(config.record_paths)
+        self.session_header = config.session_header.lower().encode("latin-1")
+        self.upstream = httpx.URL(config.upstream)
+        self.base_path = self.upstream.raw_path.rstrip(b"/")
+        self.client: httpx.AsyncClient | None = None
+        self.services: Services | None = None
+        self.recorder: Recorder | None = None
+
+    # -- lifespan --------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        timeout = httpx.Timeout(self.config.upstream_timeout)
+        limits = httpx.Limits(max_connections=self.config.max_connections,
+                              max_keepalive_connections=self.config.max_connections)
+        client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False,
+                                   trust_env=False)
+        # The caller's headers go up as they are: none of httpx's own defaults
+        # (an Accept-Encoding the caller did not send would change the reply's bytes).
+        for name in list(client.headers.keys()):
+            del client.headers[name]
+        self.client = client
+        self.services = build_services(self.settings)
+        spool = self.spool
+        if spool is None:
+            spool = Spool(self.config.spool_dir, self.config.spool_max_bytes)
+        self.recorder = Recorder(self.services, spool, self.metrics,
+                                 store_timeout=self.config.store_timeout,
+                                 idle_close_seconds=self.config.idle_close_seconds)
+        self.recorder.start()
+        log.info("gateway ready", upstream=str(self.upstream),
+                 record_paths=list(self.config.record_paths), spooled=len(spool))
+
+    async def shutdown(self) -> None:
+        if self.recorder is not None:
+            await self.recorder.stop()
+            self.recorder.spool.close()
+        if self.client is not None:
+            await self.client.aclose()
+        if self.services is not None:
+            await self.services.db.dispose()
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("gateway failed to start")
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- ASGI --------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # websockets are not proxied: uvicorn closes the connection
+        path: str = scope["path"]
+        try:
+            if path.startswith(OWN_PREFIX):
+                await self._own(scope, send)
+            elif scope["method"] == "POST" and path in self.record_paths:
+                await self._recorded_path(scope, receive, send)
+            else:
+                await self._passthrough(scope, receive, send)
+        except ClientGone:
+            log.debug("caller disconnected", path=path)
+
+    # -- own routes ----------------------------------------------------------------------
+
+    async def _own(self, scope: dict[str, Any], send: Any) -> None:
+        path = scope["path"]
+        if path == "/turnlog/healthz":
+            await _send(send, 200, b"application/json", b'{"status":"ok"}')
+        elif path == "/turnlog/readyz":
+            assert self.recorder is not None
+            ready, detail = await self.recorder.ready()
+            body = jsonio.dumps_bytes({"status": "ready" if ready else "unavailable",
+                                       "detail": detail,
+                                       "spooled_turns": len(self.recorder.spool)})
+            await _send(send, 200 if ready else 503, b"application/json", body)
+        elif path == "/turnlog/metrics":
+            await _send(send, 200, CONTENT_TYPE.encode(), self.metrics.render())
+        else:
+            problem = {"type": "urn:turnlog:not-found", "title": "Not Found", "status": 404,
+                       "detail": f"no gateway route {path} (its routes: /turnlog/healthz, "
+                                 "/turnlog/readyz, /turnlog/metrics)"}
+            await _send(send, 404, PROBLEM, jsonio.dumps_bytes(problem))
+
+    # -- forwarding ------------------------------------------------------------------------
+
+    def _request(self, scope: dict[str, Any], content: Any) -> httpx.Request:
+        assert self.client is not None
+        raw_path = self.base_path + (scope.get("raw_path") or scope["path"].encode())
+        if scope.get("query_string"):
+            raw_path += b"?" + scope["query_string"]
+        headers = [(name, value) for name, value in scope["headers"]
+                   if name not in DROP_REQUEST and not is_hop_by_hop(name.decode("latin-1"))]
+        client = scope.get("client")
+        if client:
+            forwarded = [value for name, value in headers if name == b"x-forwarded-for"]
+            headers = [(n, v) for n, v in headers if n != b"x-forwarded-for"]
+            chain = b", ".join([*forwarded, client[0].encode("latin-1")])
+            headers.append((b"x-forwarded-for", chain))
+        return self.client.build_request(scope["method"], self.upstream.copy_with(
+            raw_path=raw_path), headers=headers, content=content)
+
+    async def _upstream(self, request: httpx.Request) -> httpx.Response:
+        assert self.client is not None
+        try:
+            return await self.client.send(request, stream=True)
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            raise UpstreamUnavailable(
+                f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
+                + (f" ({exc})" if str(exc) else ""),
+                extra={"upstream": str(self.upstream)}) from exc
+
+    async def _passthrough(self, scope: dict[str, Any], receive: Any, send: Any,
+                           body: bytes | None = None) -> None:
+        """Forward one request and stream its reply back as it comes."""
+        content: Any
+        if body is not None:
+            content = body
+        elif _has_body(scope):
+            content = _stream_body(receive)
+        else:
+            content = None
+        try:
+            response = await self._upstream(self._request(scope, content))
+        except UpstreamUnavailable as exc:
+            await _problem(send, exc)
+            return
+        # The request body is up by now: a caller that goes away stops the relay (and
+        # closes the upstream connection) instead of reading a long reply to the end.
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+        try:
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": _reply_headers(response)})
+            async for chunk in response.aiter_raw():
+                if gone.is_set():
+                    log.info("caller went away mid-reply", path=scope["path"])
+                    break
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except httpx.TransportError as exc:
+            # Headers are gone already: all that is left is to cut the connection.
+            log.warning("upstream reply broke off", path=scope["path"],
+                        error=type(exc).__name__)
+            raise
+        finally:
+            watcher.cancel()
+            await response.aclose()
+
+    async def _recorded_path(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        request_timestamp = time.time()
+        body = await _read_body(receive)
+        decision = classify_request(_header(scope, self.session_header), body)
+        if isinstance(decision, Unrecorded):
+            self.metrics.unrecorded.labels(decision.reason).inc()
+            await self._passthrough(scope, receive, send, body)
+            return
+        try:
+            response = await self._upstream(self._request(scope, body))
+        except UpstreamUnavailable as exc:
+            await _problem(send, exc)
+            return
+        try:
+            raw = b"".join([chunk async for chunk in response.aiter_raw()])
+        except httpx.TransportError as exc:
+            await _problem(send, UpstreamUnavailable(
+                f"the upstream reply broke off: {type(exc).__name__}"))
+            return
+        finally:
+            await response.aclose()
+        timestamp = time.time()
+        headers = _reply_headers(response, len(raw))
+        reply = classify_reply(response.status_code, _decoded(response, raw))
+        if isinstance(reply, Unrecorded):
+            self.metrics.unrecorded.labels(reply.reason).inc()
+            await _send_raw(send, response.status_code, headers, raw)
+            return
+        outcome = await self._record(scope, decision, reply, request_timestamp, timestamp,
+                                     len(body) + len(raw))
+        if outcome == SPOOL_FULL:
+            await _problem(send, SpoolFull(
+                "the store cannot take this turn now and the gateway's spool is full; "
+                "the turn was not recorded and its reply is withheld (a retry is a new turn)"))
+            return
+        await _send_raw(send, response.status_code, headers, raw)
+        self.metrics.added.observe(time.time() - timestamp)
+
+    async def _record(self, scope: dict[str, Any], decision: Candidate, reply: Any,
+                      request_timestamp: float, timestamp: float, size: int) -> str:
+        assert self.recorder is not None
+        record = build_record(scope["path"], decision.request, reply, request_timestamp,
+                              timestamp)
+        header_labels: dict[str, Any] = {}
+        text = _header(scope, LABELS_HEADER.lower().encode())
+        if text is not None:
+            try:
+                header_labels = parse_labels_header(text)
+            except DomainError as exc:
+                log.warning("ignored a malformed label header", header=LABELS_HEADER,
+                            session_id=decision.session_id, detail=exc.detail)
+        opening = open_body(decision.session_id, self.config.defaults, header_labels)
+        return await self.recorder.record(decision.session_id,
+                                          turn_body(uuid.uuid4().hex, record), opening, size)
+
+
+# -- ASGI helpers ------------------------------------------------------------------------
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            try:
+                return bytes(value).decode("utf-8")
+            except UnicodeDecodeError:
+                return bytes(value).decode("latin-1")
+    return None
+
+
+def _has_body(scope: dict[str, Any]) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+async def _stream_body(receive: Any) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+async def _watch_disconnect(receive: Any, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+async def _read_body(receive: Any) -> bytes:
+    return b"".join([chunk async for chunk in _stream_body(receive)])
+
+
+def _reply_headers(response: httpx.Response, length: int | None = None) -> list[Any]:
+    headers = [(name.lower(), value) for name, value in response.headers.raw
+               if not is_hop_by_hop(name.decode("latin-1"))]
+    if length is not None:  # a buffered reply goes back with its length, not chunked
+        headers = [(n, v) for n, v in headers if n != b"content-length"]
+        headers.append((b"content-length", str(length).encode()))
+    return headers
+
+
+def _decoded(response: httpx.Response, raw: bytes) -> bytes:
+    """The reply body as JSON text: undone `gzip`/`deflate` (the caller gets `raw`)."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    try:
+        if encoding == "gzip":
+            return zlib.decompress(raw, 16 + zlib.MAX_WBITS)
+        if encoding == "deflate":
+            return zlib.decompress(raw)
+    except zlib.error:
+        return b""
+    return raw if encoding in ("", "identity") else b""
+
+
+async def _send_raw(send: Any, status: int, headers: list[Any], body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send(send: Any, status: int, content_type: bytes, body: bytes) -> None:
+    await _send_raw(send, status, [(b"content-type", content_type),
+                                   (b"content-length", str(len(body)).encode())], body)
+
+
+async def _problem(send: Any, error: DomainError) -> None:
+    await _send(send, error.http_status, PROBLEM, jsonio.dumps_bytes(error.problem()))

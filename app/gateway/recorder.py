@@ -1,0 +1,257 @@
+"""Making a turn durable: commit it to the store, or spool it; drain the spool; idle close.
+
+`Recorder.record` answers one of five outcomes for a turn the proxy holds:
+- `recorded`: committed (the session auto-opened first if the store did not
+  know it);
+- `session-closed` / `rejected`: the store's verdict (a docs/api.md §1 4xx);
+  the caller still gets the upstream reply;
+- `spooled`: the store gave no verdict (connection or I/O error, timeout,
+  5xx) — or earlier turns of the session still wait in the spool, and order
+  per session comes first — so the turn was written and fsynced to the spool;
+- `spool-full`: neither stored nor spooled; the caller gets 503.
+
+A background drainer appends spooled turns in order with their original
+event ids (an append already committed answers as an idempotent repeat, so
+a crash between commit and delete stores nothing twice). With
+`idle_close_seconds`, sessions this gateway saw opened by a gateway are closed
+once their last recorded turn is older than that.
+
+Refuses: HTTP (app.gateway.proxy) and the rules of what a turn is
+(app.domain.gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+import structlog
+
+from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
+from app.domain.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
+from app.gateway.metrics import GatewayMetrics
+from app.gateway.spool import Spool, SpoolFull
+from app.services import Services
+
+log = structlog.get_logger("turnlog.gateway")
+
+RECORDED = "recorded"
+SPOOLED = "spooled"
+SPOOL_FULL = "spool-full"
+OFFLOAD_BYTES = 1 << 20  # parse larger turns on a worker thread
+DRAIN_RETRY_S = 0.5  # wait between drain attempts while the store cannot answer
+PROBE_TIMEOUT_S = 2.0
+T = TypeVar("T")
+
+
+async def bounded(work: Coroutine[Any, Any, T], timeout: float) -> T:
+    """`work`, or TimeoutError after `timeout` seconds — without waiting for it to stop.
+
+    `asyncio.wait_for` waits for the cancelled work to unwind, and a SQLite
+    write blocked on another process's lock unwinds only after its busy
+    timeout: the caller would wait that long. The abandoned work goes on in
+    the background; whatever it commits later is an append the spool repeats
+    with the same event_id, which the store answers as an idempotent repeat.
+    """
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.add_done_callback(_consume)
+        raise TimeoutError(f"the store did not answer within {timeout} s")
+    return task.result()
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("an abandoned store call ended", error=type(task.exception()).__name__)
+
+
+class Recorder:
+    def __init__(self, services: Services, spool: Spool, metrics: GatewayMetrics, *,
+                 store_timeout: float, idle_close_seconds: float | None = None) -> None:
+        self.services = services
+        self.spool = spool
+        self.metrics = metrics
+        self.store_timeout = store_timeout
+        self.idle_close_seconds = idle_close_seconds
+        self.wake = asyncio.Event()
+        self.drain_failing = False  # the last drain attempt got no verdict
+        # Sessions opened by a gateway → monotonic time of their last recorded turn.
+        self.last_turn: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._attempt: tuple[Any, asyncio.Future[None]] | None = None  # the drainer's
+        metrics.watch_spool(lambda: len(spool), lambda: spool.bytes, spool.oldest_age)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._drain_loop(), name="gateway-drain"))
+        if self.idle_close_seconds:
+            self._tasks.append(asyncio.create_task(self._idle_loop(), name="gateway-idle"))
+        if len(self.spool):
+            log.info("draining the spool left by a previous gateway", turns=len(self.spool),
+                     bytes=self.spool.bytes)
+            self.wake.set()
+
+    async def stop(self) -> None:
+        if self._attempt is not None:
+            self._attempt[1].cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    # -- one turn -------------------------------------------------------------------
+
+    async def record(self, session_id: str, body: dict[str, Any],
+                     open_body: dict[str, Any], size: int = 0) -> str:
+        if self.spool.holds(session_id):
+            return self._spool(session_id, body, open_body)  # behind its earlier turns
+        try:
+            await bounded(self._store(session_id, body, open_body, size), self.store_timeout)
+        except DomainError as exc:
+            if exc.http_status < 500:
+                return self._verdict(session_id, exc)
+            return self._no_verdict(session_id, body, open_body, exc)
+        except Exception as exc:  # connection, I/O, timeout: the store gave no verdict
+            return self._no_verdict(session_id, body, open_body, exc)
+        self.metrics.recorded.inc()
+        return RECORDED
+
+    async def _store(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any],
+                     size: int = 0) -> None:
+        writer = self.services.writer
+        offload = size > OFFLOAD_BYTES
+        try:
+            await writer.append_turn(session_id, body, offload=offload)
+        except UnknownSession:
+            with contextlib.suppress(SessionConflict):  # opened meanwhile with other labels
+                await writer.open_session(open_body)
+                log.info("session opened", session_id=session_id, labels=open_body["labels"])
+            await writer.append_turn(session_id, body, offload=offload)
+        await self._touch(session_id)
+
+    def _verdict(self, session_id: str, exc: DomainError) -> str:
+        reason = SESSION_CLOSED if isinstance(exc, SessionClosed) else REJECTED
+        self.metrics.unrecorded.labels(reason).inc()
+        log.warning("turn not recorded", session_id=session_id, reason=reason,
+                    problem=f"urn:turnlog:{exc.slug}", detail=exc.detail, field=exc.field)
+        return reason
+
+    def _no_verdict(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any],
+                    exc: BaseException) -> str:
+        log.warning("store gave no verdict; spooling the turn", session_id=session_id,
+                    error=type(exc).__name__, detail=str(exc)[:200])
+        self.drain_failing = True  # not ready until a drain gets through
+        return self._spool(session_id, body, open_body)
+
+    def _spool(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any]) -> str:
+        try:
+            self.spool.add(session_id, body, open_body)
+        except SpoolFull as exc:
+            log.error("spool full: turn answered 503, not stored", session_id=session_id,
+                      detail=str(exc))
+            return SPOOL_FULL
+        self.wake.set()
+        return SPOOLED
+
+    # -- the drainer -------------------------------------------------------------------
+
+    async def _drain_loop(self) -> None:
+        while True:
+            if not len(self.spool):
+                self.drain_failing = False
+                await self.wake.wait()
+                self.wake.clear()
+                continue
+            if not await self._drain_one():
+                self.drain_failing = True
+                await asyncio.sleep(DRAIN_RETRY_S)
+
+    async def _drain_one(self) -> bool:
+        """Append the oldest spooled turn; False when the store gave no verdict (yet).
+
+        An attempt that outlives the store timeout is not cancelled (a SQLite
+        write blocked on a lock cannot be): the next round waits for the same
+        attempt again instead of starting another one beside it.
+        """
+        entry = self.spool.entries[0]
+        if self._attempt is None or self._attempt[0] is not entry:
+            self._attempt = (entry, asyncio.ensure_future(
+                self._store(entry.session_id, entry.body, entry.open_body, entry.size)))
+        task = self._attempt[1]
+        done, _ = await asyncio.wait({task}, timeout=self.store_timeout)
+        if not done:
+            return False
+        self._attempt = None
+        exc = task.exception()
+        if exc is None:
+            self.metrics.recorded.inc()
+        elif isinstance(exc, DomainError) and exc.http_status < 500:
+            self._verdict(entry.session_id, exc)
+        else:
+            log.debug("drain attempt failed", error=type(exc).__name__)
+            return False
+        self.spool.remove(entry)
+        self.drain_failing = False
+        if not len(self.spool):
+            log.info("spool drained")
+        return True
+
+    # -- readiness ----------------------------------------------------------------------
+
+    async def ready(self) -> tuple[bool, str]:
+        """Ready iff the store answers and the spool is not stuck."""
+        try:
+            async def probe() -> None:
+                async with self.services.db.read() as conn:
+                    await conn.execute(sa.text("SELECT 1"))
+
+            await bounded(probe(), PROBE_TIMEOUT_S)
+        except Exception as exc:
+            return False, f"the store is unreachable ({type(exc).__name__})"
+        if len(self.spool) and self.drain_failing:
+            return False, f"the spool holds {len(self.spool)} turns the store does not take"
+        return True, "ready"
+
+    # -- idle close ------------------------------------------------------------------------
+
+    async def _touch(self, session_id: str) -> None:
+        if not self.idle_close_seconds:
+            return
+        if session_id not in self.last_turn:
+            definition = await self.services.writer.definition(session_id)
+            if definition.opened_by != OPENED_BY:
+                return
+        self.last_turn[session_id] = time.monotonic()
+
+    async def _idle_loop(self) -> None:
+        assert self.idle_close_seconds
+        limit = self.idle_close_seconds
+        period = max(0.05, min(limit / 4, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for session_id, last in list(self.last_turn.items()):
+                if now - last <= limit or self.spool.holds(session_id):
+                    continue
+                try:
+                    await bounded(self.services.writer.close_session(
+                        session_id, {"metadata": dict(IDLE_CLOSE)}), self.store_timeout)
+                except (SessionClosed, UnknownSession):
+                    pass  # closed by someone else (another body) or gone
+                except Exception as exc:
+                    log.warning("idle close failed; retrying", session_id=session_id,
+                                error=type(exc).__name__)
+                    continue
+                else:
+                    log.info("session closed after idle time", session_id=session_id,
+                             idle_seconds=round(now - last, 3))
+                if self.last_turn.get(session_id) == last:
+                    del self.last_turn[session_id]

@@ -1,0 +1,370 @@
+"""What the recording gateway adds: per-turn latency through `turnlog gateway` vs
+straight to the same fake SGLang, and the gateway's memory on a huge reply.
+
+Run by hand (not in CI):
+
+    .venv/bin/python -m bench.gateway [--postgres-url postgresql://...] [--sessions 8]
+                                      [--turns 12] [--turn-tokens 2048] [--big-reply-mb 100]
+
+One fake SGLang (`python -m app.simulator_http`, Qwen3-30B-A3B R3 geometry:
+48 layers × top-8, cheap filler rows) and one `turnlog gateway` in front of it
+(addition-mode v2 sessions, auto-opened, PostgreSQL), side by side in one run:
+1. `--sessions` concurrent sessions, each `--turns` turns of `--turn-tokens`
+   new tokens (so ~`turn-tokens` R3 rows, ~4 MB of base64, per reply). Every
+   turn is sent twice, straight to the fake SGLang and through the gateway
+   (alternating which goes first), the same bytes both ways; the added latency
+   of a turn is the difference. Targets: p50 ≤ 20 ms, p99 ≤ 60 ms.
+2. A passthrough route (`GET /health`, no recording), alternately direct and
+   through the gateway, one at a time. Target: added p50 ≤ 2 ms.
+3. One `--big-reply-mb` MB reply relayed unrecorded (no session header) and
+   then recorded (a new session): the gateway's peak RSS growth (VmHWM, reset
+   before each) ÷ the reply size. Target ≤ 3.
+
+Without --postgres-url a throwaway cluster is started from the installed
+binaries (tests/pg/), with production durability (fsync on). The gateway is
+the installed console script next to this Python (`.venv/bin/turnlog`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import asyncpg
+import httpx
+
+from bench.common import ROOT, free_port, pg_dsn, postgres
+from tests.pg import create_database
+
+LAYERS, TOPK, EXPERTS = 48, 8, 128
+OUTPUT_TOKENS = 64
+HEADER = "X-SMG-Routing-Key"
+TURNLOG = Path(sys.executable).parent / "turnlog"
+
+
+# -- processes -------------------------------------------------------------------
+
+
+async def wait_ready(proc: subprocess.Popen[bytes], url: str, what: str) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        for _ in range(1200):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get(url)).status_code == 200:
+                    return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{what} did not become ready within 60 s")
+
+
+def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def vm_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset VmHWM to the current RSS (Linux `clear_refs` 5); False if not allowed."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def gateway_argv(upstream: str, port: int, url: str, spool: Path) -> list[str]:
+    return [str(TURNLOG), "gateway", "--upstream", upstream, "--host", "127.0.0.1",
+            "--port", str(port), "--database-url", url, "--num-layers", str(LAYERS),
+            "--version", "v2", "--pause-generation-mode", "in_place", "--no-migrate",
+            "--spool-dir", str(spool)]
+
+
+# -- a lean HTTP/1.1 client (the load generator must cost little) -------------------
+
+
+class Conn:
+    """One keep-alive connection; bodies read by Content-Length or chunked.
+
+    uvicorn closes a connection idle for 5 s; `ready()` (called outside the
+    timed part) reconnects one idle for over 2 s, so no request races a close.
+    """
+
+    IDLE = 2.0
+
+    def __init__(self, base: str) -> None:
+        host, port = base.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.used = 0.0
+
+    async def __aenter__(self) -> Conn:
+        await self.ready()
+        return self
+
+    async def ready(self) -> None:
+        if self.writer is not None and time.monotonic() - self.used < self.IDLE:
+            return
+        if self.writer is not None:
+            self.writer.close()
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
+                                                                 limit=1 << 22)
+        self.used = time.monotonic()
+
+    async def __aexit__(self, *_exc: object) -> None:
+        assert self.writer is not None
+        self.writer.close()
+
+    async def request(self, method: str, path: str, body: bytes = b"",
+                      headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        assert self.reader is not None and self.writer is not None
+        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+        if body:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        for name, value in (headers or {}).items():
+            head += f"{name}: {value}\r\n"
+        self.writer.write(head.encode("latin-1") + b"\r\n" + body)
+        await self.writer.drain()
+        status = int((await self.reader.readuntil(b"\r\n")).split()[1])
+        length, chunked = 0, False
+        while (line := await self.reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.decode("latin-1").partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding" and "chunked" in value.lower():
+                chunked = True
+        self.used = time.monotonic()
+        if not chunked:
+            return status, await self.reader.readexactly(length)
+        parts: list[bytes] = []
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")
+                return status, b"".join(parts)
+            parts.append(await self.reader.readexactly(size))
+            await self.reader.readexactly(2)
+
+
+# -- the workload ----------------------------------------------------------------
+
+
+def chat_body(input_ids: list[int], start: int) -> bytes:
+    """A miles-shaped chat request (addition R3 from `start`)."""
+    return json.dumps({
+        "model": "default", "messages": [{"role": "user", "content": "bench"}],
+        "max_tokens": OUTPUT_TOKENS,
+        "logprobs": True, "return_meta_info": True, "no_stop_trim": False,
+        "return_routed_experts": True, "routed_experts_start_len": start,
+        "input_ids": input_ids}).encode()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway: str,
+                  out: list[tuple[float, float, int]]) -> None:
+    sid = f"bench-{uuid.uuid4().hex[:8]}-{index}"
+    tokens: list[int] = []
+    async with Conn(direct) as to_direct, Conn(gateway) as to_gateway:
+        for turn in range(turns + 1):
+            new = [1 + (index * 7919 + turn * 104729 + i) % 997
+                   for i in range(turn_tokens - OUTPUT_TOKENS)]
+            input_ids = tokens + new
+            body = chat_body(input_ids, max(len(tokens) - 1, 0))
+            headers = {HEADER: sid}
+            timed: dict[str, tuple[float, int, bytes]] = {}
+            order = [("direct", to_direct), ("gateway", to_gateway)]
+            for name, conn in order if turn % 2 == 0 else order[::-1]:
+                await conn.ready()
+                started = time.perf_counter()
+                status, reply = await conn.request("POST", "/v1/chat/completions", body,
+                                                   headers)
+                timed[name] = (time.perf_counter() - started, status, reply)
+            (t_direct, s_direct, r_direct), (t_gateway, s_gateway, r_gateway) = \
+                timed["direct"], timed["gateway"]
+            if s_direct != 200 or s_gateway != 200 or r_direct != r_gateway:
+                raise RuntimeError(f"{sid} turn {turn}: {s_direct}/{s_gateway}, "
+                                   f"bytes equal: {r_direct == r_gateway}: {r_gateway[:300]!r}")
+            meta = json.loads(r_direct)["choices"][0]["meta_info"]
+            tokens = input_ids + [entry[1] for entry in meta["output_token_logprobs"]]
+            if turn > 0:  # the first turn warms connections and the session's open
+                out.append((t_direct, t_gateway, len(r_direct)))
+
+
+async def passthrough(direct: str, gateway: str, count: int) -> list[float]:
+    added = []
+    async with Conn(direct) as to_direct, Conn(gateway) as to_gateway:
+        for i in range(count + 20):
+            pair = []
+            for conn in (to_direct, to_gateway) if i % 2 == 0 else (to_gateway, to_direct):
+                started = time.perf_counter()
+                status, _ = await conn.request("GET", "/health")
+                pair.append(time.perf_counter() - started)
+                assert status == 200
+            if i >= 20:
+                t_direct, t_gateway = (pair[0], pair[1]) if i % 2 == 0 else (pair[1], pair[0])
+                added.append(t_gateway - t_direct)
+    return added
+
+
+async def big_reply(gateway: str, pid: int, mb: int) -> list[tuple[str, int, int, float]]:
+    """One `mb` MB reply relayed unrecorded, then recorded: (kind, reply bytes,
+    peak RSS growth in bytes, seconds)."""
+    rows = mb * 2**20 * 3 // 4 // (LAYERS * TOPK * 4)
+    input_ids = [1 + i % 997 for i in range(rows + 1 - OUTPUT_TOKENS)]
+    body = chat_body(input_ids, 0)
+    results = []
+    for kind, headers in (("unrecorded", {}),
+                          ("recorded", {HEADER: f"bench-big-{uuid.uuid4().hex[:8]}"})):
+        await asyncio.sleep(1.0)  # let the allocator settle
+        reset_peak(pid)
+        before = vm_kb(pid, "VmRSS")
+        async with Conn(gateway) as conn:
+            await conn.ready()
+            started = time.perf_counter()
+            status, reply = await conn.request("POST", "/v1/chat/completions", body, headers)
+            took = time.perf_counter() - started
+        if status != 200:
+            raise RuntimeError(f"big {kind} reply: {status} {reply[:300]!r}")
+        growth = (vm_kb(pid, "VmHWM") - before) * 1024
+        results.append((kind, len(reply), growth, took))
+        del reply
+    return results
+
+
+def added_histogram(metrics: str) -> str:
+    count = total = None
+    for line in metrics.splitlines():
+        if line.startswith("turnlog_gateway_added_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("turnlog_gateway_added_seconds_sum"):
+            total = float(line.split()[-1])
+    if not count or total is None:
+        return "not exposed"
+    return f"{count:.0f} turns, mean {total / count * 1000:.1f} ms"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--postgres-url", help="admin URL of a PostgreSQL server "
+                        "(default: a throwaway cluster from the installed binaries)")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=12, help="measured turns per session")
+    parser.add_argument("--turn-tokens", type=int, default=2048,
+                        help="new tokens (and R3 rows) per turn")
+    parser.add_argument("--passthrough", type=int, default=500,
+                        help="GET /health pairs for the passthrough figure")
+    parser.add_argument("--big-reply-mb", type=int, default=100, help="0 = skip")
+    args = parser.parse_args()
+    if not TURNLOG.exists():
+        raise SystemExit(f"no turnlog console script at {TURNLOG} (run `make install`)")
+
+    server = postgres(args.postgres_url)
+    if not args.postgres_url:
+        # The test cluster runs with fsync off; measure with production durability.
+        conn = await asyncpg.connect(pg_dsn(server.url))
+        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
+            await conn.execute(f"ALTER SYSTEM SET {setting} = on")
+        await conn.execute("SELECT pg_reload_conf()")
+        await conn.close()
+    from app.store import migrate
+
+    url = create_database(server, f"bench_gateway_{uuid.uuid4().hex[:6]}")
+    await migrate.upgrade_async(url)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp)
+        sglang_port, gateway_port = free_port(), free_port()
+        direct = f"http://127.0.0.1:{sglang_port}"
+        gateway = f"http://127.0.0.1:{gateway_port}"
+        sglang = spawn([sys.executable, "-m", "app.simulator_http", "--port", str(sglang_port),
+                        "--num-layers", str(LAYERS), "--topk", str(TOPK),
+                        "--num-experts", str(EXPERTS), "--r3", "filler"],
+                       logs / "sglang.log")
+        proxy = spawn(gateway_argv(direct, gateway_port, url, logs / "spool"),
+                      logs / "gateway.log")
+        try:
+            await wait_ready(sglang, direct + "/health", "fake SGLang")
+            await wait_ready(proxy, gateway + "/turnlog/readyz", "turnlog gateway")
+            print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+                  "(the figures are only comparable on a quiet machine)")
+            print(f"{args.sessions} sessions x {args.turns} turns of {args.turn_tokens} "
+                  f"tokens, R3 {LAYERS} layers x top-{TOPK}, PostgreSQL, addition mode",
+                  flush=True)
+            pairs: list[tuple[float, float, int]] = []
+            await asyncio.gather(*(session(i, args.turns, args.turn_tokens, direct, gateway,
+                                           pairs) for i in range(args.sessions)))
+            added = [g - d for d, g, _ in pairs]
+            size = statistics.mean(n for _, _, n in pairs)
+            print(f"reply size: mean {size / 1e6:.2f} MB")
+            print(f"direct:   p50 {percentile([d for d, _, _ in pairs], .5) * 1000:7.1f} ms  "
+                  f"p99 {percentile([d for d, _, _ in pairs], .99) * 1000:7.1f} ms")
+            print(f"gateway:  p50 {percentile([g for _, g, _ in pairs], .5) * 1000:7.1f} ms  "
+                  f"p99 {percentile([g for _, g, _ in pairs], .99) * 1000:7.1f} ms")
+            print(f"added per turn ({len(added)} turns): p50 {percentile(added, .5) * 1000:.1f} ms "
+                  f"(target <= 20), p99 {percentile(added, .99) * 1000:.1f} ms (target <= 60)")
+            async with httpx.AsyncClient(timeout=30) as http:
+                metrics = (await http.get(gateway + "/turnlog/metrics")).text
+            print(f"gateway's own turnlog_gateway_added_seconds: {added_histogram(metrics)}")
+
+            through = await passthrough(direct, gateway, args.passthrough)
+            print(f"passthrough GET /health added ({len(through)} calls): "
+                  f"p50 {percentile(through, .5) * 1000:.2f} ms (target <= 2), "
+                  f"p99 {percentile(through, .99) * 1000:.2f} ms", flush=True)
+
+            if args.big_reply_mb > 0:
+                # A fresh gateway: the latency run's freed heap would hide the growth.
+                stop(proxy)
+                proxy = spawn(gateway_argv(direct, gateway_port, url, logs / "spool-big"),
+                              logs / "gateway-big.log")
+                await wait_ready(proxy, gateway + "/turnlog/readyz", "turnlog gateway")
+                base = vm_kb(proxy.pid, "VmRSS") * 1024
+                print(f"fresh gateway RSS before the big replies: {base / 1e6:.0f} MB")
+                for kind, nbytes, growth, took in await big_reply(gateway, proxy.pid,
+                                                                  args.big_reply_mb):
+                    print(f"one {nbytes / 1e6:.0f} MB reply {kind} ({took:.2f} s): gateway "
+                          f"peak RSS growth {growth / 1e6:.0f} MB = {growth / nbytes:.2f}x "
+                          f"the reply   (target <= 3x)")
+                print(f"gateway peak RSS (VmHWM, whole process): "
+                      f"{vm_kb(proxy.pid, 'VmHWM') / 1e3:.0f} MB")
+        finally:
+            stop(proxy)
+            stop(sglang)
+        print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,104 @@
+"""The client on its own against a real turnlog server: the calls a session server
+and a trainer make, rewards after the close, and the connection error a newcomer
+sees first. Runs in a venv holding only the client (tests/test_client_alone.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from support import free_port, new_sid, turn
+
+from turnlog_client import SyncTurnlogClient, TurnlogClient, TurnlogConnectionError, TurnlogError
+
+
+def test_the_server_is_not_installed_beside_the_client() -> None:
+    if os.environ.get("TURNLOG_CLIENT_ALONE") != "1":
+        pytest.skip("not the client-alone venv (tests/test_client_alone.py sets it)")
+    assert importlib.util.find_spec("app") is None
+    for server_only in ("fastapi", "sqlalchemy", "pyarrow", "uvicorn"):
+        assert importlib.util.find_spec(server_only) is None, server_only
+
+
+async def test_connection_error_names_the_url_and_how_to_start_a_server() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    async with TurnlogClient(url, retries=1, backoff=0.01) as tl:
+        with pytest.raises(TurnlogConnectionError) as caught:
+            await tl.session("nobody")
+    text = str(caught.value)
+    assert url in text and "turnlog serve" in text, text
+    assert "None" not in text and text.startswith("connection-failed: "), text
+    assert caught.value.status is None and caught.value.url == url
+    assert caught.value.retryable
+
+
+async def test_open_append_close_samples(server_url: str) -> None:
+    sid = new_sid()
+    async with TurnlogClient(server_url) as tl:
+        opened = await tl.open({"session_id": sid, "version": "v2", "labels": {"run_id": "c"}})
+        assert opened["session_id"] == sid and opened["status"] == "open"
+        first = await tl.append_body(sid, turn([1, 2, 3], [4, 5]))
+        await tl.append_body(sid, turn([1, 2, 3, 4, 5, 6], [7]))
+        assert first["seq"] == 0
+        closed = await tl.close(sid, metadata={"reward": 0.5})
+        samples = await tl.samples(sid)
+    assert len(samples["samples"]) == len(closed["samples"]) == 1
+    assert samples["samples"][0]["tokens"] == [1, 2, 3, 4, 5, 6, 7]
+
+
+async def _closed_session(tl: TurnlogClient, leaves: list[str]) -> str:
+    """A closed session with one root-to-leaf path (so one sample) per response id."""
+    sid = new_sid()
+    await tl.open({"session_id": sid, "version": "v2"})
+    for i, response_id in enumerate(leaves):
+        await tl.append_body(sid, {**turn([100 + i, 1], [2], response_id=response_id),
+                                   "parent": None})
+    await tl.close(sid)
+    return sid
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_record_reward_session_wide_then_per_sample(server_url: str) -> None:
+    async with TurnlogClient(server_url) as tl:
+        sid = await _closed_session(tl, ["leaf-a", "leaf-b"])
+        event = await tl.record_reward(sid, 1.0, source="unit")
+        assert event["type"] == "reward_recorded" and event["event_id"]
+        assert event["reward"]["reward"] == 1.0 and event["reward"]["source"] == "unit"
+        await tl.record_reward(sid, 0.25, response_id="leaf-b")
+        samples = (await tl.samples(sid, arrays=False))["samples"]
+    # Two leaves, two samples: leaf-b's own reward wins over the session-wide one.
+    assert sorted((s["reward"], s["reward_source"]) for s in samples) == \
+        [(0.25, None), (1.0, "unit")]
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_record_reward_repeat_and_errors(server_url: str) -> None:
+    async with TurnlogClient(server_url, retries=0) as tl:
+        sid = await _closed_session(tl, ["x"])
+        first = await tl.record_reward(sid, 2.0, event_id="e1")
+        again = await tl.record_reward(sid, 2.0, event_id="e1")
+        assert again["position"] == first["position"]
+        with pytest.raises(TurnlogError) as conflict:
+            await tl.record_reward(sid, 3.0, event_id="e1")
+        assert conflict.value.status == 409 and conflict.value.event_id == "e1"
+        with pytest.raises(TurnlogError) as unknown:
+            await tl.record_reward(sid, 1.0, response_id="no-such-leaf")
+        assert unknown.value.status == 404
+        open_sid = new_sid()
+        await tl.open({"session_id": open_sid, "version": "v2"})
+        with pytest.raises(TurnlogError) as still_open:
+            await tl.record_reward(open_sid, 1.0)
+        assert still_open.value.status == 409 and still_open.value.slug == "session-open"
+
+
+@pytest.mark.usefixtures("rewards")
+def test_sync_client_records_rewards(server_url: str) -> None:
+    with SyncTurnlogClient(server_url) as tl:
+        sid = new_sid()
+        tl.open({"session_id": sid, "version": "v2"})
+        tl.append_body(sid, turn([1, 2], [3]))
+        tl.close(sid)
+        event = tl.record_reward(sid, 0.5, sample=0)
+        assert event["reward"]["sample"] == 0
+        assert tl.samples(sid, arrays=False)["samples"][0]["reward"] == 0.5

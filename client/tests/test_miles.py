@@ -1,0 +1,282 @@
+"""The miles hooks, called as miles calls them, around a fake agent and a fake reward
+function, against a real turnlog server (never a mock of the store).
+
+miles calls `await agent(base_url=..., prompt=..., request_kwargs=..., metadata=...,
+**kwargs)` with `base_url = http://<session server>/sessions/<sid>`, then
+`await rm(args, sample, **kw)` per sample or `await rm(args, samples, **kw)`
+batched; a `Sample` is an object with a `.metadata` dict.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import support
+from support import LossyProxy, Sample, free_port, new_sid
+
+from turnlog_client import TurnlogClient
+from turnlog_client import miles as hooks
+from turnlog_client.miles import Settings, agent, rm
+
+SESSION_SERVER = "http://127.0.0.1:30000/sessions"
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, server_url: str) -> Iterator[pytest.MonkeyPatch]:
+    for name in ("TURNLOG_TOKEN", "TURNLOG_RUN_ID", "TURNLOG_MILES_LABEL_KEYS",
+                 "TURNLOG_MILES_VERSION", "TURNLOG_MILES_PAUSE_GENERATION_MODE",
+                 "TURNLOG_MILES_NUM_LAYERS", "TURNLOG_MILES_MAX_TRIM_TOKENS",
+                 "TURNLOG_MILES_SPECULATIVE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TURNLOG_URL", server_url)
+    monkeypatch.setenv("TURNLOG_MILES_AGENT", "support.fake_agent")
+    monkeypatch.setenv("TURNLOG_MILES_RM", "support:fake_rm")
+    support.AGENT_CALLS.clear()
+    support.RM_CALLS.clear()
+    yield monkeypatch
+
+
+@pytest.fixture
+def warnings(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.WARNING, logger="turnlog_client.miles")
+    return caplog
+
+
+async def run_agent(sid: str, metadata: dict[str, Any], **extra: Any) -> Any:
+    return await agent(base_url=f"{SESSION_SERVER}/{sid}", prompt="2+2?",
+                       request_kwargs={"temperature": 1.0}, metadata=metadata, **extra)
+
+
+async def events_of(url: str, sid: str) -> list[dict[str, Any]]:
+    async with TurnlogClient(url) as tl:
+        return await tl.all_events(sid)
+
+
+def close_of(events: list[dict[str, Any]]) -> dict[str, Any]:
+    (closed,) = [e for e in events if e["type"] == "session_closed"]
+    return dict(closed["close"]["metadata"])
+
+
+# -- the agent hook ----------------------------------------------------------------------
+
+
+async def test_opens_with_labels_and_options_closes_with_the_result(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    env.setenv("TURNLOG_RUN_ID", "run-7")
+    env.setenv("TURNLOG_MILES_LABEL_KEYS", "task, difficulty,nested,run_id,missing,weight")
+    env.setenv("TURNLOG_MILES_VERSION", "v1")
+    env.setenv("TURNLOG_MILES_PAUSE_GENERATION_MODE", "in_place")
+    env.setenv("TURNLOG_MILES_NUM_LAYERS", "4")
+    env.setenv("TURNLOG_MILES_MAX_TRIM_TOKENS", "1")
+    env.setenv("TURNLOG_MILES_SPECULATIVE", "true")
+    sid = new_sid()
+    metadata = {"task": "math", "difficulty": 3, "nested": {"a": 1}, "run_id": "from-meta",
+                "weight": float("inf"), "reward": 0.75, "untracked": "x"}
+
+    returned = await run_agent(sid, metadata, extra_flag=True)
+
+    (call,) = support.AGENT_CALLS
+    assert call == {"base_url": f"{SESSION_SERVER}/{sid}", "prompt": "2+2?",
+                    "request_kwargs": {"temperature": 1.0}, "metadata": metadata,
+                    "extra_flag": True}
+    assert returned == {"reward": 0.75, "turns": 2, "note": ("a", returned["note"][1]),
+                        "turnlog_session_id": sid}
+    assert math.isnan(returned["note"][1])
+    async with TurnlogClient(server_url) as tl:
+        summary = await tl.session(sid)
+    assert summary["labels"] == {"run_id": "run-7", "task": "math", "difficulty": 3}
+    assert summary["version"] == "v1" and summary["pause_generation_mode"] == "in_place"
+    assert summary["r3"] == {"num_layers": 4} and summary["max_trim_tokens"] == 1
+    assert summary["spec"] is True and summary["status"] == "closed"
+    assert summary["num_nodes"] == 2
+    assert close_of(await events_of(server_url, sid)) == {
+        "reward": 0.75, "agent": {"reward": 0.75, "turns": 2, "note": ["a", None]},
+        "agent_error": None}
+    assert not warnings.records
+
+
+async def test_defaults_without_labels(env: pytest.MonkeyPatch, server_url: str) -> None:
+    sid = new_sid()
+    await run_agent(sid, {"task": "math"})
+    async with TurnlogClient(server_url) as tl:
+        summary = await tl.session(sid)
+    assert summary["labels"] == {}
+    assert summary["version"] == "v2" and summary["pause_generation_mode"] == "retract"
+    assert summary["r3"] is None and summary["max_trim_tokens"] == 0
+    assert summary["spec"] is False
+
+
+async def test_the_agents_error_is_recorded_and_re_raised(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    sid = new_sid()
+    with pytest.raises(ValueError, match="the environment broke"):
+        await run_agent(sid, {"behaviour": "raise"})
+    assert close_of(await events_of(server_url, sid)) == {
+        "reward": None, "agent": None, "agent_error": "ValueError: the environment broke"}
+    assert not warnings.records
+
+
+async def test_a_none_result_closes_with_nulls_and_returns_the_session_id(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    sid = new_sid()
+    assert await run_agent(sid, {"behaviour": "none"}) == {"turnlog_session_id": sid}
+    assert close_of(await events_of(server_url, sid)) == {
+        "reward": None, "agent": None, "agent_error": None}
+
+
+async def test_a_non_numeric_reward_is_closed_as_null(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    sid = new_sid()
+    returned = await run_agent(sid, {"reward": "good"})
+    assert returned["reward"] == "good"
+    assert close_of(await events_of(server_url, sid))["reward"] is None
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_an_already_closed_session_gets_the_reward_as_an_event(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    sid = new_sid()
+    returned = await run_agent(sid, {"behaviour": "idle-closed", "reward": 0.25})
+    assert returned["turnlog_session_id"] == sid
+    events = await events_of(server_url, sid)
+    assert close_of(events) == {"closed_by": "gateway-idle"}  # no second close
+    (reward,) = [e for e in events if e["type"] == "reward_recorded"]
+    assert reward["reward"]["reward"] == 0.25 and reward["reward"]["sample"] is None
+    assert reward["reward"]["response_id"] is None
+    assert reward["reward"]["source"] == "support.fake_agent"
+    assert not warnings.records
+
+
+async def test_turnlog_down_never_fails_the_rollout(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    env.setenv("TURNLOG_URL", down)
+    sid = new_sid()
+    # The fake agent's own turns go to the real server: the gateway records them.
+    env.setattr(support, "fake_agent", _agent_without_turns)
+    returned = await run_agent(sid, {"reward": 0.5})
+    assert returned == {"reward": 0.5, "turnlog_session_id": sid}
+    (warning,) = warnings.records
+    assert down in warning.getMessage() and sid in warning.getMessage()
+    with pytest.raises(RuntimeError, match="boom"):
+        env.setattr(support, "fake_agent", _agent_that_raises)
+        await run_agent(new_sid(), {})
+    assert len(warnings.records) == 2  # one more rollout, one more warning
+
+
+async def _agent_without_turns(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                               metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    return {"reward": metadata["reward"]}
+
+
+async def _agent_that_raises(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                             metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    raise RuntimeError("boom")
+
+
+async def test_turnlog_answering_an_error_never_fails_the_rollout(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    env.setenv("TURNLOG_MILES_VERSION", "v9")  # the open is refused (422)
+    sid = new_sid()
+    returned = await run_agent(sid, {"behaviour": "no-turns", "reward": 1.0})
+    assert returned == {"reward": 1.0, "turns": 2, "note": returned["note"],
+                        "turnlog_session_id": sid}
+    (warning,) = warnings.records
+    assert "open: 422" in warning.getMessage()
+
+
+def test_settings_and_the_session_id() -> None:
+    assert hooks.session_id_of("http://h:1/sessions/abc123/") == "abc123"
+    settings = Settings.from_env({"TURNLOG_MILES_LABEL_KEYS": " a,,b ",
+                                  "TURNLOG_MILES_NUM_LAYERS": "48"})
+    assert settings.label_keys == ("a", "b") and settings.num_layers == 48
+    assert settings.url == hooks.DEFAULT_URL and settings.token is None
+    with pytest.raises(ValueError, match="TURNLOG_MILES_NUM_LAYERS"):
+        Settings.from_env({"TURNLOG_MILES_NUM_LAYERS": "many"})
+
+
+async def test_the_agent_hook_needs_its_agent(env: pytest.MonkeyPatch) -> None:
+    env.delenv("TURNLOG_MILES_AGENT")
+    with pytest.raises(RuntimeError, match="TURNLOG_MILES_AGENT"):
+        await run_agent(new_sid(), {})
+
+
+# -- the reward hook ---------------------------------------------------------------------
+
+
+async def rolled_out(metadata: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """One rollout through the agent hook: the session closed, miles' metadata back."""
+    sid = new_sid()
+    returned = await run_agent(sid, {"behaviour": "dict", "reward": None, **(metadata or {})})
+    return sid, returned
+
+
+async def rewards_of(url: str, sid: str) -> list[dict[str, Any]]:
+    return [e["reward"] for e in await events_of(url, sid) if e["type"] == "reward_recorded"]
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_single_reward_session_wide(env: pytest.MonkeyPatch, server_url: str,
+                                          warnings: pytest.LogCaptureFixture) -> None:
+    sid, returned = await rolled_out()
+    sample = Sample(metadata={**returned, "score": 0.8})
+    assert await rm("args", sample, extra=1) == 0.8
+    (call,) = support.RM_CALLS
+    assert call == ("args", sample, {"extra": 1})
+    (recorded,) = await rewards_of(server_url, sid)
+    assert recorded["reward"] == 0.8 and recorded["response_id"] is None
+    assert recorded["sample"] is None and recorded["source"] == "support:fake_rm"
+    async with TurnlogClient(server_url) as tl:
+        samples = (await tl.samples(sid, arrays=False))["samples"]
+    assert [s["reward"] for s in samples] == [0.8]
+    assert not warnings.records
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_batched_rewards_by_response_id(env: pytest.MonkeyPatch, server_url: str,
+                                              warnings: pytest.LogCaptureFixture) -> None:
+    (sid_a, meta_a), (sid_b, meta_b) = await rolled_out(), await rolled_out()
+    batch = [
+        Sample(metadata={**meta_a, "score": 0.1, "leaf": {"response_id": f"{sid_a}-r1"}}),
+        Sample(metadata={**meta_b, "score": 0.9}),
+        Sample(metadata={"score": 0.3}),  # not a turnlog rollout: nothing to record
+        {"metadata": {**meta_b, "score": 0.4, "leaf": {"node_id": 1}}},  # a dict sample
+    ]
+    rewards = await rm(None, batch)
+    assert rewards == [0.1, 0.9, 0.3, 0.4]
+    recorded_a = await rewards_of(server_url, sid_a)
+    assert [(r["reward"], r["response_id"]) for r in recorded_a] == [(0.1, f"{sid_a}-r1")]
+    recorded_b = await rewards_of(server_url, sid_b)
+    assert [(r["reward"], r["response_id"]) for r in recorded_b] == [(0.9, None), (0.4, None)]
+    assert len({r["event_id"] for r in recorded_b}) == 2  # a fresh event_id per reward
+    assert not warnings.records
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_the_hooks_retries_reuse_the_event_id(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    sid, returned = await rolled_out()
+    async with LossyProxy(server_url, lose="/rewards") as proxy:
+        env.setenv("TURNLOG_URL", proxy.url)
+        assert await rm(None, Sample(metadata={**returned, "score": 0.6})) == 0.6
+    first, second = proxy.bodies  # the reply to the first was lost: resent once
+    assert first == second
+    (recorded,) = await rewards_of(server_url, sid)  # stored once
+    assert recorded["reward"] == 0.6
+    assert not warnings.records
+
+
+async def test_the_reward_hook_with_turnlog_down(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    env.setenv("TURNLOG_URL", f"http://127.0.0.1:{free_port()}")
+    batch = [Sample(metadata={"turnlog_session_id": new_sid(), "score": s})
+             for s in (0.1, 0.2, 0.3)]
+    assert await rm(None, batch) == [0.1, 0.2, 0.3]
+    (warning,) = warnings.records
+    assert "did not record 3 reward(s)" in warning.getMessage()
+    assert await rm(None, batch[0]) == 0.1
+    assert len(warnings.records) == 2

@@ -1,0 +1,309 @@
+"""The miles hooks: `agent` for `--custom-agent-function-path`, `rm` for `--custom-rm-path`.
+
+Owns what a miles rollout tells turnlog around the turns the gateway records:
+`agent` wraps the user's agent (named by `TURNLOG_MILES_AGENT`) — it opens the
+session `<sid>` (the last path segment of miles' `base_url`) with labels
+before the agent runs, closes it with the agent's result after, and returns
+the agent's dict with `turnlog_session_id` added so miles carries the id into
+every sample's metadata; `rm` wraps the user's reward function (named by
+`TURNLOG_MILES_RM`) and records each reward it returns for that session (by
+the sample's leaf `response_id` when its metadata names one, else
+session-wide), returning the rewards unchanged. Every setting is read from
+the environment at each call (the table in client/README.md).
+
+Refuses to stand in the rollout's way: it adds no request to a turn's path
+(the open comes before the agent's first turn, the close and rewards after
+its last), uses short timeouts and few retries, and turnlog unreachable or
+answering an error never fails a rollout — the hook logs one warning per
+call and goes on. Refuses to own any rule of the store: what a close or a
+reward means is the server's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from turnlog_client.async_client import TurnlogClient, new_event_id
+from turnlog_client.errors import TurnlogConnectionError, TurnlogError
+
+__all__ = ["Settings", "agent", "rm", "session_id_of"]
+
+log = logging.getLogger("turnlog_client.miles")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+# A store that is down must not stall a rollout: a refused connection fails at
+# once, a silent one after CONNECT_TIMEOUT; one call gives up after DEADLINE.
+CONNECT_TIMEOUT = 2.0
+READ_TIMEOUT = 10.0
+RETRIES = 2
+DEADLINE = 5.0
+SOURCE_MAX = 128
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The hooks' environment (read at each call, so a test or a launcher may set it late)."""
+
+    url: str = DEFAULT_URL
+    token: str | None = None
+    agent: str | None = None
+    rm: str | None = None
+    version: str = "v2"
+    pause_generation_mode: str = "retract"
+    num_layers: int | None = None
+    max_trim_tokens: int = 0
+    speculative: bool = False
+    run_id: str | None = None
+    label_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+
+        def text(name: str) -> str | None:
+            value = env.get(name, "").strip()
+            return value or None
+
+        def integer(name: str) -> int | None:
+            value = text(name)
+            if value is None:
+                return None
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, not {value!r}") from None
+
+        keys = tuple(k.strip() for k in (text("TURNLOG_MILES_LABEL_KEYS") or "").split(","))
+        return cls(
+            url=text("TURNLOG_URL") or DEFAULT_URL,
+            token=text("TURNLOG_TOKEN"),
+            agent=text("TURNLOG_MILES_AGENT"),
+            rm=text("TURNLOG_MILES_RM"),
+            version=text("TURNLOG_MILES_VERSION") or "v2",
+            pause_generation_mode=text("TURNLOG_MILES_PAUSE_GENERATION_MODE") or "retract",
+            num_layers=integer("TURNLOG_MILES_NUM_LAYERS"),
+            max_trim_tokens=integer("TURNLOG_MILES_MAX_TRIM_TOKENS") or 0,
+            speculative=(text("TURNLOG_MILES_SPECULATIVE") or "").lower()
+            in ("1", "true", "yes", "on"),
+            run_id=text("TURNLOG_RUN_ID"),
+            label_keys=tuple(k for k in keys if k),
+        )
+
+    def client(self) -> TurnlogClient:
+        return TurnlogClient(self.url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
+                             timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),
+                             wire="json")
+
+
+def load(dotted: str, variable: str) -> Any:
+    """The object a dotted path names: `package.module.name` or `package.module:name`."""
+    module_name, sep, attr = dotted.partition(":")
+    if not sep:
+        module_name, _, attr = dotted.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{variable}={dotted!r} is not a dotted path like package.module.name")
+    target: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def session_id_of(base_url: str) -> str:
+    """The session id in miles' `base_url` (`http://<session server>/sessions/<sid>`)."""
+    sid = urlsplit(base_url).path.rstrip("/").rpartition("/")[2]
+    if not sid:
+        raise ValueError(f"no session id at the end of base_url {base_url!r}")
+    return sid
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, str | int | bool)
+
+
+def open_body(sid: str, settings: Settings, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The open of §15: the session options of the environment and the labels."""
+    labels: dict[str, Any] = {}
+    for key in settings.label_keys:
+        value = (metadata or {}).get(key)
+        if _scalar(value):
+            labels[key] = value
+    if settings.run_id is not None:
+        labels["run_id"] = settings.run_id  # wins over a metadata key of the same name
+    body: dict[str, Any] = {"session_id": sid, "version": settings.version,
+                            "pause_generation_mode": settings.pause_generation_mode,
+                            "spec": settings.speculative,
+                            "max_trim_tokens": settings.max_trim_tokens, "labels": labels}
+    if settings.num_layers is not None:
+        body["r3"] = {"num_layers": settings.num_layers}
+    return body
+
+
+def finite(value: Any) -> float | None:
+    """A reward as a float when it is a finite number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as strict JSON can carry it: non-finite floats become null, numpy
+    scalars numbers, tuples lists, other objects their repr."""
+    if value is None or isinstance(value, str | bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, np.generic):
+        return jsonable(value.item())
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return repr(value)
+
+
+def close_metadata(result: Any, error: BaseException | None) -> dict[str, Any]:
+    """The close of §15: the agent's reward, its dict and its error."""
+    returned = result if isinstance(result, Mapping) else None
+    return {"reward": finite(returned.get("reward")) if returned is not None else None,
+            "agent": jsonable(returned) if returned is not None else None,
+            "agent_error": None if error is None else f"{type(error).__name__}: {error}"}
+
+
+def _problem(step: str, exc: Exception) -> str:
+    return f"{step}: {exc}" if isinstance(exc, TurnlogError) else \
+        f"{step}: {type(exc).__name__}: {exc}"
+
+
+async def _close(tl: TurnlogClient, sid: str, metadata: dict[str, Any], source: str) -> None:
+    try:
+        await tl.close(sid, metadata=metadata)
+    except TurnlogError as exc:
+        if exc.slug != "session-closed":
+            raise
+        # Closed already (the gateway's idle close): the reward goes in as a §16 event.
+        if metadata["reward"] is not None:
+            await tl.record_reward(sid, metadata["reward"], source=source)
+
+
+async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                metadata: dict[str, Any], **kwargs: Any) -> Any:
+    """miles' agent function (`--custom-agent-function-path turnlog_client.miles.agent`):
+    runs `TURNLOG_MILES_AGENT` between turnlog's open and close of the session."""
+    settings = Settings.from_env()
+    if settings.agent is None:
+        raise RuntimeError("TURNLOG_MILES_AGENT is not set: name your agent function "
+                           "(package.module.function) for turnlog_client.miles.agent to run")
+    inner = load(settings.agent, "TURNLOG_MILES_AGENT")
+    sid = session_id_of(base_url)
+    problems: list[str] = []
+    async with settings.client() as tl:
+        try:
+            await tl.open(open_body(sid, settings, metadata))
+        except Exception as exc:  # turnlog never fails the rollout
+            problems.append(_problem("open", exc))
+        error: Exception | None = None
+        result: Any = None
+        try:
+            result = await inner(base_url=base_url, prompt=prompt,
+                                 request_kwargs=request_kwargs, metadata=metadata, **kwargs)
+        except Exception as exc:
+            error = exc
+        try:
+            await _close(tl, sid, close_metadata(result, error), settings.agent[:SOURCE_MAX])
+        except Exception as exc:
+            problems.append(_problem("close", exc))
+    if problems:
+        log.warning("turnlog at %s did not record session %s (the rollout goes on): %s",
+                    settings.url, sid, "; ".join(problems))
+    if error is not None:
+        raise error
+    if result is None:
+        return {"turnlog_session_id": sid}
+    if isinstance(result, Mapping):
+        return {**result, "turnlog_session_id": sid}
+    return result
+
+
+def sample_metadata(sample: Any) -> Mapping[str, Any]:
+    """A miles `Sample`'s `.metadata` (or a sample given as a dict: its "metadata")."""
+    found = sample.get("metadata") if isinstance(sample, Mapping) else \
+        getattr(sample, "metadata", None)
+    return found if isinstance(found, Mapping) else {}
+
+
+def reward_target(sample: Any) -> tuple[str, str | None] | None:
+    """The session and the leaf's `response_id` (None: session-wide) a sample's reward
+    goes to; None when the sample names no turnlog session."""
+    metadata = sample_metadata(sample)
+    sid = metadata.get("turnlog_session_id")
+    if not isinstance(sid, str) or not sid:
+        return None
+    leaf = metadata.get("leaf")
+    response_id = leaf.get("response_id") if isinstance(leaf, Mapping) else None
+    return sid, response_id if isinstance(response_id, str) and response_id else None
+
+
+async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
+                         source: str) -> tuple[int, list[str]]:
+    """Record each (sample, reward); returns how many were not recorded and why
+    (never raises)."""
+    targets = [(target, value) for target, value in
+               ((reward_target(sample), finite(reward)) for sample, reward in scored)
+               if target is not None and value is not None]  # else nothing to record
+    failed, problems = 0, []
+    async with settings.client() as tl:
+        for i, ((sid, response_id), value) in enumerate(targets):
+            try:
+                # One event_id per reward: the client's retries resend this very body.
+                await tl.record_reward(sid, value, response_id=response_id, source=source,
+                                       event_id=new_event_id())
+            except TurnlogConnectionError as exc:
+                # The store is unreachable: do not wait on it once per sample.
+                failed += len(targets) - i
+                problems.append(_problem(f"reward for {sid}", exc))
+                break
+            except Exception as exc:
+                failed += 1
+                problems.append(_problem(f"reward for {sid}", exc))
+    return failed, problems
+
+
+async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
+    """miles' reward function (`--custom-rm-path turnlog_client.miles.rm`): calls
+    `TURNLOG_MILES_RM` as miles would — one sample, or a list of samples (batched) —
+    records each reward for its turnlog session and returns the rewards unchanged."""
+    settings = Settings.from_env()
+    if settings.rm is None:
+        raise RuntimeError("TURNLOG_MILES_RM is not set: name your reward function "
+                           "(package.module.function) for turnlog_client.miles.rm to run")
+    inner = load(settings.rm, "TURNLOG_MILES_RM")
+    rewards = inner(args, samples, **kwargs)
+    if inspect.isawaitable(rewards):
+        rewards = await rewards
+    if isinstance(samples, list):
+        scored = list(zip(samples, rewards if isinstance(rewards, list | tuple) else [],
+                          strict=False))
+    else:
+        scored = [(samples, rewards)]
+    try:
+        failed, problems = await record_rewards(settings, scored, settings.rm[:SOURCE_MAX])
+    except Exception as exc:  # turnlog never fails the rollout
+        failed, problems = len(scored), [_problem("rewards", exc)]
+    if problems:
+        log.warning("turnlog at %s did not record %d reward(s) (the rollout goes on): %s",
+                    settings.url, failed, "; ".join(problems))
+    return rewards

@@ -1,0 +1,156 @@
+"""The one transport every call of the client goes through: `Transport`.
+
+Owns the httpx connection pool, the headers (bearer token), JSON encoding and
+decoding, the retry loop of `errors.py` around each request, and turning a
+failed answer into a `TurnlogError` (a refused or timed-out connection into a
+`TurnlogConnectionError` naming the server's URL). Both halves of the client
+— the session calls (`async_client.py`) and the trainer calls
+(`consumers.py`) — hold the same `Transport`, so neither imports the other.
+
+Refuses to own any call: paths, bodies and what a reply means are the
+callers'; R3 streaming is `npy_stream.py`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import msgspec
+from tenacity import AsyncRetrying
+
+from turnlog_client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
+
+__all__ = ["JSON", "Transport", "decode", "encode", "error_from"]
+
+JSON = "application/json"
+
+
+def decode(content: bytes) -> Any:
+    try:
+        return msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        # Lone surrogate escapes are valid JSON text that msgspec refuses.
+        return json.loads(content)
+
+
+def encode(body: Any) -> bytes:
+    # allow_nan=False: the server rejects non-finite numbers; fail before sending.
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        return None  # an HTTP date: the backoff decides instead
+
+
+def error_from(response: httpx.Response, event_id: str | None) -> TurnlogError:
+    """A failed answer as a `TurnlogError` (its problem+json, else a plain one)."""
+    problem: dict[str, Any] | None = None
+    with contextlib.suppress(ValueError, msgspec.DecodeError):
+        body = decode(response.content)
+        if isinstance(body, dict) and "type" in body:
+            problem = body
+    if problem is None:
+        problem = {"type": "about:blank", "title": response.reason_phrase,
+                   "detail": response.text[:500]}
+    problem.setdefault("status", response.status_code)
+    return TurnlogError(problem, retry_after=_retry_after(response), event_id=event_id)
+
+
+class Transport:
+    """One httpx client, its retry policy and its error mapping.
+
+    `retries` is the number of resends after the first attempt; `retry_deadline`
+    (seconds, optional) bounds the total time spent retrying one call;
+    `backoff` / `max_backoff` shape the jittered exponential wait between them.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = 30.0,
+        retries: int = 5,
+        retry_deadline: float | None = None,
+        backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        all_headers = {"accept": "application/json, application/problem+json",
+                       **dict(headers or {})}
+        if token:
+            all_headers["authorization"] = f"Bearer {token}"
+        self.http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout,
+                                      headers=all_headers, transport=transport)
+        self.retries = retries
+        self.retry_deadline = retry_deadline
+        self.wait = Backoff(backoff, max_backoff)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    def retrying(self) -> AsyncRetrying:
+        """The retry loop for one call (for callers that send by other means)."""
+        return retrying(self.retries, self.retry_deadline, self.wait)
+
+    def unreachable(self, cause: httpx.TransportError,
+                    event_id: str | None = None) -> TurnlogConnectionError:
+        return TurnlogConnectionError(cause, url=self.base_url, event_id=event_id)
+
+    def long_poll(self, wait: float | None) -> httpx.Timeout | None:
+        """The read timeout stretched by a long-poll's `wait` (None: the default)."""
+        if not wait:
+            return None
+        base = self.http.timeout
+        return httpx.Timeout(connect=base.connect, write=base.write, pool=base.pool,
+                             read=None if base.read is None else base.read + wait)
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        event_id: str | None = None,
+        timeout: httpx.Timeout | None = None,
+        encoded: tuple[bytes, str] | None = None,
+    ) -> httpx.Response:
+        """One call with its retries: the body is encoded once, so a resend is
+        byte-identical; a non-2xx answer raises the `TurnlogError` it carries."""
+        if encoded is None and body is not None:
+            encoded = encode(body), JSON
+        content = None if encoded is None else encoded[0]
+        headers = None if encoded is None else {"content-type": encoded[1]}
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        async for attempt in self.retrying():
+            with attempt:
+                try:
+                    response = await self.http.request(method, path, content=content,
+                                                       headers=headers, params=query, **extra)
+                except httpx.TransportError as exc:
+                    raise self.unreachable(exc, event_id) from exc
+                if response.status_code >= 400:
+                    raise error_from(response, event_id)
+                return response
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        """`send`, then the reply's JSON."""
+        return decode((await self.send(method, path, **kwargs)).content)

@@ -1,0 +1,254 @@
+"""The gateway when the store fails: callers are served, turns wait in the spool (fsynced),
+and drain in order, exactly once, when the store is back or a new gateway starts.
+
+Faults: a SQLite file locked by another process, a SQLite file moved away,
+PostgreSQL stopped with `pg_ctl stop -m immediate`, a full spool, and the
+gateway SIGKILLed with turns in its spool. Afterwards every session holds
+exactly the turns its caller was answered for, in the order they were sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.gateway.spool import Spool
+from app.main import create_app
+from app.settings import Settings
+from app.store import migrate
+from tests.gateway.conftest import Sent, chat, metric, scrape, send_turn, wait_for
+from tests.pg.stoppable import stoppable_cluster
+
+STORE_TIMEOUT = "1"
+
+
+@contextlib.asynccontextmanager
+async def api(url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The REST API over the same database, in process (to read back what was stored)."""
+    app = create_app(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://turnlog") as http:
+        yield http
+    await app.state.services.db.dispose()
+
+
+class Conversation:
+    """One session's chat: each turn extends the last reply (so order matters)."""
+
+    def __init__(self) -> None:
+        self.session_id = f"gw-{uuid.uuid4().hex[:12]}"
+        self.prompt = [3, 1, 4]
+        self.answered: list[Sent] = []
+
+    async def turn(self, http: httpx.AsyncClient) -> Sent:
+        sent = await send_turn(http, self.session_id, chat(list(self.prompt)))
+        if sent.status == 200:
+            self.answered.append(sent)
+            output = [t for _, t in
+                      json.loads(sent.reply)["choices"][0]["meta_info"]["output_token_logprobs"]]
+            self.prompt = self.prompt + output + [5, 9]
+        return sent
+
+
+async def check_stored(http: httpx.AsyncClient, conversation: Conversation) -> None:
+    """The store holds exactly the answered turns, in order, each once."""
+    reply = await http.get(f"/v1/sessions/{conversation.session_id}/events")
+    assert reply.status_code == 200, reply.text
+    turns = [e for e in reply.json() if e["type"] == "turn_recorded"]
+    assert [t["record"]["request"] for t in turns] == [s.request for s in
+                                                       conversation.answered]
+    assert [t["record"]["response"] for t in turns] == [json.loads(s.reply) for s in
+                                                        conversation.answered]
+    assert len({t["event_id"] for t in turns}) == len(turns)
+    # Each turn extends the one before: the chain was appended in order.
+    assert [t["parent"] for t in turns] == [None, *range(len(turns) - 1)]
+
+
+async def spooled(http: httpx.AsyncClient) -> float:
+    return metric(await scrape(http), "turnlog_gateway_spooled_turns")
+
+
+async def drained(http: httpx.AsyncClient) -> bool:
+    return await spooled(http) == 0
+
+
+@contextlib.contextmanager
+def sqlite_lock(path: Path) -> Any:
+    """Another process's write lock on the file: every write waits, then times out."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    conn.execute("BEGIN EXCLUSIVE")
+    try:
+        yield conn
+    finally:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        conn.close()
+
+
+async def test_a_locked_sqlite_file_spools_and_drains_in_order(tmp_path, gateway_process):
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", STORE_TIMEOUT)
+    await gateway.wait_ready()
+    a, b = Conversation(), Conversation()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await a.turn(http)).status == 200
+        with sqlite_lock(path):
+            for conversation in (a, b, a, a):
+                assert (await conversation.turn(http)).status == 200
+            assert await spooled(http) == 4
+            ready = await http.get("/turnlog/readyz")
+            assert ready.status_code == 503, ready.text
+            assert len(list((tmp_path / "spool-0").glob("*.turn"))) == 4
+        await wait_for(lambda: drained(http), what="the spool to drain")
+        assert (await http.get("/turnlog/readyz")).status_code == 200
+        assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 5
+    assert not list((tmp_path / "spool-0").glob("*.turn"))
+    async with api(f"sqlite+aiosqlite:///{path}") as http:
+        for conversation in (a, b):
+            await check_stored(http, conversation)
+
+
+async def test_a_missing_sqlite_file_spools_until_it_is_there(tmp_path, gateway_process):
+    # The database's folder does not exist yet: every write fails to open the file.
+    path = tmp_path / "later" / "store.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    gateway = gateway_process(url, "--store-timeout", STORE_TIMEOUT, "--no-migrate")
+    await gateway.wait_ready()
+    a, b = Conversation(), Conversation()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        for conversation in (a, b, a):
+            assert (await conversation.turn(http)).status == 200
+        assert await spooled(http) == 3
+        assert (await http.get("/turnlog/readyz")).status_code == 503
+        path.parent.mkdir()
+        await migrate.upgrade_async(url)
+        await wait_for(lambda: drained(http), what="the spool to drain")
+        assert (await http.get("/turnlog/readyz")).status_code == 200
+    async with api(url) as http:
+        for conversation in (a, b):
+            await check_stored(http, conversation)
+
+
+async def test_postgres_stopped_mid_run_spools_and_drains_in_order(tmp_path, gateway_process):
+    try:
+        cluster = await asyncio.to_thread(stoppable_cluster)
+    except RuntimeError as exc:
+        pytest.fail(f"PostgreSQL binaries are required for this fault test: {exc}")
+    try:
+        gateway = gateway_process(cluster.url, "--store-timeout", "3")
+        await gateway.wait_ready()
+        a, b = Conversation(), Conversation()
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+            for conversation in (a, b):
+                assert (await conversation.turn(http)).status == 200
+            await asyncio.to_thread(cluster.stop, "immediate")
+            for conversation in (a, b, a, b, a):
+                assert (await conversation.turn(http)).status == 200
+            assert await spooled(http) == 5
+            assert (await http.get("/turnlog/readyz")).status_code == 503
+            await asyncio.to_thread(cluster.start)
+            await wait_for(lambda: drained(http), timeout=60, what="the spool to drain")
+            assert (await http.get("/turnlog/readyz")).status_code == 200
+            assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 7
+        async with api(cluster.url) as http:
+            for conversation in (a, b):
+                await check_stored(http, conversation)
+    finally:
+        await asyncio.to_thread(cluster.remove)
+
+
+async def test_a_full_spool_answers_503_and_stores_nothing_of_that_turn(tmp_path,
+                                                                        gateway_process):
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", STORE_TIMEOUT,
+                              "--spool-max-bytes", "4000")
+    await gateway.wait_ready()
+    a = Conversation()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await a.turn(http)).status == 200
+        refused: list[Sent] = []
+        with sqlite_lock(path):
+            for _ in range(6):
+                sent = await a.turn(http)
+                if sent.status != 200:
+                    refused.append(sent)
+            metrics = await scrape(http)
+        assert refused, "the spool never filled"
+        for sent in refused:
+            assert sent.status == 503
+            problem = json.loads(sent.reply)
+            assert problem["type"] == "urn:turnlog:spool-full"
+        assert metric(metrics, "turnlog_gateway_spooled_bytes") <= 4000
+        await wait_for(lambda: drained(http), what="the spool to drain")
+    async with api(f"sqlite+aiosqlite:///{path}") as http:
+        await check_stored(http, a)  # the refused turns are not among them
+
+
+async def test_a_sigkilled_gateway_drains_its_spool_once_after_restart(tmp_path,
+                                                                      gateway_process):
+    path = tmp_path / "store.db"
+    spool = tmp_path / "spool"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", STORE_TIMEOUT,
+                              spool=spool)
+    await gateway.wait_ready()
+    a, b = Conversation(), Conversation()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await a.turn(http)).status == 200
+        with sqlite_lock(path):
+            for conversation in (a, b, a):
+                assert (await conversation.turn(http)).status == 200
+            assert await spooled(http) == 3
+            gateway.kill()
+    assert len(list(spool.glob("*.turn"))) == 3
+    gateway.start()  # a new gateway over the same spool, the store answering again
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        await wait_for(lambda: drained(http), what="the spool to drain")
+        assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 3
+        # The restarted gateway goes on with the same sessions.
+        assert (await a.turn(http)).status == 200
+    assert not list(spool.glob("*.turn"))
+    async with api(f"sqlite+aiosqlite:///{path}") as http:
+        for conversation in (a, b):
+            await check_stored(http, conversation)
+
+
+async def test_a_turn_committed_before_the_crash_is_not_stored_twice(tmp_path, gateway_process,
+                                                                     fake_sglang):
+    """The gateway died between the commit and deleting the spool file: the next drain
+    repeats the append, which the store answers as an idempotent repeat."""
+    path = tmp_path / "store.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    await migrate.upgrade_async(url)
+    session = f"gw-{uuid.uuid4().hex[:12]}"
+    request = chat([2, 7, 1, 8])
+    async with httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
+        reply = (await direct.post("/v1/chat/completions", json=request)).json()
+    body = {"event_id": uuid.uuid4().hex, "record": {
+        "timestamp": 2.0, "request_timestamp": 1.0, "method": "POST",
+        "path": "/v1/chat/completions", "status_code": 200, "request": request,
+        "response": reply}}
+    opening = {"session_id": session, "version": "v2", "opened_by": "gateway"}
+    async with api(url) as http:
+        assert (await http.post("/v1/sessions", json=opening)).status_code == 201
+        assert (await http.post(f"/v1/sessions/{session}/turns", json=body)).status_code == 201
+    spool = Spool(tmp_path / "spool", 1 << 20)
+    spool.add(session, body, opening)
+    spool.close()
+    gateway = gateway_process(f"sqlite:///{path}", spool=tmp_path / "spool")
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        await wait_for(lambda: drained(http), what="the spool to drain")
+    async with api(url) as http:
+        reply = await http.get(f"/v1/sessions/{session}/events")
+        turns = [e for e in reply.json() if e["type"] == "turn_recorded"]
+    assert [t["event_id"] for t in turns] == [body["event_id"]]

@@ -1,0 +1,171 @@
+"""What the gateway forwards untouched: every route, hop-by-hop headers dropped, streamed
+replies streamed, and an upstream that is down or slow answered 502.
+
+These tests do not depend on the store's backend (they record nothing), so they
+run on one SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.crash.conftest import free_port
+from tests.gateway.conftest import chat, metric, scrape, send_turn
+
+
+def _sqlite(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'gateway.db'}"
+
+
+async def test_other_routes_pass_through_intact(tmp_path, gateway_process, fake_sglang):
+    gateway = gateway_process(_sqlite(tmp_path))
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
+            httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
+        body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 3}}).encode()
+        for method, path in (("POST", "/generate?rid=7&x=%20a%2Fb"),
+                             ("POST", "/add_worker?url=http%3A%2F%2F127.0.0.1%3A1"),
+                             ("PUT", "/some/other/route"), ("DELETE", "/workers/3")):
+            reply = await http.request(method, path, content=body,
+                                       headers={"X-Custom": "v1", "Authorization": "Bearer t",
+                                                "Content-Type": "application/json"})
+            assert reply.status_code == 200, reply.text
+            echo = reply.json()
+            assert echo["method"] == method
+            assert echo["path"] + ("?" + echo["query"] if echo["query"] else "") == path
+            assert echo["body"] == body.decode()
+            headers = dict(echo["headers"])
+            assert headers["x-custom"] == "v1" and headers["authorization"] == "Bearer t"
+            assert headers["host"] == f"127.0.0.1:{fake_sglang.port}"
+            assert headers["content-length"] == str(len(body))
+            assert headers["x-forwarded-for"] == "127.0.0.1"
+        health = await http.get("/health")
+        assert (health.status_code, health.content) == (200, b"OK")
+        up = await http.get("/metrics")
+        assert up.status_code == 200 and up.text.startswith("sglang_num_requests_total")
+        assert up.headers["content-type"] == (await direct.get("/metrics")).headers[
+            "content-type"]
+        # The gateway's own routes never reach the upstream.
+        assert (await http.get("/turnlog/healthz")).json() == {"status": "ok"}
+        assert (await http.get("/turnlog/readyz")).status_code == 200
+        assert "turnlog_gateway_recorded_total" in (await scrape(http))
+        assert (await http.get("/turnlog/nope")).status_code == 404
+        # Passthrough routes are not counted as unrecorded turns.
+        assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                      'reason="no-session"') == 0
+
+
+def raw_request(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        chunks = []
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+async def test_hop_by_hop_headers_are_dropped(tmp_path, gateway_process):
+    gateway = gateway_process(_sqlite(tmp_path))
+    await gateway.wait_ready()
+    body = b"0123456789"
+    request = (b"POST /generate HTTP/1.1\r\nHost: gateway.example\r\n"
+               b"Connection: close, X-Per-Hop\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
+               b"Trailer: X-Sum\r\nProxy-Authorization: Basic eA==\r\nProxy-Foo: bar\r\n"
+               b"X-End-To-End: kept\r\nContent-Length: 10\r\n\r\n" + body)
+    reply = raw_request(gateway.port, request)
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    echo = json.loads(payload)
+    names = {name for name, _ in echo["headers"]}
+    assert not names & {"connection", "keep-alive", "te", "trailer", "proxy-authorization",
+                        "proxy-foo", "transfer-encoding"}, names
+    assert dict(echo["headers"])["x-end-to-end"] == "kept"
+    assert echo["body"] == body.decode()
+
+    # A chunked request body goes up whole (the upstream sees no Transfer-Encoding of ours).
+    chunked = (b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    head, _, payload = raw_request(gateway.port, chunked).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert json.loads(payload)["body"] == "hello world"
+
+
+async def test_a_chunked_streaming_reply_stays_streamed(tmp_path, gateway_process):
+    gateway = gateway_process(_sqlite(tmp_path))
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
+            http.stream("GET", "/stream?chunks=4&size=1000&delay=0.3") as reply:
+        assert reply.status_code == 200
+        assert reply.headers.get("transfer-encoding") == "chunked"
+        assert "content-length" not in reply.headers
+        arrivals, data = [], b""
+        async for chunk in reply.aiter_raw():
+            arrivals.append(time.monotonic())
+            data += chunk
+    assert data == b"".join(bytes([65 + i]) * 1000 for i in range(4))
+    # Chunks arrived as the upstream sent them, not all at once at the end.
+    assert len(arrivals) >= 2 and arrivals[-1] - arrivals[0] > 0.3
+
+
+async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_process):
+    closed_port = free_port()  # nothing listens there
+    down = gateway_process(_sqlite(tmp_path), upstream=f"http://127.0.0.1:{closed_port}")
+    await down.wait_ready()
+    async with httpx.AsyncClient(base_url=down.url, timeout=30) as http:
+        for reply in (await http.post("/generate", content=b"x"),
+                      await http.get("/health"),
+                      (await http.post("/v1/chat/completions", json=chat([1, 2]),
+                                       headers={"X-SMG-Routing-Key": "s-502"}))):
+            assert reply.status_code == 502, reply.text
+            assert reply.headers["content-type"] == "application/problem+json"
+            problem = reply.json()
+            assert problem["type"] == "urn:turnlog:upstream-unavailable"
+            assert problem["status"] == 502
+    slow = gateway_process(_sqlite(tmp_path), "--upstream-timeout", "0.5")
+    await slow.wait_ready()
+    async with httpx.AsyncClient(base_url=slow.url, timeout=30) as http:
+        turn = await send_turn(http, "s-slow", chat([1, 2]), {"X-Sim-Delay": "3"})
+        assert turn.status == 502
+        assert json.loads(turn.reply)["type"] == "urn:turnlog:upstream-unavailable"
+
+
+async def test_a_second_gateway_on_the_same_spool_is_refused(tmp_path, gateway_process,
+                                                            fake_sglang):
+    spool = tmp_path / "spool"
+    first = gateway_process(_sqlite(tmp_path), spool=spool)
+    await first.wait_ready()
+    second = subprocess.run(
+        [sys.executable, "-m", "app", "gateway", "--upstream", fake_sglang.url,
+         "--port", str(free_port()), "--database-url", _sqlite(tmp_path),
+         "--spool-dir", str(spool)], capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")})
+    assert second.returncode == 2, second.stderr
+    assert "in use by another gateway" in second.stderr
+    assert (second.stderr.count("\n") <= 2), second.stderr  # one line, no traceback
+
+
+async def test_a_caller_that_goes_away_stops_the_relay(tmp_path, gateway_process):
+    gateway = gateway_process(_sqlite(tmp_path))
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
+            http.stream("GET", "/stream?chunks=200&size=1000&delay=0.05") as reply:
+        async for _chunk in reply.aiter_raw():
+            break  # the first chunk, then hang up
+    deadline = time.monotonic() + 20
+    while "caller went away mid-reply" not in gateway.log_tail(200):
+        assert time.monotonic() < deadline, gateway.log_tail()
+        await asyncio.sleep(0.1)
+    async with httpx.AsyncClient(base_url=gateway.url) as http:  # it goes on serving
+        assert (await http.get("/health")).status_code == 200

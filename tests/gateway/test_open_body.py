@@ -1,0 +1,106 @@
+"""`opened_by` in the open body (docs/api.md §1.1) and the gateway's pure rules.
+
+The open-body tests run on the three backends through the in-process API;
+the rule tests (app.domain.gateway) need no store.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.domain.errors import InvalidRequest
+from app.domain.gateway import (
+    NO_SESSION,
+    NOT_JSON,
+    NOT_TITO,
+    STREAM,
+    UPSTREAM_STATUS,
+    Candidate,
+    GatewayDefaults,
+    Unrecorded,
+    classify_reply,
+    classify_request,
+    forwarded_headers,
+    open_body,
+    parse_label_flags,
+    parse_labels_header,
+)
+
+
+async def test_opened_by_is_kept_shown_and_part_of_the_idempotent_open(client, sid):
+    body = {"session_id": sid, "version": "v2", "opened_by": "gateway"}
+    first = await client.post("/v1/sessions", json=body)
+    assert first.status_code == 201 and first.json()["opened_by"] == "gateway"
+    assert (await client.post("/v1/sessions", json=body)).status_code == 200
+    other = await client.post("/v1/sessions", json={"session_id": sid, "version": "v2"})
+    assert other.status_code == 409
+    assert (await client.get(f"/v1/sessions/{sid}")).json()["opened_by"] == "gateway"
+    opened = (await client.get(f"/v1/sessions/{sid}/events")).json()[0]
+    assert opened["session"]["opened_by"] == "gateway"
+
+
+async def test_a_session_opened_without_it_has_none_and_repeats_as_before(client, sid):
+    body = {"session_id": sid, "version": "v1"}
+    assert (await client.post("/v1/sessions", json=body)).status_code == 201
+    assert (await client.post("/v1/sessions", json=body)).status_code == 200
+    assert (await client.get(f"/v1/sessions/{sid}")).json()["opened_by"] is None
+    opened = (await client.get(f"/v1/sessions/{sid}/events")).json()[0]
+    assert "opened_by" not in opened["session"]
+
+
+@pytest.mark.parametrize("value", ["", "two words", 7, "x" * 65])
+async def test_a_bad_opened_by_is_a_422_naming_it(client, sid, value):
+    reply = await client.post("/v1/sessions",
+                              json={"session_id": sid, "version": "v2", "opened_by": value})
+    assert reply.status_code == 422 and reply.json()["field"] == "opened_by"
+
+
+# -- the pure rules ------------------------------------------------------------------------
+
+def test_request_classification() -> None:
+    body = json.dumps({"input_ids": [1, 2], "messages": []}).encode()
+    assert classify_request("s1", body) == Candidate("s1", {"input_ids": [1, 2],
+                                                            "messages": []})
+    assert classify_request(None, body) == Unrecorded(NO_SESSION)
+    assert classify_request("a b", body) == Unrecorded(NO_SESSION)
+    assert classify_request("s" * 129, body) == Unrecorded(NO_SESSION)
+    for bad in (b"{", b"[]", b'{"input_ids": []}', b'{"input_ids": [1, true]}',
+                b'{"input_ids": "12"}', b'{"input_ids": [1.5]}'):
+        assert classify_request("s1", bad) == Unrecorded(NOT_TITO), bad
+    streamed = json.dumps({"input_ids": [1], "stream": True}).encode()
+    assert classify_request("s1", streamed) == Unrecorded(STREAM)
+    not_streamed = json.dumps({"input_ids": [1], "stream": False}).encode()
+    assert isinstance(classify_request("s1", not_streamed), Candidate)
+
+
+def test_reply_classification() -> None:
+    good = {"choices": [{"meta_info": {"output_token_logprobs": []}}]}
+    assert classify_reply(200, json.dumps(good).encode()) == good
+    assert classify_reply(500, json.dumps(good).encode()) == Unrecorded(UPSTREAM_STATUS)
+    assert classify_reply(201, json.dumps(good).encode()) == Unrecorded(UPSTREAM_STATUS)
+    assert classify_reply(200, b"<html>") == Unrecorded(NOT_JSON)
+    for bad in ({}, {"choices": []}, {"choices": [{"meta_info": {}}]},
+                {"choices": [{"meta_info": {"output_token_logprobs": None}}]}, [1]):
+        assert classify_reply(200, json.dumps(bad).encode()) == Unrecorded(NOT_TITO), bad
+
+
+def test_hop_by_hop_headers() -> None:
+    headers = [("Connection", "close"), ("Keep-Alive", "5"), ("Transfer-Encoding", "chunked"),
+               ("TE", "trailers"), ("Trailer", "x"), ("Upgrade", "h2c"),
+               ("Proxy-Authorization", "x"), ("Host", "h"), ("X-A", "1")]
+    assert forwarded_headers(headers, frozenset({"host"})) == [("X-A", "1")]
+
+
+def test_open_body_labels_header_wins_and_is_checked() -> None:
+    defaults = GatewayDefaults(num_layers=4, labels=parse_label_flags(["run=r", "team=a"]))
+    body = open_body("s1", defaults, parse_labels_header('{"team": "b", "n": 1}'))
+    assert body["labels"] == {"run": "r", "team": "b", "n": 1}
+    assert body["r3"] == {"num_layers": 4} and body["opened_by"] == "gateway"
+    assert body["version"] == "v2" and body["pause_generation_mode"] == "retract"
+    for bad in ("{", "[1]", '{"a": {"b": 1}}', '{"a": [1]}', '{"bad key": 1}'):
+        with pytest.raises(InvalidRequest):
+            parse_labels_header(bad)
+    with pytest.raises(InvalidRequest):
+        parse_label_flags(["novalue"])

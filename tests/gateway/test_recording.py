@@ -1,0 +1,185 @@
+"""What the gateway records, on the three backends: a real `turnlog gateway` in front of
+the simulator's SGLang, the store read back through the API.
+
+Oracles: the bytes the fake SGLang answers the same request with directly
+(it is deterministic), the JSON that went up, and `app.simulator.route` (a full
+forward) for the R3 rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from typing import Any
+
+import httpx
+import numpy as np
+
+from app.simulator import route
+from tests.gateway.conftest import Sent, chat, metric, scrape, send_turn, wait_for
+
+
+def sid() -> str:
+    return f"gw-{uuid.uuid4().hex[:12]}"
+
+
+async def events(client: httpx.AsyncClient, session_id: str) -> list[dict[str, Any]]:
+    reply = await client.get(f"/v1/sessions/{session_id}/events")
+    assert reply.status_code == 200, reply.text
+    return list(reply.json())
+
+
+def send_turn_of(session_id: str, reply: httpx.Response) -> Sent:
+    return Sent(session_id, {}, reply.status_code, reply.content)
+
+
+async def test_recorded_turns_equal_the_wire(db_url, client, gateway_process, fake_sglang):
+    gateway = gateway_process(db_url, "--num-layers", "2", "--label", "run=r1",
+                              "--label", "team=a")
+    await gateway.wait_ready()
+    session = sid()
+    labels = {"team": "b", "rollout_id": 7}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
+            httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
+        sent = []
+        prompt = [11, 12, 13]
+        for i in range(3):
+            request = chat(prompt, return_routed_experts=True)
+            turn = await send_turn(http, session, request,
+                                   {"X-Turnlog-Labels": json.dumps(labels)})
+            assert turn.status == 200, turn.reply
+            # The caller got the upstream's bytes unchanged.
+            assert turn.reply == (await direct.post("/v1/chat/completions",
+                                                    json=request)).content
+            sent.append(turn)
+            output = [t for _, t in
+                      json.loads(turn.reply)["choices"][0]["meta_info"]["output_token_logprobs"]]
+            prompt = prompt + output + [20 + i, 21 + i]
+        metrics = await scrape(http)
+    assert metric(metrics, "turnlog_gateway_recorded_total") == 3
+
+    summary = (await client.get(f"/v1/sessions/{session}")).json()
+    assert summary["opened_by"] == "gateway"
+    # --label values, the header's on top (it wins on "team").
+    assert summary["labels"] == {"run": "r1", "team": "b", "rollout_id": 7}
+    assert summary["r3"] == {"num_layers": 2} and summary["version"] == "v2"
+    assert summary["pause_generation_mode"] == "retract"
+    assert [n["parent"] for n in summary["tree"]] == [None, 0, 1]
+
+    turns = [e for e in await events(client, session) if e["type"] == "turn_recorded"]
+    assert len(turns) == 3
+    for event, turn in zip(turns, sent, strict=True):
+        record = event["record"]
+        assert record["request"] == turn.request
+        assert record["response"] == json.loads(turn.reply)
+        assert (record["method"], record["path"], record["status_code"]) == (
+            "POST", "/v1/chat/completions", 200)
+        assert record["request_timestamp"] <= record["timestamp"]
+        assert len(event["event_id"]) == 32
+        # R3: the rows are a full forward over the turn's tokens.
+        meta = record["response"]["choices"][0]["meta_info"]
+        tokens = turn.request["input_ids"] + [t for _, t in meta["output_token_logprobs"]]
+        rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
+        assert np.array_equal(rows, route(np.asarray(tokens), 2, 2, 16).ravel())
+
+
+async def test_every_unrecorded_reason_is_counted_and_answered(db_url, client, gateway_process):
+    gateway = gateway_process(db_url)  # no --num-layers: turns asking for R3 are rejected
+    await gateway.wait_ready()
+    closed, plain = sid(), sid()
+    opened = await client.post("/v1/sessions", json={"session_id": closed, "version": "v2"})
+    assert opened.status_code == 201
+    assert (await client.post(f"/v1/sessions/{closed}/close", json={})).status_code == 200
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        nobody = sid()
+        bad_json = await http.post("/v1/chat/completions", content=b"{not json",
+                                   headers={"X-SMG-Routing-Key": nobody})
+        cases: list[tuple[str, int, Any]] = [
+            ("no-session", 200, await send_turn(http, None, chat([1, 2]))),
+            ("no-session", 200, await send_turn(http, "not a valid id!", chat([1, 2]))),
+            ("not-tito", 400, send_turn_of(nobody, bad_json)),
+            ("not-tito", 400, await send_turn(http, nobody, {"messages": []})),
+            ("not-tito", 200, await send_turn(http, nobody, chat([]))),
+            ("stream", 200, await send_turn(http, nobody, chat([1, 2], stream=True))),
+            ("upstream-status", 503,
+             await send_turn(http, nobody, chat([1, 2]), {"X-Sim-Status": "503"})),
+            ("not-json", 200,
+             await send_turn(http, nobody, chat([1, 2]), {"X-Sim-Reply": "not-json"})),
+            ("not-tito", 200,
+             await send_turn(http, nobody, chat([1, 2]), {"X-Sim-Reply": "no-logprobs"})),
+            ("session-closed", 200, await send_turn(http, closed, chat([1, 2]))),
+            ("rejected", 200,
+             await send_turn(http, plain, chat([1, 2], return_routed_experts=True))),
+        ]
+        metrics = await scrape(http)
+    for reason, status, answer in cases:
+        assert answer.status == status, (reason, answer.reply)
+    expected_counts = {"no-session": 2, "not-tito": 4, "stream": 1, "upstream-status": 1,
+                       "not-json": 1, "session-closed": 1, "rejected": 1}
+    for reason, count in expected_counts.items():
+        assert metric(metrics, "turnlog_gateway_unrecorded_total", f'reason="{reason}"') == count
+    assert metric(metrics, "turnlog_gateway_recorded_total") == 0
+    # No session is opened for a request that is not recorded.
+    assert (await client.get(f"/v1/sessions/{nobody}")).status_code == 404
+    # The rejected turn auto-opened its session (the open is valid; the turn was not).
+    rejected = (await client.get(f"/v1/sessions/{plain}")).json()
+    assert rejected["num_nodes"] == 0 and rejected["opened_by"] == "gateway"
+    # A streamed request's reply came back as the upstream's event stream.
+    stream = next(answer for reason, _, answer in cases if reason == "stream")
+    assert stream.reply.startswith(b"data: ") and stream.reply.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_session_opened_beforehand_is_used_as_is(db_url, client, gateway_process):
+    gateway = gateway_process(db_url, "--num-layers", "2", "--label", "run=gw",
+                              "--version", "v1")
+    await gateway.wait_ready()
+    session = sid()
+    body = {"session_id": session, "version": "v2", "pause_generation_mode": "in_place",
+            "r3": {"num_layers": 2}, "labels": {"run": "mine"}}
+    assert (await client.post("/v1/sessions", json=body)).status_code == 201
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        turn = await send_turn(http, session, chat([5, 6, 7], return_routed_experts=True,
+                                                   routed_experts_start_len=0),
+                               {"X-Turnlog-Labels": '{"run": "header"}'})
+    assert turn.status == 200
+    summary = (await client.get(f"/v1/sessions/{session}")).json()
+    assert summary["labels"] == {"run": "mine"} and summary["opened_by"] is None
+    assert summary["version"] == "v2" and summary["num_nodes"] == 1
+    assert summary["pause_generation_mode"] == "in_place"
+
+
+async def test_a_malformed_label_header_is_ignored(db_url, client, gateway_process):
+    gateway = gateway_process(db_url, "--label", "run=flag")
+    await gateway.wait_ready()
+    session = sid()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for header in ("{not json", '["a"]', '{"nested": {"a": 1}}'):
+            turn = await send_turn(http, session, chat([1, 2, 3]),
+                                   {"X-Turnlog-Labels": header})
+            assert turn.status == 200
+    summary = (await client.get(f"/v1/sessions/{session}")).json()
+    assert summary["labels"] == {"run": "flag"} and summary["num_nodes"] == 3
+
+
+async def test_idle_close_closes_auto_opened_sessions_only(db_url, client, gateway_process):
+    gateway = gateway_process(db_url, "--idle-close-seconds", "0.5")
+    await gateway.wait_ready()
+    auto, mine = sid(), sid()
+    assert (await client.post("/v1/sessions",
+                              json={"session_id": mine, "version": "v2"})).status_code == 201
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for session in (auto, mine):
+            assert (await send_turn(http, session, chat([1, 2, 3]))).status == 200
+
+        async def closed() -> bool:
+            return bool((await client.get(f"/v1/sessions/{auto}")).json()["status"] == "closed")
+
+        await wait_for(closed, what="the idle close")
+        close = [e for e in await events(client, auto) if e["type"] == "session_closed"]
+        assert close[0]["close"]["metadata"] == {"closed_by": "gateway-idle"}
+        # A later turn for it is answered, and counted as session-closed.
+        assert (await send_turn(http, auto, chat([1, 2, 3, 4]))).status == 200
+        metrics = await scrape(http)
+    assert metric(metrics, "turnlog_gateway_unrecorded_total", 'reason="session-closed"') == 1
+    assert (await client.get(f"/v1/sessions/{mine}")).json()["status"] == "open"

@@ -1,0 +1,154 @@
+"""The client installed alone: `turnlog-client` in a fresh venv, its tests against a
+real server.
+
+Builds the client's wheel from a copy of ./client (offline: no build isolation),
+installs it with `--no-deps` into a fresh venv whose only other packages are
+the client's declared dependency closure (`turnlog-client[test,safetensors]`,
+resolved from the package metadata of this venv and linked one distribution
+at a time — so neither the server nor any of its dependencies can be
+imported there), starts `turnlog serve` on a free loopback port over each
+backend's test database (SQLite, PostgreSQL, Citus), and runs client/tests —
+the client's calls and the miles hooks — in that venv against it. A client module
+that imports something it does not declare, or the server, fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from importlib.metadata import Distribution, distribution
+from pathlib import Path
+
+import httpx
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.test_wheel import IGNORED, build_wheel, clean_env, free_port, run
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT = 60.0
+pytestmark = pytest.mark.wheel
+
+
+def closure(name: str, extras: set[str]) -> list[Distribution]:
+    """The installed distributions `name[extras]` needs, transitively (not itself)."""
+    wanted: dict[str, set[str]] = {}
+    found: dict[str, Distribution] = {}
+    todo = [(name, extras)]
+    while todo:
+        current, current_extras = todo.pop()
+        key = canonicalize_name(current)
+        if key in wanted and current_extras <= wanted[key]:
+            continue
+        wanted.setdefault(key, set()).update(current_extras)
+        dist = found.setdefault(key, distribution(current))
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": extra})
+                                         for extra in (wanted[key] or {""})):
+                todo.append((req.name, set(req.extras)))
+    found.pop(canonicalize_name(name))
+    return list(found.values())
+
+
+def link_distributions(dists: list[Distribution], into: Path) -> None:
+    """Each distribution's top-level files and folders (its packages, modules,
+    shared libraries and .dist-info) linked into `into`."""
+    into.mkdir()
+    for dist in dists:
+        for file in dist.files or []:
+            top = file.parts[0]
+            if top == ".." or (into / top).exists() or top == "__pycache__":
+                continue
+            source = Path(str(dist.locate_file(top)))
+            if source.exists():
+                (into / top).symlink_to(source)
+
+
+@pytest.fixture(scope="module")
+def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("client-src") / "client"
+    shutil.copytree(ROOT / "client", src, ignore=IGNORED)
+    dist = tmp_path_factory.mktemp("client-dist")
+    build_wheel(src, dist)
+    (wheel,) = dist.glob("turnlog_client-*.whl")
+    home = tmp_path_factory.mktemp("client-venv")
+    run([sys.executable, "-m", "venv", "--without-pip", str(home)], cwd=home)
+    python = home / "bin" / "python"
+    run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+         "--no-index", str(wheel)], cwd=home, env=clean_env())
+    deps = home / "deps"
+    link_distributions(closure("turnlog-client", {"test", "safetensors"}), deps)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(run([str(python), "-c", purelib], cwd=home).stdout.strip())
+    (site / "zz_client_deps.pth").write_text(f"{deps}\n")
+    return home
+
+
+@pytest.fixture(scope="module")
+def server(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`turnlog serve` on a free loopback port over the backend's test database."""
+    home = tmp_path_factory.mktemp("server")
+    port = free_port()
+    log = (home / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--port", str(port), "--database-url", db_url],
+        cwd=home, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        ready = False
+        while not ready and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                ready = httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert ready, (home / "serve.log").read_text(errors="replace")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_the_client_venv_holds_only_the_client_and_its_dependencies(client_venv: Path,
+                                                                   tmp_path: Path) -> None:
+    python = str(client_venv / "bin" / "python")
+    where = run([python, "-c", "import turnlog_client; print(turnlog_client.__file__)"],
+                cwd=tmp_path, env=clean_env()).stdout.strip()
+    assert Path(where).is_relative_to(client_venv), where
+    for server_only in ("app", "fastapi", "sqlalchemy", "pyarrow", "uvicorn", "typer"):
+        probe = subprocess.run([python, "-c", f"import {server_only}"], cwd=tmp_path,
+                               env=clean_env(), capture_output=True, text=True, check=False)
+        assert probe.returncode != 0, f"{server_only} is importable beside the client"
+    # The hooks import with the client's dependencies only.
+    run([python, "-c", "from turnlog_client.miles import agent, rm"], cwd=tmp_path,
+        env=clean_env())
+
+
+def test_the_client_tests_pass_in_the_client_venv(client_venv: Path, server: str,
+                                                  tmp_path: Path) -> None:
+    # A copy, so the run writes nothing into the checkout.
+    tests = tmp_path / "client"
+    shutil.copytree(ROOT / "client" / "tests", tests / "tests", ignore=IGNORED)
+    shutil.copy(ROOT / "client" / "pyproject.toml", tests)
+    env = {**clean_env(), "TURNLOG_TEST_URL": server, "TURNLOG_CLIENT_ALONE": "1"}
+    proc = subprocess.run(
+        [str(client_venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(tests / "tests")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        stdin=subprocess.DEVNULL, check=False)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, proc.stdout[-3000:]
