@@ -397,7 +397,7 @@ async def main() -> None:
                         help="also run the turnlog phases (1 worker) with the checkout in DIR "
                              "(its own .venv), e.g. the code before a change: phases "
                              "'<wire> base' in the same run")
-    parser.add_argument("--baseline-revision", default="0006",
+    parser.add_argument("--baseline-revision", default="0007",
                         help="the migration the --baseline checkout's schema stops at")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
