@@ -18,6 +18,7 @@ from app.api import (
     gates,
     health,
     history,
+    hotpath,
     problems,
     retention,
     samples,
@@ -86,6 +87,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
                    docs_ui, consumers, retention):
         app.include_router(module.router)
+    # Appends first: the bare hot path answers POST …/turns before FastAPI's route of
+    # the same path (which documents it and answers its other methods).
+    app.router.routes.insert(0, hotpath.AppendRoute(svc, app.state.uploads))
     ui.install(app)
     return app
 

@@ -37,12 +37,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def start_server(url: str, workers: int = 1) -> tuple[subprocess.Popen[bytes], str]:
-    """`turnlog serve` on a free loopback port; returns once `/readyz` answers 200."""
+async def start_server(url: str, workers: int = 1,
+                       root: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """`turnlog serve` on a free loopback port; returns once `/readyz` answers 200.
+
+    `root`: another checkout of turnlog (with its own `.venv`) to run instead of
+    this one, e.g. the code before a change, for a comparison within one run.
+    """
     port = free_port()
+    python, env = sys.executable, dict(os.environ, TURNLOG_DATABASE_URL=url)
+    if root is not None:
+        python = str(root / ".venv" / "bin" / "python")
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # leave the other checkout as it is
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port), "--workers", str(workers)],
-        cwd=ROOT, env=dict(os.environ, TURNLOG_DATABASE_URL=url),
+        [python, "-m", "app", "serve", "--port", str(port), "--workers", str(workers)],
+        cwd=root or ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"

@@ -5,6 +5,7 @@ Run by hand (not in CI):
 
     .venv/bin/python -m bench.ingest [--postgres-url postgresql://...] [--sessions 8]
                                      [--workers 1,2] [--big-turn-mb 100]
+                                     [--curve 1,4,16,64 --curve-turns 4]
 
 Addition-mode (in_place) sessions with Qwen3-30B-A3B geometry (48 layers,
 top-8, 128 experts), 10 turns per session, ~2k new tokens per turn, appended
@@ -21,6 +22,12 @@ PostgreSQL binaries (tests/pg/). Every phase gets its own database so
 the stored sizes are clean. Last, `--big-turn-mb`: one turn of that many MB
 of JSON (and its MessagePack twin) is appended to a fresh `serve --workers 1`
 and the server's peak resident memory growth is reported against the body.
+
+Beside each turnlog phase's ratios: the server's CPU per turn, the user +
+system CPU seconds of the `turnlog serve` process tree (/proc/<pid>/stat,
+read before and after the phase) divided by the turns appended. Unlike the
+wall-clock rates it barely moves with the machine's other load. `--curve`
+adds turns/s against client count, for turnlog (MessagePack) and the floor.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -140,8 +149,10 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
 
 
 async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int,
-                        wire: str = "json", py_spy: str | None = None) -> float:
-    proc, base = await start_server(url, workers)
+                        wire: str = "json", py_spy: str | None = None,
+                        root: Path | None = None) -> tuple[float, float]:
+    """(wall seconds, server CPU seconds) of appending every turn of `plans`."""
+    proc, base = await start_server(url, workers, root)
     spy = None
     if py_spy:
         # Sample the server (and its worker processes) for the whole phase.
@@ -169,8 +180,11 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
                 if status != 201:
                     raise RuntimeError(reply.decode())
 
+        # Counted from here: the appends and each plan's one open (a few % of a turn's work).
+        cpu0 = cpu_seconds(proc.pid)
         try:
-            return await run_workers(plans, clients, work)
+            elapsed = await run_workers(plans, clients, work)
+            return elapsed, cpu_seconds(proc.pid) - cpu0
         finally:
             for conn in connections:
                 await conn.__aexit__()
@@ -263,6 +277,31 @@ async def stored_bytes(url: str, tables: tuple[str, ...]) -> int:
         await conn.close()
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (uvicorn's worker processes with `--workers N`)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError):  # the process ended meanwhile
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (/proc/<pid>/stat)."""
+    ticks = 0
+    for member in process_tree(pid):
+        try:
+            stat = Path(f"/proc/{member}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kib(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -298,6 +337,38 @@ async def big_turn_memory(url: str, megabytes: float) -> list[tuple[str, int, in
     return out
 
 
+async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Namespace,
+                        counts: list[int]) -> None:
+    """turns/s of MessagePack turnlog (1 worker) and of the floor at each client count."""
+    from app.store import migrate
+
+    most = max(max(counts), args.sessions)
+    print(f"\nclients curve: generating {most} sessions x {args.curve_turns} turns ...",
+          flush=True)
+    pool = [make_session(rng, args.curve_turns, args.new_tokens) for _ in range(most)]
+    print(f"{'clients':>7s} {'turnlog/s':>10s} {'floor/s':>9s} {'x floor':>8s} "
+          f"{'server CPU ms/turn':>19s}")
+    for clients in counts:
+        plans = pool[:max(clients, args.sessions)]
+        turns = sum(len(p.turns) for p in plans)
+        best: dict[str, float] = {}
+        cpu_best = float("inf")
+        for _ in range(args.rounds):
+            for kind in ("turnlog", "floor"):
+                url = create_database(server, f"bench_curve_{uuid.uuid4().hex[:6]}")
+                if kind == "turnlog":
+                    await migrate.upgrade_async(url)
+                    elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1, "msgpack")
+                    cpu_best = min(cpu_best, cpu_s)
+                else:
+                    elapsed = await bench_floor(url, plans, clients)
+                drop_database(server, url.rsplit("/", 1)[1])
+                best[kind] = min(best.get(kind, elapsed), elapsed)
+        print(f"{clients:7d} {turns / best['turnlog']:10.1f} {turns / best['floor']:9.1f} "
+              f"{best['floor'] / best['turnlog']:8.2f} {cpu_best / turns * 1e3:19.2f}",
+              flush=True)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -317,6 +388,17 @@ async def main() -> None:
                              "phase's best (other load on the machine only slows a phase)")
     parser.add_argument("--py-spy", metavar="DIR",
                         help="record a py-spy profile of each turnlog phase into DIR")
+    parser.add_argument("--curve", metavar="CLIENTS",
+                        help="also run MessagePack turnlog (1 worker) and the floor at each of "
+                             "these client counts, e.g. 1,4,16,64 (one session per client, at "
+                             "least --sessions; --curve-turns turns each)")
+    parser.add_argument("--curve-turns", type=int, default=4)
+    parser.add_argument("--baseline", metavar="DIR", type=Path,
+                        help="also run the turnlog phases (1 worker) with the checkout in DIR "
+                             "(its own .venv), e.g. the code before a change: phases "
+                             "'<wire> base' in the same run")
+    parser.add_argument("--baseline-revision", default="0007",
+                        help="the migration the --baseline checkout's schema stops at")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
     args = parser.parse_args()
@@ -345,10 +427,14 @@ async def main() -> None:
     from app.store import migrate
 
     results: dict[str, tuple[float, int]] = {}
+    cpu: dict[str, float] = {}
     phases: list[tuple[str, Any]] = []
     for workers in worker_counts:
         for wire in wires:
             phases.append((f"{wire} w{workers}", ("turnlog", wire, workers)))
+    if args.baseline:
+        for wire in wires:
+            phases.append((f"{wire} base", ("baseline", wire, 1)))
     phases += [("naive", ("naive", None, 0)), ("floor", ("floor", None, 0))]
     phases += [(f"http {wire}", ("http", wire, 1)) for wire in wires]
     for round_no in range(1, args.rounds + 1):
@@ -359,10 +445,14 @@ async def main() -> None:
                 elapsed = await bench_http_floor(plans, args.clients, wire)
             else:
                 url = create_database(server, f"bench_{kind}_{uuid.uuid4().hex[:6]}")
-                if kind == "turnlog":
-                    await migrate.upgrade_async(url)
-                    elapsed = await bench_turnlog(url, plans, args.clients, workers, wire,
-                                                  args.py_spy)
+                if kind in ("turnlog", "baseline"):
+                    root = args.baseline if kind == "baseline" else None
+                    # The other checkout knows only the revisions it ships.
+                    await migrate.upgrade_async(url, "head" if root is None else
+                                                args.baseline_revision)
+                    elapsed, cpu_s = await bench_turnlog(url, plans, args.clients, workers,
+                                                         wire, args.py_spy, root)
+                    cpu[name] = min(cpu.get(name, cpu_s), cpu_s)
                     tables: tuple[str, ...] = TURNLOG_TABLES
                 elif kind == "naive":
                     elapsed, tables = await bench_naive(url, plans, args.clients), ("records",)
@@ -376,20 +466,25 @@ async def main() -> None:
 
     print()
     print(f"{'store':12s} {'turns/s':>9s} {'R3 MB/s':>9s} {'stored/raw':>11s} "
-          f"{'x floor':>8s} {'x naive':>8s}")
+          f"{'x floor':>8s} {'x naive':>8s} {'server CPU ms/turn':>19s}")
     t_naive, t_floor = results["naive"][0], results["floor"][0]
     for name, (elapsed, size) in results.items():
         stored = f"{size / raw_r3:11.3f}" if size else f"{'-':>11s}"
         print(f"{name:12s} {turns / elapsed:9.2f} {raw_r3 / 1e6 / elapsed:9.1f} "
-              f"{stored} {t_floor / elapsed:8.2f} {t_naive / elapsed:8.2f}")
+              f"{stored} {t_floor / elapsed:8.2f} {t_naive / elapsed:8.2f} "
+              f"{(f'{cpu[name] / turns * 1e3:.2f}' if name in cpu else '-'):>19s}")
     print()
     for name, (elapsed, _size) in results.items():
-        if name.startswith("msgpack"):
+        if name.endswith("base"):
+            print(f"turnlog {name} (--baseline) / floor:  {t_floor / elapsed:.2f}   "
+                  f"server CPU {cpu[name] / turns * 1e3:.2f} ms/turn")
+        elif name.startswith("msgpack"):
             print(f"turnlog MessagePack ({name}) / floor: {t_floor / elapsed:.2f}   "
-                  f"(target >= 0.5)")
+                  f"(target >= 0.5); server CPU {cpu[name] / turns * 1e3:.2f} ms/turn "
+                  f"(target <= 4)")
         elif name.startswith("json"):
             print(f"turnlog JSON ({name}) / floor:        {t_floor / elapsed:.2f}   "
-                  f"(target >= 0.15)")
+                  f"(target >= 0.3); server CPU {cpu[name] / turns * 1e3:.2f} ms/turn")
     for wire in wires:
         if f"http {wire}" in results:
             print(f"uvicorn receiving the {wire} bodies alone / floor: "
@@ -397,6 +492,9 @@ async def main() -> None:
     some = next(name for name in results if name[:4] in ("json", "msgp"))
     print(f"turnlog bytes stored: {results[some][1] / raw_r3:.3f} x raw int32 R3   "
           f"(target <= 0.3)")
+
+    if args.curve:
+        await clients_curve(server, rng, args, [int(c) for c in args.curve.split(",")])
 
     if args.big_turn_mb > 0:
         url = create_database(server, f"bench_big_{uuid.uuid4().hex[:6]}")

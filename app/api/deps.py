@@ -31,7 +31,11 @@ def services(request: Request) -> Services:
 
 def media_type(request: Request) -> str | None:
     """The body's media type, lower-cased, parameters dropped; None when not sent."""
-    header = request.headers.get("content-type")
+    return media_type_of(request.headers.get("content-type"))
+
+
+def media_type_of(header: str | None) -> str | None:
+    """A Content-Type header's media type, lower-cased, parameters dropped (None: blank)."""
     if header is None or not header.strip():
         return None
     return header.split(";", 1)[0].strip().lower()
@@ -43,50 +47,90 @@ def _unsupported(found: str, accepted: tuple[str, ...]) -> UnsupportedMediaType:
                                 actual=found[:80])
 
 
+class BodyBuffer:
+    """A body written chunk by chunk into one buffer of its declared size.
+
+    The buffer is allocated only once the first bytes arrive (so a refused or
+    abandoned request never costs its declared size); without a declared size
+    the chunks are appended to a growing buffer.
+    """
+
+    def __init__(self, declared: int | None) -> None:
+        self.declared = declared
+        self.buf = bytearray()
+        self.view = memoryview(self.buf)
+        self.filled = 0
+
+    def add(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        if self.declared is None:
+            self.view.release()
+            self.buf += chunk
+            self.view = memoryview(self.buf)
+            self.filled = len(self.buf)
+            return
+        if not self.buf:
+            self.view.release()
+            self.buf = bytearray(self.declared)
+            self.view = memoryview(self.buf)
+        end = self.filled + len(chunk)
+        if end > len(self.buf):
+            # More than declared (the HTTP server should not let it through): grow.
+            self.view.release()
+            self.buf.extend(bytes(end - len(self.buf)))
+            self.view = memoryview(self.buf)
+        self.view[self.filled:end] = chunk
+        self.filled = end
+
+    def result(self) -> bytearray:
+        self.view.release()
+        if self.filled < len(self.buf):
+            del self.buf[self.filled:]
+        return self.buf
+
+
+def declared_length(value: str | bytes | None) -> int | None:
+    """A `Content-Length` header's value, or None when absent or not a number."""
+    return int(value) if value is not None and value.isdigit() else None
+
+
 async def read_body(request: Request) -> bytes | bytearray:
     """The whole body in one buffer, without keeping a second copy.
 
     With a Content-Length the chunks are written straight into a buffer of that
-    size (Starlette's `request.body()` keeps the chunk list and their join, and
+    size (Starlette's `request.body()` keeps the chunk list, their join, and
     caches the result on the request for its lifetime). The size limit was
     enforced before any of this by the `BodyLimit` middleware (and the token by
-    `BearerAuth`); the buffer is allocated only once the first bytes arrive.
+    `BearerAuth`).
     """
-    declared = request.headers.get("content-length")
-    if declared is None or not declared.isdigit():
-        return b"".join([chunk async for chunk in _chunks(request)])
-    buf = bytearray()
-    view = memoryview(buf)
-    filled = 0
+    declared = declared_length(request.headers.get("content-length"))
+    buffer = BodyBuffer(declared)
     async for chunk in _chunks(request):
-        if not buf and chunk:
-            view.release()
-            buf = bytearray(int(declared))
-            view = memoryview(buf)
-        end = filled + len(chunk)
-        if end > len(buf):
-            # More than declared (the HTTP server should not let it through): grow.
-            view.release()
-            buf.extend(bytes(end - len(buf)))
-            view = memoryview(buf)
-        view[filled:end] = chunk
-        filled = end
-    view.release()
-    if filled < len(buf):
-        del buf[filled:]
-    return buf
+        buffer.add(chunk)
+    return buffer.result()
 
 
 async def _chunks(request: Request) -> AsyncIterator[bytes]:
-    """The body's chunks; a large body (it holds an upload slot) at a minimum pace.
+    """The body's chunks; a large body (it holds an upload slot) at a minimum pace."""
+    uploads: Uploads | None = getattr(request.app.state, "uploads", None)
+    stream = request.stream()
+    if uploads is None or not uploads.is_large(request):
+        async for chunk in stream:
+            yield chunk
+        return
+    async for chunk in paced(stream, uploads):
+        yield chunk
+
+
+async def paced(stream: AsyncIterator[bytes], uploads: Uploads) -> AsyncIterator[bytes]:
+    """`stream` at the minimum pace of an upload-slot holder.
 
     Byte n must arrive within `grace + n / min_rate` seconds of the first read,
     else 408: a client that declares 50 MB and trickles 64 bytes every 20 s
     (each read inside the body timeout) no longer keeps a slot for minutes.
     """
-    uploads: Uploads | None = getattr(request.app.state, "uploads", None)
-    stream = request.stream()
-    if uploads is None or not uploads.min_rate or not uploads.is_large(request):
+    if not uploads.min_rate:
         async for chunk in stream:
             yield chunk
         return
@@ -124,24 +168,42 @@ async def json_body(request: Request) -> Any:
 
 async def _decode(request: Request, decode: Callable[[Any, int], Any],
                   raw: bytes | bytearray) -> Any:
+    uploads: Uploads | None = getattr(request.app.state, "uploads", None)
+    return await decode_large_off_loop(decode, raw, uploads)
+
+
+async def decode_large_off_loop(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
+                                uploads: Uploads | None) -> Any:
     """A large body is decoded on a worker thread, so it never stalls the event loop;
     either wire refuses a body of more than `TURNLOG_MAX_BODY_VALUES` values (413)."""
-    uploads: Uploads | None = getattr(request.app.state, "uploads", None)
     max_values = MAX_VALUES if uploads is None else uploads.max_values
     if uploads is not None and len(raw) > uploads.threshold:
         return await run_in_threadpool(decode, raw, max_values)
     return decode(raw, max_values)
 
 
-async def turn_body(request: Request) -> Any:
-    """A turn body: JSON as `json_body`, or MessagePack (docs/ingest.md); else 415."""
-    kind = media_type(request)
+def turn_decoder(kind: str | None) -> Callable[[Any, int], Any]:
+    """How a turn body of media type `kind` is decoded: MessagePack or JSON; else 415."""
     if kind in msgpackio.MEDIA_TYPES:
-        raw = await read_body(request)
-        return await _decode(request, msgpackio.loads, raw)
+        return msgpackio.loads
     if kind is not None and kind != JSON:
         raise _unsupported(kind, (JSON, *sorted(msgpackio.MEDIA_TYPES)))
-    return await json_body(request)
+    return jsonio.loads
+
+
+async def decode_turn(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
+                      uploads: Uploads | None) -> Any:
+    """A turn body decoded once; an empty (or all-blank) JSON body reads as `{}`."""
+    if decode is jsonio.loads and (not raw or raw.isspace()):  # (`strip()` would copy)
+        return {}
+    return await decode_large_off_loop(decode, raw, uploads)
+
+
+async def turn_body(request: Request) -> Any:
+    """A turn body: JSON as `json_body`, or MessagePack (docs/ingest.md); else 415."""
+    decode = turn_decoder(media_type(request))
+    uploads: Uploads | None = getattr(request.app.state, "uploads", None)
+    return await decode_turn(decode, await read_body(request), uploads)
 
 
 def wants_msgpack(request: Request) -> bool:
@@ -187,15 +249,27 @@ class Uploads:
     def is_large(self, request: Request) -> bool:
         """Declared above the threshold, or of unknown length (chunked): such a body
         may be as large as the body limit, so it takes a slot before it is read."""
-        declared = request.headers.get("content-length")
+        return self.is_large_body(declared_length(request.headers.get("content-length")),
+                                  "transfer-encoding" in request.headers)
+
+    def is_large_body(self, declared: int | None, chunked: bool) -> bool:
         if declared is None:
-            return "transfer-encoding" in request.headers
-        return declared.isdigit() and int(declared) > self.threshold
+            return chunked
+        return declared > self.threshold
 
     @asynccontextmanager
     async def slot(self, request: Request) -> AsyncIterator[bool]:
         """Hold an upload slot while a large body is handled; yields whether it is large."""
-        if not self.is_large(request):
+        async with self.slot_for(declared_length(request.headers.get("content-length")),
+                                 "transfer-encoding" in request.headers) as large:
+            yield large
+
+    @asynccontextmanager
+    async def slot_for(self, declared: int | None, chunked: bool = False
+                       ) -> AsyncIterator[bool]:
+        """`slot`, judged by a declared Content-Length (None: not declared) and
+        whether the body is chunked."""
+        if not self.is_large_body(declared, chunked):
             yield False
             return
         async with self._slots:

@@ -78,6 +78,9 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
     """Append one turn. The body is JSON, or MessagePack (`application/msgpack`,
     `application/vnd.msgpack`, `application/x-msgpack`) with `routed_experts` as a bin
     of raw little-endian int32 (docs/ingest.md); any other content type is 415."""
+    # `turnlog serve` answers these POSTs on the bare route `app.api.hotpath.AppendRoute`
+    # (same steps, no FastAPI objects); this one documents the route and serves an app
+    # built without it.
     started, body = time.perf_counter(), None
     uploads: Uploads = request.app.state.uploads
     try:

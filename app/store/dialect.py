@@ -9,7 +9,8 @@ writer never upgrades a read lock mid-transaction; it has a single writer
 (`single_writer`), so in-process writers queue on an asyncio lock instead of
 spinning on the busy timeout. PostgreSQL (asyncpg): READ COMMITTED,
 pre-ping, statement and idle-in-transaction timeouts so no append can hold
-the feed fence for long.
+the feed fence for long; plus a plain asyncpg pool with the same settings for
+the append's one-round-trip call (`app/store/fastpath.py`).
 
 SQL. PostgreSQL's feed fence: a reader takes only events whose writing
 transaction id is below the oldest transaction still running in its snapshot
@@ -39,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import asyncpg
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.dialects import postgresql, sqlite
@@ -95,13 +97,18 @@ def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
     return engine
 
 
-def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
+def _server_settings(settings: Settings) -> dict[str, str]:
     server_settings = {
         "application_name": "turnlog",
         "idle_in_transaction_session_timeout": "30000",
     }
     if settings.statement_timeout_ms:
         server_settings["statement_timeout"] = str(settings.statement_timeout_ms)
+    return server_settings
+
+
+def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
+    server_settings = _server_settings(settings)
     return create_async_engine(
         url,
         pool_size=settings.pool_size,
@@ -134,6 +141,22 @@ def create_engines(url: str, settings: Settings) -> tuple[AsyncEngine, AsyncEngi
         return _sqlite_engine(url, immediate=True), _sqlite_engine(url, immediate=False)
     engine = _postgres_engine(url, settings)
     return engine, engine
+
+
+async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | None:
+    """A plain asyncpg pool for the append's one-round-trip call (PostgreSQL; None on
+    SQLite), with the engine's session settings.
+
+    Separate from SQLAlchemy's pool because a checkout there pays a ping round
+    trip (`pool_pre_ping`); asyncpg's pool drops a broken connection when it is
+    released and opens a new one on demand, so a restarted server needs no ping.
+    """
+    if backend(url) != "postgresql":
+        return None
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    return await asyncpg.create_pool(
+        dsn, min_size=0, max_size=settings.pool_size, command_timeout=120,
+        server_settings=_server_settings(settings))
 
 
 # -- SQL --------------------------------------------------------------------------

@@ -6,6 +6,11 @@ patch) and updates the inline projections, serialized per session only (a
 row lock on PostgreSQL; SQLite has a single writer). Validation is the
 domain's; this module orders the steps: parse → lock → idempotency → fold →
 attach → insert → commit, and only then updates the in-process state cache.
+
+On PostgreSQL an append whose session state is cached takes one round trip
+instead (`fastpath.py`): attach against the cached state, then one call that
+locks, checks the state is still the session's, writes and commits; if the
+check fails nothing is written and the general path runs.
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain import jsonio
-from app.domain.errors import IdempotencyConflict, SessionClosed, SessionConflict, SessionOpen
+from app.domain.errors import (
+    DomainError,
+    IdempotencyConflict,
+    SessionClosed,
+    SessionConflict,
+    SessionOpen,
+)
 from app.domain.events import (
     REWARD_RECORDED,
     SESSION_CLOSED,
@@ -44,6 +55,7 @@ from app.domain.samples import build_samples
 from app.domain.session import SessionDefinition, parse_close, parse_open
 from app.domain.tree import SessionState
 from app.domain.turn import TurnBody, parse_turn
+from app.store import fastpath
 from app.store.consumers import enqueue_closed, enqueue_rewarded
 from app.store.db import Database, now_us
 from app.store.loader import StateCache, load_patches, load_state, session_row
@@ -165,6 +177,54 @@ class Writer:
         CPU-heavy steps, parsing and encoding, run on a worker thread."""
         definition = await self._definition(session_id)
         body = await run(offload, parse_turn, raw, definition)
+        if self.db.one_trip_appends:
+            written = await self._append_one_trip(session_id, body, offload)
+            if written is not None:
+                return written
+        return await self._append_locked(session_id, definition, body, offload)
+
+    async def _append_one_trip(
+        self, session_id: str, body: TurnBody, offload: bool
+    ) -> Written | None:
+        """PostgreSQL: attach against the cached state, then lock, check and write in
+        one call (`app/store/fastpath.py`). None when the general path must decide:
+        no cached state, a repeat or a refusal (judged again under the lock, against
+        the log, which a stale cache could misjudge), or the session moved on.
+
+        The call writes only if the session row still has the cached state's turn
+        count and is open — the same check `load_state` makes under the lock — so
+        what it writes is exactly what the general path would have written.
+        """
+        state = self.cache.get(session_id)
+        if state is None or state.closed or body.event_id in state.event_ids:
+            return None
+        num_nodes = len(state.nodes)
+        try:
+            attachment = state.attach(body, self.max_nodes)
+        except DomainError:
+            return None
+        stored = await run(offload, encode_turn, body, attachment,
+                           state.definition.num_layers)
+        if len(state.nodes) != num_nodes:
+            return None  # another append of this session committed meanwhile
+        node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
+        recorded = now_us()
+        nrow = node_row(session_id, node, 0, recorded)
+        args = fastpath.append_args(session_id, num_nodes, attachment.seq, body.event_id,
+                                    stored, recorded, nrow, session_head(state, node))
+        position = await fastpath.append(await self.db.driver_pool(), args)
+        if position is None:
+            return None
+        nrow["position"] = position
+        if len(state.nodes) == node.seq:
+            state.add_node(node)
+        return Written(turn_reply(session_id, nrow), created=True,
+                       r3_bytes=0 if stored.patch is None else len(stored.patch.data))
+
+    async def _append_locked(self, session_id: str, definition: SessionDefinition,
+                             body: TurnBody, offload: bool) -> Written:
+        """The general path: lock the session row, fold what the cache lacks, decide
+        (repeat, refusal or a new node) and write, in one transaction."""
         async with self.db.write() as conn:
             row = await session_row(conn, session_id, lock=True)
             state = await load_state(conn, self.cache, row)
