@@ -61,7 +61,9 @@ class SqliteLock:
         self.conn: sqlite3.Connection | None = None
 
     def fail(self) -> None:
-        self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+        # fail() and recover() run on whichever executor thread `to_thread` picks.
+        self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=30,
+                                    check_same_thread=False)
         self.conn.execute("BEGIN EXCLUSIVE")
 
     def recover(self) -> None:
