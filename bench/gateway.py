@@ -20,6 +20,9 @@ One fake SGLang (`python -m app.simulator_http`, Qwen3-30B-A3B R3 geometry:
    then recorded (a new session): the gateway's peak RSS growth (VmHWM, reset
    before each) ÷ the reply size. Target ≤ 3.
 
+`--turn-tokens 1536` is the ~3 MB-reply case (`--big-reply-mb 0` skips part 3).
+Figures and the profile behind them: docs/gateway.md, "Performance".
+
 Without --postgres-url a throwaway cluster is started from the installed
 binaries (tests/pg/), with production durability (fsync on). The gateway is
 the installed console script next to this Python (`.venv/bin/turnlog`).

@@ -6,7 +6,8 @@ Owns, for `turnlog gateway` (docs/gateway.md):
   (`classify_request`: recorded path, session header, TITO body, no streaming)
   and on the upstream reply (`classify_reply`: 200, JSON, the log-prob list) —
   and the reason counted when it is not;
-- the SessionRecord appended for a turn (`build_record`, `turn_body`);
+- the SessionRecord appended for a turn (`build_record`, `turn_body`), its R3
+  payload handed on decoded once (`r3_as_bin`);
 - the auto-open body (`open_body`) from the gateway's defaults and the
   `X-Turnlog-Labels` header (`parse_labels_header`).
 
@@ -23,7 +24,8 @@ from typing import Any
 from app.domain import jsonio
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.labels import parse_labels
-from app.domain.validate import SESSION_ID, is_int
+from app.domain.r3 import payload_bytes
+from app.domain.validate import SESSION_ID
 
 # Hop-by-hop headers: about one connection, not the message (RFC 9110 §7.6.1).
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
@@ -82,14 +84,16 @@ def classify_request(session_header_value: str | None, body: bytes) -> Candidate
     if not isinstance(request, dict):
         return Unrecorded(NOT_TITO)
     ids = request.get("input_ids")
-    if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
+    # One C-level type scan (parsed JSON holds exact ints; a boolean's type is bool),
+    # not a Python step per token of a 40k-token prompt.
+    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int}:
         return Unrecorded(NOT_TITO)
     if request.get("stream") is True:
         return Unrecorded(STREAM)
     return Candidate(session_header_value, request)
 
 
-def classify_reply(status: int, body: bytes) -> Any | Unrecorded:
+def classify_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
     """Step two: the upstream's reply as parsed JSON if it completes a turn."""
     if status != 200:
         return Unrecorded(UPSTREAM_STATUS)
@@ -104,6 +108,31 @@ def classify_reply(status: int, body: bytes) -> Any | Unrecorded:
     if not isinstance(logprobs, list):
         return Unrecorded(NOT_TITO)
     return response
+
+
+def r3_as_bin(response: Any) -> Any:
+    """The reply with its base64 `meta_info.routed_experts` decoded once into the int32
+    bytes a MessagePack bin carries (the store takes either; JSON renders a bin as the
+    same canonical base64), so a 4 MB payload is neither held twice nor decoded again.
+
+    Copies only the maps on the payload's path. Text that is empty or not canonical
+    base64 stays as it is: the store then answers it with its own R3 error.
+    """
+    try:
+        choice = response["choices"][0]
+        meta = choice["meta_info"]
+        text = meta["routed_experts"]
+    except (KeyError, IndexError, TypeError):
+        return response
+    if not isinstance(text, str) or not text:
+        return response
+    try:
+        data = payload_bytes(text, "record.response.choices[0].meta_info.routed_experts")
+    except DomainError:
+        return response
+    choices = list(response["choices"])
+    choices[0] = {**choice, "meta_info": {**meta, "routed_experts": data}}
+    return {**response, "choices": choices}
 
 
 def build_record(path: str, request: Any, response: Any, request_timestamp: float,

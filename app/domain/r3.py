@@ -71,6 +71,11 @@ def decode_payload(text: str, field: str) -> np.ndarray:
     Canonical means re-encoding gives the same text back (so the record reads
     back byte-identical): standard alphabet, full padding, zero trailing bits.
     """
+    return np.frombuffer(payload_bytes(text, field), dtype=WIRE_DTYPE)
+
+
+def payload_bytes(text: str, field: str) -> bytes:
+    """`decode_payload`'s bytes: the int32 values as a MessagePack bin carries them."""
     def invalid(why: str) -> InvalidR3:
         return InvalidR3(f"routed_experts is not valid base64: {why}", field=field,
                          expected="canonical padded standard base64 of little-endian int32",
@@ -92,7 +97,7 @@ def decode_payload(text: str, field: str) -> np.ndarray:
             expected="a byte length divisible by 4 (whole int32 values)",
             actual=f"{len(raw)} bytes",
         )
-    return np.frombuffer(raw, dtype=WIRE_DTYPE)
+    return raw
 
 
 def decode_raw(data: bytes, field: str) -> np.ndarray:

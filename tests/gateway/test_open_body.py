@@ -6,8 +6,12 @@ the rule tests (app.domain.gateway) need no store.
 
 from __future__ import annotations
 
+import base64
 import json
+from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
 
 from app.domain.errors import InvalidRequest
@@ -26,6 +30,7 @@ from app.domain.gateway import (
     open_body,
     parse_label_flags,
     parse_labels_header,
+    r3_as_bin,
 )
 
 
@@ -104,3 +109,35 @@ def test_open_body_labels_header_wins_and_is_checked() -> None:
             parse_labels_header(bad)
     with pytest.raises(InvalidRequest):
         parse_label_flags(["novalue"])
+
+
+def _reply_with_r3(text: object) -> dict[str, Any]:
+    return {"id": "x", "choices": [{"index": 0, "meta_info": {
+        "output_token_logprobs": [[-0.5, 7]], "routed_experts": text, "cached_tokens": 0}}]}
+
+
+def test_r3_as_bin_decodes_canonical_base64_once_and_json_renders_it_back() -> None:
+    values = np.array([[3, 1], [0, 7], [2**31 - 1, -5]], dtype="<i4")
+    text = base64.b64encode(values.tobytes()).decode("ascii")
+    reply = _reply_with_r3(text)
+    before = json.dumps(reply)
+    out = r3_as_bin(reply)
+    meta = out["choices"][0]["meta_info"]
+    assert meta["routed_experts"] == values.tobytes()
+    assert list(meta) == ["output_token_logprobs", "routed_experts", "cached_tokens"]
+    # JSON carries a bin as its base64 text: the same document, byte for byte.
+    assert msgspec.json.encode(out) == msgspec.json.encode(json.loads(before))
+    assert json.dumps(reply) == before  # the parsed reply itself is left as it was
+
+
+@pytest.mark.parametrize("text", ["", None, 5, "AAAAAQ=", "AAAAAR==", "AA*A", "AAAAAAA="])
+def test_r3_as_bin_leaves_what_the_store_must_judge(text) -> None:
+    # Empty, not text, truncated, non-zero trailing bits, bad alphabet, not whole int32s:
+    # the store answers these with its own R3 error, so they reach it unchanged.
+    reply = _reply_with_r3(text)
+    assert r3_as_bin(reply) is reply
+
+
+@pytest.mark.parametrize("reply", [{}, {"choices": []}, {"choices": [{"meta_info": {}}]}, [1]])
+def test_r3_as_bin_without_a_payload_is_the_reply_itself(reply) -> None:
+    assert r3_as_bin(reply) is reply
