@@ -27,8 +27,8 @@ from app.domain.rollout_metrics import SampleRow, SessionRow, check_strict, roll
 from app.domain.specinfo import SPEC_INFO_COLUMNS, SPEC_INFO_KEYS, SpecInfo
 from app.store.db import Database
 from app.store.dialect import code_point_order
-from app.store.reads import label_filter
 from app.store.schema import samples, sessions
+from app.store.selects import label_filter
 
 # `group_by` value (`GROUP_BY_VALUES`) → column of the `spec_turns` view.
 GROUP_COLUMN: Mapping[str, str] = {
