@@ -13,8 +13,8 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.http_errors import RequestTimeout, TooLarge
 from app.api.problems import send_problem
-from app.domain.errors import RequestTimeout, TooLarge
 
 
 class BodyLimit:

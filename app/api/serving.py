@@ -19,8 +19,9 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.api.guards import headers_too_large
+from app.api.http_errors import RequestTimeout
 from app.domain import jsonio
-from app.domain.errors import DomainError, RequestTimeout
+from app.domain.errors import DomainError
 from app.settings import get_settings
 
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
