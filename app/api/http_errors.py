@@ -1,22 +1,18 @@
 """Errors of the HTTP transport, not of any rule: raised by the API's middleware and deps.
 
 Owns the problem types a request earns before (or instead of) reaching a rule:
-a missing or unknown token, a foreign `Host`/`Origin`, a body or headers too
-large, a body not received in time, an unsupported content type, and the
-database being unavailable. They subclass `DomainError` only to be mapped to
+a missing or unknown token, a foreign `Host`/`Origin`, headers too large, a
+body not received in time, an unsupported content type, and the database
+being unavailable. They subclass `DomainError` only to be mapped to
 problem+json by the same one handler (`app/api/problems.py`). Refuses every
-rule of the data: those errors are `app/domain/errors.py`'s.
+rule of the data: those errors are `app/domain/errors.py`'s — including a body
+too large (`TooLarge`), which the domain raises too when a body would decode
+into more values than it allows.
 """
 
 from __future__ import annotations
 
 from app.domain.errors import DomainError
-
-
-class TooLarge(DomainError):
-    slug = "too-large"
-    status = 413
-    title = "Request body too large"
 
 
 class Unauthorized(DomainError):

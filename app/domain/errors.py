@@ -4,8 +4,8 @@ Each error carries the stable problem-type slug and HTTP status of docs/api.md Â
 together with the field, expected and actual value, so the API maps them to
 RFC 9457 problem+json in one place (`app/api/problems.py`). Nothing here knows
 about HTTP frameworks. Errors of the transport rather than of a rule (missing
-token, foreign host, body or headers too large, request timeout, wrong content
-type, database unavailable) live in `app/api/http_errors.py`.
+token, foreign host, headers too large, request timeout, wrong content type,
+database unavailable) live in `app/api/http_errors.py`.
 """
 
 from __future__ import annotations
@@ -150,6 +150,12 @@ class Alignment(DomainError):
     slug = "alignment"
     status = 422
     title = "Path cannot be aligned"
+
+
+class TooLarge(DomainError):
+    slug = "too-large"
+    status = 413
+    title = "Request body too large"
 
 
 class ConsumerConflict(DomainError):
