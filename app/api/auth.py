@@ -22,8 +22,9 @@ import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.docs_ui import ASSET_PATHS
+from app.api.http_errors import Forbidden, Unauthorized
 from app.api.problems import send_problem
-from app.domain.errors import DomainError, Forbidden, Unauthorized
+from app.domain.errors import DomainError
 from app.settings import Scope as TokenScope
 
 # `/` only redirects to the UI (which asks for a token itself), so it is open.

@@ -16,8 +16,8 @@ from fastapi import Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
+from app.api.http_errors import RequestTimeout, UnsupportedMediaType
 from app.domain import jsonio, msgpackio
-from app.domain.errors import RequestTimeout, UnsupportedMediaType
 from app.domain.width import MAX_VALUES
 from app.services import Services
 

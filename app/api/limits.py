@@ -13,8 +13,9 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.http_errors import RequestTimeout
 from app.api.problems import send_problem
-from app.domain.errors import RequestTimeout, TooLarge
+from app.domain.errors import TooLarge
 
 
 class BodyLimit:

@@ -19,8 +19,9 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Send
 
+from app.api.http_errors import RequestTimeout, Unavailable
 from app.domain import jsonio
-from app.domain.errors import DomainError, RequestTimeout, Unavailable
+from app.domain.errors import DomainError
 
 PROBLEM = "application/problem+json"
 # Seconds a client should wait after a lost database connection (the pool

@@ -20,8 +20,9 @@ from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.api.guards import headers_too_large
+from app.api.http_errors import Overloaded, RequestTimeout
 from app.domain import jsonio
-from app.domain.errors import DomainError, Overloaded, RequestTimeout
+from app.domain.errors import DomainError
 from app.settings import get_settings
 
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}

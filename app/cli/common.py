@@ -188,7 +188,7 @@ def with_services(url: str, use: Callable[[Any], Awaitable[T]]) -> T:
 
 async def resolve_session(db: Any, prefix: str) -> str:
     """A session id from what a person typed: the id itself or a unique prefix of it."""
-    from app.store.reads import sessions_with_prefix
+    from app.store.selects import sessions_with_prefix
 
     async with db.read() as conn:
         matches = await sessions_with_prefix(conn, prefix, limit=6)

@@ -3,7 +3,9 @@
 Each error carries the stable problem-type slug and HTTP status of docs/api.md §0.3
 together with the field, expected and actual value, so the API maps them to
 RFC 9457 problem+json in one place (`app/api/problems.py`). Nothing here knows
-about HTTP frameworks.
+about HTTP frameworks. Errors of the transport rather than of a rule (missing
+token, foreign host, headers too large, request timeout, wrong content type,
+database unavailable) live in `app/api/http_errors.py`.
 """
 
 from __future__ import annotations
@@ -154,60 +156,6 @@ class TooLarge(DomainError):
     slug = "too-large"
     status = 413
     title = "Request body too large"
-
-
-class Unauthorized(DomainError):
-    slug = "unauthorized"
-    status = 401
-    title = "Missing or unknown API token"
-
-
-class Forbidden(DomainError):
-    slug = "forbidden"
-    status = 403
-    title = "API token lacks the required scope"
-
-
-class ForeignHost(DomainError):
-    """A `Host` or `Origin` that is not this loopback server (DNS rebinding, CSRF)."""
-
-    slug = "foreign-host"
-    status = 421
-    title = "Request not meant for this server"
-
-
-class UnsupportedMediaType(DomainError):
-    slug = "unsupported-media-type"
-    status = 415
-    title = "Unsupported request content type"
-
-
-class RequestTimeout(DomainError):
-    slug = "request-timeout"
-    status = 408
-    title = "Request body not received in time"
-
-
-class HeadersTooLarge(DomainError):
-    slug = "headers-too-large"
-    status = 431
-    title = "Request headers too large"
-
-
-class Unavailable(DomainError):
-    """The store cannot answer now (database lost or damaged); retrying may succeed."""
-
-    slug = "unavailable"
-    status = 503
-    title = "Database unavailable"
-
-
-class Overloaded(DomainError):
-    """More requests or connections in flight than the server takes at once."""
-
-    slug = "overloaded"
-    status = 503
-    title = "Server overloaded"
 
 
 class ConsumerConflict(DomainError):

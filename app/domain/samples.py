@@ -3,11 +3,13 @@
 Owns which leaves become samples (v1: the latest path; v2: every leaf but
 retries, longest path first), who keeps the loss of a completion shared by
 several v2 samples, each sample's SpecInfo, metadata, reward and R3 plan, the
-empty reasons, and the exact sample JSON. Refuses to own the per-path merge
-(`app/domain/samples_merge.py`), R3 row planning (`app/domain/assembly.py`),
-which recorded reward a sample shows (`app/domain/rewards.py`), SpecInfo
-arithmetic (`app/domain/specinfo.py`) and persistence or streaming (the store
-materializes arrays and tensors from the log on demand).
+empty reasons, the exact sample JSON and the session carrier
+(`session_metrics`, SpecInfo summed over every node). Refuses to own the
+per-path merge (`app/domain/samples_merge.py`), R3 row planning
+(`app/domain/assembly.py`), which recorded reward a sample shows
+(`app/domain/rewards.py`), SpecInfo arithmetic (`app/domain/specinfo.py`)
+and persistence or streaming (the store materializes arrays and tensors from
+the log on demand).
 
 Leaf turn: a sample's `leaf` is the last node of its root→leaf `path`, even
 when truncation or the merge stop left that node out of the sample's tokens.
@@ -25,12 +27,25 @@ from app.domain.errors import Alignment, R3Gap, UnknownSample
 from app.domain.rewards import latest_rewards
 from app.domain.samples_merge import MergedPath, merge_path
 from app.domain.session import SessionClose
-from app.domain.specinfo import session_carrier, sum_turns
+from app.domain.specinfo import sum_turns
 from app.domain.tree import Node, SessionState
 
 NO_TURNS = "no_turns"
 ALL_TRUNCATED = "all_truncated"
 ASSEMBLY_ERROR = "assembly_error"
+
+
+def session_carrier(state: SessionState) -> dict[str, Any] | None:
+    """`session_metrics`: every node counted once, whatever the leaves.
+
+    Retries, rolled-back branches and turns that truncation cut all cost
+    speculative work, so they count here although no sample trains on them;
+    summing per leaf instead would count shared ancestors once per leaf.
+    """
+    if not state.definition.speculative:
+        return None
+    total = sum_turns(node.facts.spec_info for node in state.nodes)
+    return {"session_id": state.definition.session_id, "metrics": {"spec_info": total.as_dict()}}
 
 
 @dataclass(frozen=True)

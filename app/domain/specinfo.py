@@ -1,11 +1,12 @@
-"""Speculative-decoding counters (SpecInfo) and the per-session carrier.
+"""Speculative-decoding counters (SpecInfo): the guard, the sums and the rates.
 
 Owns the rule of docs/api.md §3: which turns contribute (the `spec_verify_ct > 0`
-guard), how counters sum, how the two rates are derived from the sums, and
-the session carrier `session_metrics` summed over every node of a session.
+guard), how counters sum and how the two rates are derived from the sums.
 Refuses to own reading counters from a record (legacy names are resolved in
-`app/domain/turn.py`), choosing which turns make a sample
-(`app/domain/samples.py`) and aggregating many sessions (the store's SQL
+`app/domain/turn.py`), choosing which turns make a sample and the session
+carrier summed over a session's tree (`app/domain/samples.py`: the carrier
+needs the tree, and the tree's turns carry SpecInfo, so it lives with the
+samples, not here) and aggregating many sessions (the store's SQL
 views, which must reproduce `accept_rate`/`accept_length` bit for bit).
 `SpecInfo` is the one counters type: a turn's counters, a sample's, a
 carrier's and an analytics group's, with one key tuple, one mapping to table
@@ -17,10 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the tree holds turns that hold SpecInfo: import for typing only
-    from app.domain.tree import SessionState
+from typing import Any
 
 # The four counters, in their miles wire names (record meta_info, samples,
 # carriers, analytics replies and the `spec_turns` view all use them).
@@ -108,16 +106,3 @@ def sum_turns(turns: Iterable[SpecInfo]) -> SpecInfo:
             verify += turn.spec_verify_ct
             completion += turn.completion_tokens
     return SpecInfo(correct, proposed, verify, completion)
-
-
-def session_carrier(state: SessionState) -> dict[str, Any] | None:
-    """`session_metrics`: every node counted once, whatever the leaves.
-
-    Retries, rolled-back branches and turns that truncation cut all cost
-    speculative work, so they count here although no sample trains on them;
-    summing per leaf instead would count shared ancestors once per leaf.
-    """
-    if not state.definition.speculative:
-        return None
-    total = sum_turns(node.facts.spec_info for node in state.nodes)
-    return {"session_id": state.definition.session_id, "metrics": {"spec_info": total.as_dict()}}

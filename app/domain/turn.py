@@ -331,17 +331,22 @@ def _r3(
     return True, start, values, topk
 
 
-def parse_turn(raw: Any, definition: SessionDefinition,
-               stored_r3: tuple[int, int] | None = None,
-               stored_prompt: np.ndarray | None = None) -> TurnBody:
-    """Validate a turn body against the session definition.
+@dataclass(frozen=True)
+class _Envelope:
+    """The parts of a turn body every later step reads, each checked to be an object."""
 
-    `stored_r3` = `(start, topk)` when re-reading a stored turn whose payload was
-    moved to a patch row: the geometry is taken as already validated.
-    `stored_prompt` = the prompt of a stored turn, restored from the log (it was
-    validated when appended): `input_ids` is then not read at all, which spares
-    folding a long session a list round trip per turn.
-    """
+    event_id: str
+    parent: Any  # OMITTED, None or a node seq
+    record: dict[str, Any]
+    request: dict[str, Any]
+    response: dict[str, Any]
+    choice: dict[str, Any]
+    meta: dict[str, Any]
+    metadata: dict[str, Any] | None
+
+
+def _envelope(raw: Any) -> _Envelope:
+    """Step 1: the wrapper `{event_id, parent, record, metadata}` and the record's nesting."""
     body = require_object(raw, "body")
     if "record" not in body and {"request", "response"} & set(body):
         # The commonest first mistake: posting the session server's record itself.
@@ -371,37 +376,68 @@ def parse_turn(raw: Any, definition: SessionDefinition,
 
     metadata_raw = body.get("metadata")
     metadata = None if metadata_raw is None else require_object(metadata_raw, "metadata")
+    return _Envelope(event_id, parent, record, request, response, choice, meta, metadata)
 
+
+def _prompt_output(envelope: _Envelope, stored_prompt: np.ndarray | None,
+                   ) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """Step 2: the prompt's and the output's token ids, the log-probs, `completion_tokens`."""
     prompt = stored_prompt if stored_prompt is not None else \
-        token_array(request.get("input_ids"), "record.request.input_ids")
+        token_array(envelope.request.get("input_ids"), "record.request.input_ids")
     if prompt.size == 0:
         raise _invalid("prompt (record.request.input_ids) must not be empty",
                        "record.request.input_ids", "at least one token id", [])
-    output, logprobs = _output(meta)
+    output, logprobs = _output(envelope.meta)
 
-    completion = meta.get("completion_tokens")
+    completion = envelope.meta.get("completion_tokens")
     if completion is not None and (not is_int(completion) or completion != output.size):
         raise _invalid("completion_tokens must equal the number of output tokens",
                        f"{META}.completion_tokens", output.size, completion)
+    return prompt, output, logprobs
 
-    finish = choice.get("finish_reason")
+
+def _meta(envelope: _Envelope) -> tuple[str | None, Any, float | None]:
+    """Step 3: `finish_reason`, `weight_version` and the record's `timestamp`."""
+    finish = envelope.choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise _invalid("finish_reason must be a string", "record.response.choices[0]."
                        "finish_reason", "string | null", finish)
     if finish is not None:
         require_text(finish, "record.response.choices[0].finish_reason", 64)
-    weight_version = meta.get("weight_version")
+    weight_version = envelope.meta.get("weight_version")
     if isinstance(weight_version, str):
         require_text(weight_version, f"{META}.weight_version", 256)
 
-    timestamp = record.get("timestamp")
+    timestamp = envelope.record.get("timestamp")
     if timestamp is not None and (not isinstance(timestamp, int | float)
                                   or isinstance(timestamp, bool)
                                   or not 0 <= timestamp < TIMESTAMP_MAX):
         raise _invalid("timestamp must be seconds since the epoch",
                        "record.timestamp", f"number in [0, {TIMESTAMP_MAX})", timestamp)
+    return finish, weight_version, None if timestamp is None else float(timestamp)
 
-    returns_r3, r3_start, r3_values, topk = _r3(definition, request, meta,
+
+def parse_turn(raw: Any, definition: SessionDefinition,
+               stored_r3: tuple[int, int] | None = None,
+               stored_prompt: np.ndarray | None = None) -> TurnBody:
+    """Validate a turn body against the session definition.
+
+    In steps, each refusing with the field it names, in this order: the envelope,
+    the prompt and output, the meta fields, the R3 payload, then the counters,
+    the mismatch report and the content (the order decides which of several
+    faults a reply names).
+
+    `stored_r3` = `(start, topk)` when re-reading a stored turn whose payload was
+    moved to a patch row: the geometry is taken as already validated.
+    `stored_prompt` = the prompt of a stored turn, restored from the log (it was
+    validated when appended): `input_ids` is then not read at all, which spares
+    folding a long session a list round trip per turn.
+    """
+    envelope = _envelope(raw)
+    prompt, output, logprobs = _prompt_output(envelope, stored_prompt)
+    finish, weight_version, timestamp = _meta(envelope)
+    meta = envelope.meta
+    returns_r3, r3_start, r3_values, topk = _r3(definition, envelope.request, meta,
                                                 int(prompt.size + output.size), stored_r3)
     facts = TurnFacts(
         prompt=prompt,
@@ -415,11 +451,12 @@ def parse_turn(raw: Any, definition: SessionDefinition,
         topk=topk,
         spec_info=read_spec_info(meta, int(output.size)),
         cached_tokens=_optional_counter(meta, "cached_tokens"),
-        timestamp=None if timestamp is None else float(timestamp),
-        mismatch=_mismatch(metadata),
-        content=_content(choice),
+        timestamp=timestamp,
+        mismatch=_mismatch(envelope.metadata),
+        content=_content(envelope.choice),
         prompt_tokens=_lenient_counter(meta, "prompt_tokens"),
-        response_id=response_id if isinstance(response_id := response.get("id"), str) else None,
+        response_id=response_id if isinstance(response_id := envelope.response.get("id"), str)
+        else None,
     )
-    return TurnBody(event_id=event_id, parent=parent, record=record, metadata=metadata,
-                    facts=facts)
+    return TurnBody(event_id=envelope.event_id, parent=envelope.parent, record=envelope.record,
+                    metadata=envelope.metadata, facts=facts)

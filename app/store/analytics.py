@@ -27,8 +27,8 @@ from app.domain.rollout_metrics import SampleRow, SessionRow, check_strict, roll
 from app.domain.specinfo import SPEC_INFO_COLUMNS, SPEC_INFO_KEYS, SpecInfo
 from app.store.db import Database
 from app.store.dialect import code_point_order
-from app.store.reads import label_filter
 from app.store.schema import samples, sessions
+from app.store.selects import label_filter
 
 # `group_by` value (`GROUP_BY_VALUES`) → column of the `spec_turns` view.
 GROUP_COLUMN: Mapping[str, str] = {
@@ -48,12 +48,8 @@ spec_turns = sa.table(
 
 def key_order(conn: AsyncConnection, key: ColumnElement[Any]) -> list[ColumnElement[Any]]:
     """Ascending key order, NULL first, text compared by code point on both dialects:
-    Python's `sorted(keys, key=group_sort_key)`."""
+    Python's `sorted(keys, key=lambda k: (k is not None, k or ""))`."""
     return [sa.case((key.is_(None), 0), else_=1), code_point_order(conn, key)]
-
-
-def group_sort_key(key: str | None) -> tuple[bool, str]:
-    return (key is not None, key or "")
 
 
 def spec_group_query(group_by: str, filters: LabelFilters) -> sa.Select[Any]:

@@ -30,8 +30,8 @@ from app.store.analytics import spec_group
 from app.store.db import Database
 from app.store.dialect import feed_fence
 from app.store.loader import StateCache, load_state, session_row
-from app.store.reads import label_filter, summary
 from app.store.schema import events, samples, sessions
+from app.store.selects import label_filter, summary
 
 # Rows widened at a time when counting experts: bounds memory for 100k-token samples.
 USAGE_CHUNK_ROWS = 4096

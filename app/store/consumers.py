@@ -56,7 +56,6 @@ from app.domain.projections import iso_us
 from app.store import cursor
 from app.store.db import Database
 from app.store.dialect import feed_fence
-from app.store.reads import label_filter
 from app.store.schema import (
     consumer_acks,
     consumer_claims,
@@ -64,6 +63,7 @@ from app.store.schema import (
     consumer_sessions,
     sessions,
 )
+from app.store.selects import label_filter
 
 # Closes take this advisory lock shared, defining a group takes it exclusive.
 GROUPS_LOCK_KEY = 0x7475726E6C6F67  # "turnlog"

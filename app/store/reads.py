@@ -26,32 +26,12 @@ from app.domain.events import (
 from app.domain.labels import LabelFilters
 from app.domain.projections import iso_us, tree_entry
 from app.domain.r3 import Patch
-from app.domain.session import uses_addition_r3
 from app.store import cursor
 from app.store.db import Database
 from app.store.dialect import feed_fence
 from app.store.loader import StateCache, load_patches, load_state, session_row
-from app.store.schema import events, session_labels, sessions
-
-
-def summary(row: Any) -> dict[str, Any]:
-    """A session as opened plus its status: the reply of open and list."""
-    layers = row["num_layers"]
-    closed_us = row["closed_us"]
-    return {
-        "session_id": row["session_id"],
-        "version": row["version"],
-        "pause_generation_mode": row["pause_generation_mode"],
-        "use_addition_r3": uses_addition_r3(row["pause_generation_mode"]),
-        "r3": None if layers is None else {"num_layers": layers},
-        "spec": bool(row["spec"]),
-        "max_trim_tokens": row["max_trim_tokens"],
-        "labels": jsonio.loads(row["labels"]),
-        "status": row["status"],
-        "num_nodes": row["num_nodes"],
-        "created_at": iso_us(row["created_us"]),
-        "closed_at": None if closed_us is None else iso_us(closed_us),
-    }
+from app.store.schema import events, sessions
+from app.store.selects import label_filter, summary
 
 
 async def opened_by(conn: AsyncConnection, session_ids: list[str]) -> dict[str, str | None]:
@@ -67,31 +47,6 @@ async def opened_by(conn: AsyncConnection, session_ids: list[str]) -> dict[str, 
         .where(events.c.session_id.in_(session_ids)))).all()
     return {row.session_id: jsonio.loads_stored(row.payload)["session"].get("opened_by")
             for row in rows}
-
-
-def label_filter(
-    filters: LabelFilters,
-    session_id: sa.ColumnElement[Any] = sessions.c.session_id,
-) -> list[sa.ColumnElement[bool]]:
-    """EXISTS clauses, one per filter, correlated to `session_id` (any table's column)."""
-    return [sa.exists().where(
-        session_labels.c.session_id == session_id,
-        session_labels.c.key == key,
-        session_labels.c.value_text == value,
-    ) for key, value in filters]
-
-
-async def sessions_with_prefix(conn: AsyncConnection, prefix: str, limit: int) -> list[str]:
-    """Session ids starting with `prefix` (the exact id first), at most `limit` of them:
-    how a person's abbreviated id (the demo prints suffixes) becomes a session."""
-    # substr, not LIKE: SQLite's LIKE ignores case, and `_`/`%` would need escaping.
-    exact = (await conn.execute(sa.select(sessions.c.session_id)
-                                .where(sessions.c.session_id == prefix))).scalars().all()
-    rows = (await conn.execute(
-        sa.select(sessions.c.session_id)
-        .where(sa.func.substr(sessions.c.session_id, 1, len(prefix)) == prefix)
-        .order_by(sessions.c.session_id).limit(limit))).scalars().all()
-    return list(dict.fromkeys([*exact, *rows]))
 
 
 class EventsPage:

@@ -117,21 +117,6 @@ async def computed_rows(conn: AsyncConnection, session_id: str) -> dict[str, lis
     return project_session(state, log.opened_us, log.closed_us, log.turns)
 
 
-async def rebuild_session(db: Database, session_id: str) -> None:
-    async with db.write() as conn:
-        await session_row(conn, session_id, lock=True)
-        rows = await computed_rows(conn, session_id)
-        for name in ("samples", "nodes", "session_labels"):
-            table = PROJECTIONS[name]
-            await conn.execute(table.delete().where(table.c.session_id == session_id))
-            if rows[name]:
-                await conn.execute(table.insert(), rows[name])
-        # The key is not rewritten (Citus refuses any SET of the distribution column).
-        head = {k: v for k, v in rows["sessions"][0].items() if k != "session_id"}
-        await conn.execute(sessions.update().where(sessions.c.session_id == session_id)
-                           .values(**head))
-
-
 async def rebuild_batch(db: Database, session_ids: Sequence[str]) -> None:
     """Rebuild the projections of several sessions in one transaction."""
     ids = list(session_ids)

@@ -20,8 +20,8 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.auth import READ_METHODS, TokenTable, authorize, bearer_token, challenge, is_ui
+from app.api.http_errors import Forbidden, Unauthorized
 from app.api.problems import send_problem
-from app.domain.errors import Forbidden, Unauthorized
 from app.ui.render import login_page
 
 COOKIE = "turnlog_ui_token"

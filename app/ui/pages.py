@@ -33,7 +33,8 @@ from app.domain.overview import (
     session_overview,
 )
 from app.domain.queries import SESSIONS_PAGE, parse_status, parse_wait
-from app.domain.specinfo import SpecInfo, session_carrier
+from app.domain.samples import session_carrier
+from app.domain.specinfo import SpecInfo
 from app.store import browse
 from app.ui import plots, tokens
 from app.ui.guard import COOKIE

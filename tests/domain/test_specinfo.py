@@ -6,7 +6,8 @@ import random
 
 import numpy as np
 
-from app.domain.specinfo import SpecInfo, session_carrier, sum_turns
+from app.domain.samples import session_carrier
+from app.domain.specinfo import SpecInfo, sum_turns
 from app.simulator import SessionSimulator, SimConfig, fold_in_memory
 
 
