@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 from structlog.types import Processor
 
-from app.domain.url_tokens import REDACTED, redact_query
+from app.domain.wire.url_tokens import REDACTED, redact_query
 
 __all__ = ["REDACTED", "RedactTokens", "configure_logging", "redact_query"]
 

@@ -10,7 +10,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__, ui
-from app.api import (
+from app.api import problems
+from app.api.deps import Uploads
+from app.api.middleware import telemetry
+from app.api.middleware.auth import BearerAuth, TokenTable
+from app.api.middleware.guards import HeaderBounds, Loopback, QueryTokens
+from app.api.middleware.limits import BodyLimit
+from app.api.problems import JSONText
+from app.api.routes import (
     analytics,
     consumers,
     docs_ui,
@@ -19,17 +26,10 @@ from app.api import (
     health,
     history,
     hotpath,
-    problems,
     retention,
     samples,
     sessions,
-    telemetry,
 )
-from app.api.auth import BearerAuth, TokenTable
-from app.api.deps import Uploads
-from app.api.guards import HeaderBounds, Loopback, QueryTokens
-from app.api.limits import BodyLimit
-from app.api.problems import JSONText
 from app.services import build_services
 from app.settings import Settings, get_settings
 from app.ui.guard import UiGuard
@@ -59,7 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Event-sourced session store for agentic RL rollouts.",
         default_response_class=JSONText,
         lifespan=lifespan,
-        # /docs serves Swagger UI from this server (app.api.docs_ui), never a CDN.
+        # /docs serves Swagger UI from this server (app.api.routes.docs_ui), never a CDN.
         docs_url=None,
         redoc_url=None,
     )

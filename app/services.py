@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 
 from app.metrics import ApiMetrics
 from app.settings import Settings
-from app.store.analytics import Analytics
-from app.store.consumers import Consumers
-from app.store.db import Database
-from app.store.gates import Gates
-from app.store.history import History, metric_keys
-from app.store.integrity import IntegrityCheck
-from app.store.loader import StateCache
-from app.store.reads import Reader
-from app.store.retention import Retention
-from app.store.samples import SampleReader
-from app.store.writes import Writer
+from app.store.append.writes import Writer
+from app.store.ci.gates import Gates
+from app.store.ci.history import History, metric_keys
+from app.store.engine.db import Database
+from app.store.fold.loader import StateCache
+from app.store.handoff.consumers import Consumers
+from app.store.ops.integrity import IntegrityCheck
+from app.store.ops.retention import Retention
+from app.store.read.analytics import Analytics
+from app.store.read.reader import Reader
+from app.store.read.samples import SampleReader
 
 
 @dataclass

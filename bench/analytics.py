@@ -236,7 +236,7 @@ async def main() -> None:
     name = f"bench_analytics_{uuid.uuid4().hex[:6]}"
     url = create_database(server, name)
     try:
-        from app.store import migrate
+        from app.store.engine import migrate
 
         await migrate.upgrade_async(url)
         print(f"loading into {name} ...", flush=True)

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from app.store import migrate
+from app.store.engine import migrate
 from bench.common import start_server, stop_server
 from bench.state_cache import build_session
 

@@ -128,7 +128,7 @@ async def main() -> None:
                         help="keep the test clusters' fsync=off")
     args = parser.parse_args()
 
-    from app.store import migrate
+    from app.store.engine import migrate
 
     pg = start_postgres()
     cluster = start_citus()

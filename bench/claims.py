@@ -25,7 +25,7 @@ import httpx
 
 from app.services import build_services
 from app.settings import Settings
-from app.store import migrate
+from app.store.engine import migrate
 from bench.common import postgres, start_server, stop_server
 from tests.pgserver import create_database
 

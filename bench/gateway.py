@@ -6,7 +6,7 @@ Run by hand (not in CI):
     .venv/bin/python -m bench.gateway [--postgres-url postgresql://...] [--sessions 8]
                                       [--turns 12] [--turn-tokens 2048] [--big-reply-mb 100]
 
-One fake SGLang (`python -m app.simulator_http`, Qwen3-30B-A3B R3 geometry:
+One fake SGLang (`python -m app.sim.sglang_http`, Qwen3-30B-A3B R3 geometry:
 48 layers × top-8, cheap filler rows) and one `turnlog gateway` in front of it
 (addition-mode v2 sessions, auto-opened, PostgreSQL), side by side in one run:
 1. `--sessions` concurrent sessions, each `--turns` turns of `--turn-tokens`
@@ -303,7 +303,7 @@ async def main() -> None:
             await conn.execute(f"ALTER SYSTEM SET {setting} = on")
         await conn.execute("SELECT pg_reload_conf()")
         await conn.close()
-    from app.store import migrate
+    from app.store.engine import migrate
 
     url = create_database(server, f"bench_gateway_{uuid.uuid4().hex[:6]}")
     await migrate.upgrade_async(url)
@@ -313,7 +313,7 @@ async def main() -> None:
         sglang_port, gateway_port = free_port(), free_port()
         direct = f"http://127.0.0.1:{sglang_port}"
         gateway = f"http://127.0.0.1:{gateway_port}"
-        sglang = spawn([sys.executable, "-m", "app.simulator_http", "--port", str(sglang_port),
+        sglang = spawn([sys.executable, "-m", "app.sim.sglang_http", "--port", str(sglang_port),
                         "--num-layers", str(LAYERS), "--topk", str(TOPK),
                         "--num-experts", str(EXPERTS), "--r3", "filler"],
                        logs / "sglang.log")

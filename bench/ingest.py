@@ -340,7 +340,7 @@ async def big_turn_memory(url: str, megabytes: float) -> list[tuple[str, int, in
 async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Namespace,
                         counts: list[int]) -> None:
     """turns/s of MessagePack turnlog (1 worker) and of the floor at each client count."""
-    from app.store import migrate
+    from app.store.engine import migrate
 
     most = max(max(counts), args.sessions)
     print(f"\nclients curve: generating {most} sessions x {args.curve_turns} turns ...",
@@ -424,7 +424,7 @@ async def main() -> None:
     print(f"{turns} turns, {rows} R3 rows, raw int32 R3 {raw_r3 / 1e6:.1f} MB, "
           f"request bodies {body_mb:.1f} MB JSON / {packed_mb:.1f} MB MessagePack", flush=True)
 
-    from app.store import migrate
+    from app.store.engine import migrate
 
     results: dict[str, tuple[float, int]] = {}
     cpu: dict[str, float] = {}

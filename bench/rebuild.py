@@ -4,7 +4,7 @@ Run by hand (not in CI):
 
     .venv/bin/python -m bench.rebuild [--sessions 500] [--turns 10] [--backend both]
 
-Each session is a simulated addition-mode rollout (app/simulator.py: 2
+Each session is a simulated addition-mode rollout (app/sim/simulator.py: 2
 layers, top-2, a few dozen tokens per turn, closed with a reward), written
 through the store's own writer. Then the whole store is rebuilt, as the CLI
 does it (checksums before and after included), and the rate is reported in
@@ -26,10 +26,10 @@ from tests.pgserver import create_database
 
 async def fill(url: str, sessions: int, turns: int) -> int:
     from app.settings import Settings
-    from app.simulator import SessionSimulator, SimConfig
-    from app.store.db import Database
-    from app.store.loader import StateCache
-    from app.store.writes import Writer
+    from app.sim.simulator import SessionSimulator, SimConfig
+    from app.store.append.writes import Writer
+    from app.store.engine.db import Database
+    from app.store.fold.loader import StateCache
 
     db = Database(url, Settings(database_url=url))
     writer = Writer(db, StateCache(64), 1024)
@@ -55,8 +55,8 @@ async def fill(url: str, sessions: int, turns: int) -> int:
 
 async def measure(url: str, parallel: int = 2) -> tuple[float, bool, int, float]:
     from app.settings import Settings
-    from app.store.db import Database
-    from app.store.rebuild import checksums, rebuild
+    from app.store.engine.db import Database
+    from app.store.ops.rebuild import checksums, rebuild
 
     db = Database(url, Settings(database_url=url))
     try:
@@ -93,7 +93,7 @@ async def main() -> None:
               f"{'equal' if equal else 'DIFFER'}")
         return
 
-    from app.store import migrate
+    from app.store.engine import migrate
 
     backends = ("sqlite", "postgres") if args.backend == "both" else (args.backend,)
     results = []

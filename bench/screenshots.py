@@ -54,7 +54,7 @@ async def photograph(base_url: str, out: Path, session_id: str) -> list[Path]:
 
 
 def take(out: Path) -> list[Path]:
-    from app.store import migrate
+    from app.store.engine import migrate
 
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite+aiosqlite:///{tmp}/screens.db"

@@ -29,7 +29,7 @@ from typing import Any
 
 from app.services import build_services
 from app.settings import Settings
-from app.store import migrate
+from app.store.engine import migrate
 
 MB = 1024 * 1024
 

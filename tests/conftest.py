@@ -23,7 +23,7 @@ import pytest
 
 from app.main import create_app
 from app.settings import Settings
-from app.store import migrate
+from app.store.engine import migrate
 from tests.citusserver import (
     CitusCluster,
     CitusUnavailable,

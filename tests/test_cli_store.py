@@ -26,8 +26,8 @@ def test_replay_prints_tree_state_and_samples(demo_url):
     import asyncio
 
     from app.settings import Settings
-    from app.store.db import Database
-    from app.store.rebuild import all_session_ids
+    from app.store.engine.db import Database
+    from app.store.ops.rebuild import all_session_ids
 
     async def first():
         db = Database(demo_url, Settings(database_url=demo_url))

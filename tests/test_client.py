@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from app.main import create_app
-from app.simulator import SessionSimulator, SimConfig, route
+from app.sim.simulator import SessionSimulator, SimConfig, route
 from tests.factory import r3_b64, turn
 from turnlog_client import TurnlogClient
 from turnlog_client.errors import TurnlogConnectionError, TurnlogError

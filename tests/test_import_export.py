@@ -17,9 +17,9 @@ import numpy as np
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.domain.samples import build_samples
-from app.domain.session import parse_close
-from app.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory
+from app.domain.body.session import parse_close
+from app.domain.projection.samples import build_samples
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory
 from app.transfer.dump_import import event_id
 
 

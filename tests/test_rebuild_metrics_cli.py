@@ -8,13 +8,13 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.settings import Settings
-from app.store.db import Database
-from app.store.writes import Writer
+from app.store.append.writes import Writer
+from app.store.engine.db import Database
 
 
 def open_sessions(url: str, count: int) -> list[str]:
     async def go() -> list[str]:
-        from app.store.loader import StateCache
+        from app.store.fold.loader import StateCache
 
         db = Database(url, Settings(database_url=url))
         writer = Writer(db, StateCache(4), 1024)

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.settings import Settings
-from app.store.db import Database
-from app.store.rebuild import checksums, rebuild, session_keys
+from app.store.engine.db import Database
+from app.store.ops.rebuild import checksums, rebuild, session_keys
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -23,7 +23,7 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append({"args": a, **kw}))
     monkeypatch.setattr(app.logs, "configure_logging", lambda *a, **kw: None)
-    from app.store import migrate
+    from app.store.engine import migrate
 
     migrate.upgrade(f"sqlite:///{tmp_path}/serve.db")  # serve --no-migrate needs a schema
     monkeypatch.setenv("TURNLOG_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
@@ -114,7 +114,7 @@ def test_serve_bounds_connections_from_the_settings(served, monkeypatch):
     get_settings.cache_clear()
     assert serve("--host", "127.0.0.2").exit_code == 0
     call = served[0]
-    assert call["http"] == "app.api.serving:GuardedHttpTools"
+    assert call["http"] == "app.api.middleware.serving:GuardedHttpTools"
     assert call["timeout_keep_alive"] == 3
     assert call["limit_concurrency"] is None
     assert call["h11_max_incomplete_event_size"] == 32768

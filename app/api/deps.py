@@ -17,8 +17,8 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
 from app.api.http_errors import RequestTimeout, UnsupportedMediaType
-from app.domain import jsonio, msgpackio
-from app.domain.width import MAX_VALUES
+from app.domain.wire import jsonio, msgpackio
+from app.domain.wire.width import MAX_VALUES
 from app.services import Services
 
 JSON = "application/json"
@@ -241,7 +241,7 @@ class Uploads:
     def __init__(self, threshold: int, slots: int, max_values: int = MAX_VALUES,
                  min_rate: int = 0, grace: float = 10.0) -> None:
         self.threshold = threshold
-        self.max_values = max_values  # what a body may decode into (`app.domain.width`)
+        self.max_values = max_values  # what a body may decode into (`app.domain.wire.width`)
         self.min_rate = min_rate  # bytes/s a slot holder's body must keep up (0: none)
         self.grace = grace
         self._slots = asyncio.Semaphore(slots)

@@ -20,8 +20,8 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from app.api.http_errors import RequestTimeout, Unavailable
-from app.domain import jsonio
 from app.domain.errors import DomainError
+from app.domain.wire import jsonio
 
 PROBLEM = "application/problem+json"
 # Seconds a client should wait after a lost database connection (the pool

@@ -5,7 +5,7 @@ exits 0 (trusted), 1 (failed) or 2 (error: a gate could not be judged, or
 the check itself failed — bad spec file, unreachable database). It talks to
 the database directly through the store (`--database-url`, default
 TURNLOG_DATABASE_URL) or to a running server (`--url`). Rules live in
-`app/domain/gate_definitions.py` and `app/domain/gates.py`; this module only parses options
+`app/domain/ci/gate_definitions.py` and `app/domain/ci/gates.py`; this module only parses options
 and prints.
 """
 
@@ -119,7 +119,7 @@ def gate_check(
         raise CliError(f"cannot read --spec {spec}: {exc}") from None
     if specs is not None:
         body["specs"] = specs
-    from app.domain.gate_definitions import parse_check
+    from app.domain.ci.gate_definitions import parse_check
 
     check = parse_check(body)  # a bad spec is reported before anything is asked of the store
 
@@ -134,7 +134,7 @@ def gate_check(
         no_such_run(remote(url, token, "metric_history", coordinate, run_id))
         report = remote(url, token, "evaluate_gates", body)
     else:
-        from app.domain.metric_history import parse_coordinate
+        from app.domain.ci.metric_history import parse_coordinate
 
         store = resolve_url(database_url)
         check_database(store)
@@ -172,7 +172,7 @@ def history_submit(
     else:
         store = resolve_url(database_url)
         check_database(store)
-        from app.domain.metric_history import parse_submission
+        from app.domain.ci.metric_history import parse_submission
 
         submission = parse_submission(body)
         reply = with_services(store, lambda svc: svc.history.submit(submission))[0]
@@ -199,8 +199,8 @@ def analytics_spec(
     as_json: AsJson = False,
 ) -> None:
     """Speculative-decoding accept rate and length per group (sums first, then ratios)."""
-    from app.domain.labels import parse_label_filters
-    from app.domain.queries import parse_group_by
+    from app.domain.body.labels import parse_label_filters
+    from app.domain.body.queries import parse_group_by
 
     filters = parse_label_filters(parse_labels(label))
     grouping = parse_group_by(group_by)

@@ -44,8 +44,8 @@ def sessions(
     as_json: AsJson = False,
 ) -> None:
     """List sessions in the order they were opened (filters: --status, --label)."""
-    from app.domain.labels import parse_label_filters
-    from app.domain.queries import parse_status
+    from app.domain.body.labels import parse_label_filters
+    from app.domain.body.queries import parse_status
 
     filters = parse_label_filters(parse_labels(label))
     status = parse_status(status)

@@ -2,7 +2,7 @@
 
 - One database URL resolver (`resolve_url`): `--database-url`, else
   `TURNLOG_DATABASE_URL`, else `./turnlog.db`; `postgres://`, `postgresql://`
-  and `sqlite://` are accepted (normalized by `app.store.db.normalize_url`).
+  and `sqlite://` are accepted (normalized by `app.store.engine.db.normalize_url`).
   URLs are only ever printed masked (`mask`).
 - One check before touching the store (`check_database`): a command that reads
   never creates a SQLite file, and says "not migrated: run `turnlog migrate`"
@@ -89,7 +89,7 @@ def warn(message: str) -> None:
 
 
 def echo_json(value: Any) -> None:
-    from app.domain import jsonio
+    from app.domain.wire import jsonio
 
     typer.echo(jsonio.dumps_bytes(value).decode() if not isinstance(value, str) else value)
 
@@ -103,7 +103,7 @@ def resolve_url(database_url: str | None) -> str:
     """The URL a command uses, normalized to the async drivers; remembered for errors."""
     from sqlalchemy.exc import ArgumentError
 
-    from app.store.db import normalize_url
+    from app.store.engine.db import normalize_url
 
     raw = database_url or get_settings().database_url
     try:
@@ -160,7 +160,7 @@ def check_database(url: str, *, creating: bool = False) -> None:
                            "point --database-url / TURNLOG_DATABASE_URL at yours")
     if creating:
         return
-    from app.store import migrate
+    from app.store.engine import migrate
 
     current = migrate.current(url)
     head = migrate.head_revision()
@@ -188,7 +188,7 @@ def with_services(url: str, use: Callable[[Any], Awaitable[T]]) -> T:
 
 async def resolve_session(db: Any, prefix: str) -> str:
     """A session id from what a person typed: the id itself or a unique prefix of it."""
-    from app.store.selects import sessions_with_prefix
+    from app.store.read.selects import sessions_with_prefix
 
     async with db.read() as conn:
         matches = await sessions_with_prefix(conn, prefix, limit=6)

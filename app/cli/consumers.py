@@ -2,7 +2,7 @@
 
 Reads the store directly (`--database-url`, default TURNLOG_DATABASE_URL) or
 asks a running server (`--url`). Prints only; the counts and rules are the
-store's (`app/store/consumers.py`).
+store's (`app/store/handoff/consumers.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from app.cli.common import (
     table,
     with_services,
 )
-from app.domain.consumers import parse_step_filter
+from app.domain.handoff.consumers import parse_step_filter
 
 consumers_cli = typer.Typer(no_args_is_help=True,
                             help="Consumer groups: exactly-once hand-off to trainers.")

@@ -47,7 +47,7 @@ def start_clock(index: int, sessions: int, now: float) -> float:
 
 
 async def _play(http: httpx.AsyncClient, index: int, seed: int, clock: float) -> dict[str, Any]:
-    from app.simulator import SessionSimulator, SimConfig, SimRates
+    from app.sim.simulator import SessionSimulator, SimConfig, SimRates
 
     mode = ("in_place", "retract")[index % 2]
     config = SimConfig(session_id=f"demo-{uuid.uuid4().hex[:10]}", version="v2",
@@ -72,7 +72,7 @@ async def _play(http: httpx.AsyncClient, index: int, seed: int, clock: float) ->
 
 async def _r3_matches(http: httpx.AsyncClient, sid: str, sample: dict[str, Any],
                       config: Any) -> str:
-    from app.simulator import route
+    from app.sim.simulator import route
 
     if sample["r3"] is None:
         return "-"
@@ -94,7 +94,7 @@ def demo(
 ) -> None:
     """Simulate sessions into the store; print their samples and spec rates."""
     from app.main import create_app
-    from app.store import migrate
+    from app.store.engine import migrate
 
     url = resolve_url(database_url)
     check_database(url, creating=True)
@@ -129,7 +129,7 @@ def demo(
 async def _summarize(http: httpx.AsyncClient,
                      results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per session: its samples (R3 checked against a full forward) and spec rates."""
-    from app.domain.specinfo import SpecInfo
+    from app.domain.body.specinfo import SpecInfo
 
     report = []
     for res in results:

@@ -5,7 +5,7 @@ checks the port before anything starts, migrates the store when it can
 (a store that is down at start is not fatal: turns go to the spool), then
 serves `app.gateway.proxy.Gateway` with uvicorn.
 
-Refuses: forwarding and recording (app.gateway) and their rules (app.domain.gateway).
+Refuses: forwarding and recording (app.gateway) and their rules (app.domain.body.gateway).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def gateway(
     import uvicorn
 
     from app.cli.main import _cannot_listen
+    from app.domain.body.gateway import GatewayDefaults, parse_label_flags
     from app.domain.errors import DomainError
-    from app.domain.gateway import GatewayDefaults, parse_label_flags
     from app.gateway.proxy import Gateway, GatewayConfig
 
     if not upstream.startswith(("http://", "https://")):
@@ -137,7 +137,7 @@ def gateway(
 
 def _migrate(url: str) -> None:
     from app.cli.common import check_database
-    from app.store import migrate as migrations
+    from app.store.engine import migrate as migrations
 
     check_database(url, creating=True)
     try:

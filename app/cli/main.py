@@ -113,7 +113,7 @@ def serve(
     """Apply migrations to head, then serve the REST API with uvicorn."""
     import uvicorn
 
-    from app.store import migrate as migrations
+    from app.store.engine import migrate as migrations
 
     url = resolve_url(database_url)
     # uvicorn's worker processes build their settings from the environment.
@@ -137,7 +137,7 @@ def serve(
     if problem is not None:
         raise CliError(problem)
     # The workers read their settings from the environment: the bound address is one
-    # of the Host names the no-token guard answers (app.api.guards).
+    # of the Host names the no-token guard answers (app.api.middleware.guards).
     os.environ["TURNLOG_HOST"] = bind
     get_settings.cache_clear()
     if migrate and settings.migrate_on_start:
@@ -147,12 +147,12 @@ def serve(
     else:
         check_database(url)
     # log_config=None: uvicorn keeps the logging that the factory sets up per worker.
-    # The guarded protocol bounds request headers and their time (app.api.serving);
+    # The guarded protocol bounds request headers and their time (app.api.middleware.serving);
     # the rest of the connection limits are uvicorn's own (docs/operations.md,
     # "Limits and timeouts").
     uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port,
                 workers=workers, log_level=settings.log_level or "info", log_config=None,
-                http="app.api.serving:GuardedHttpTools",
+                http="app.api.middleware.serving:GuardedHttpTools",
                 timeout_keep_alive=settings.keep_alive_timeout_s,
                 limit_concurrency=settings.limit_concurrency or None,
                 h11_max_incomplete_event_size=settings.max_header_bytes)
@@ -172,7 +172,7 @@ def migrate(
     as_json: common.AsJson = False,
 ) -> None:
     """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
-    from app.store import migrate as migrations
+    from app.store.engine import migrate as migrations
 
     url = resolve_url(database_url)
     if action is MigrateAction.upgrade:

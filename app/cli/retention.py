@@ -3,7 +3,7 @@
 Runs against the store directly (`--database-url`, default
 TURNLOG_DATABASE_URL), one session per transaction behind a progress bar,
 then VACUUMs the patch table on PostgreSQL so the freed pages are reusable
-at once. The rules are the store's (`app/store/retention.py`); this prints.
+at once. The rules are the store's (`app/store/ops/retention.py`); this prints.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from app.cli.common import (
     resolve_url,
     with_services,
 )
-from app.domain.retention import parse_r3_retention
+from app.domain.handoff.retention import parse_r3_retention
 
 retention_cli = typer.Typer(no_args_is_help=True,
                             help="Retention: free R3 a consumer group has trained on.")

@@ -64,8 +64,8 @@ def rebuild(
     from prometheus_client import start_http_server
 
     from app.metrics import RebuildProgress
-    from app.store.db import Database
-    from app.store.rebuild import rebuild as run_rebuild
+    from app.store.engine.db import Database
+    from app.store.ops.rebuild import rebuild as run_rebuild
 
     url = resolve_url(database_url)
     check_database(url)
@@ -153,10 +153,10 @@ def replay(
     as_json: AsJson = False,
 ) -> None:
     """Fold one session from its events and print its tree, state and samples."""
-    from app.domain.projections import tree_entry
-    from app.domain.samples import build_samples
-    from app.store.db import Database
-    from app.store.loader import fold_events, session_row
+    from app.domain.projection.rows import tree_entry
+    from app.domain.projection.samples import build_samples
+    from app.store.engine.db import Database
+    from app.store.fold.loader import fold_events, session_row
 
     url = resolve_url(database_url)
     check_database(url)

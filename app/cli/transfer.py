@@ -69,7 +69,7 @@ def import_(
     reported and skipped; the exit code is 1 if anything failed.
     """
     from app.services import build_services
-    from app.store import migrate
+    from app.store.engine import migrate
     from app.transfer.dump_import import (
         Failure,
         ImportOptions,
@@ -266,7 +266,7 @@ def export(
 
 
 def _label_filters(filters: dict[str, str]) -> Any:
-    from app.domain.labels import parse_label_filters
+    from app.domain.body.labels import parse_label_filters
 
     return parse_label_filters(filters)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from app.domain.gateway import UNRECORDED_REASONS
+from app.domain.body.gateway import UNRECORDED_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Added latency is milliseconds on a healthy store, up to the store timeout on a sick one.

@@ -10,7 +10,7 @@ buffered too, since it goes back only once the turn is durable
 (app.gateway.recorder). The gateway's own routes live under `/turnlog/`.
 Upstream unreachable or timed out → 502 problem+json `upstream-unavailable`.
 
-Refuses: the rules of what is recorded (app.domain.gateway) and storage
+Refuses: the rules of what is recorded (app.domain.body.gateway) and storage
 (app.gateway.recorder, through app.services).
 """
 
@@ -28,9 +28,7 @@ from typing import Any
 import httpx
 import structlog
 
-from app.domain import jsonio
-from app.domain.errors import DomainError, SpoolFull, UpstreamUnavailable
-from app.domain.gateway import (
+from app.domain.body.gateway import (
     LABELS_HEADER,
     Candidate,
     GatewayDefaults,
@@ -44,6 +42,8 @@ from app.domain.gateway import (
     r3_as_bin,
     turn_body,
 )
+from app.domain.errors import DomainError, SpoolFull, UpstreamUnavailable
+from app.domain.wire import jsonio
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from app.gateway.recorder import SPOOL_FULL, Recorder
 from app.gateway.spool import Spool

@@ -18,7 +18,7 @@ recorded turn is older than that: those this gateway records turns for, and
 the open ones a gateway opened before this one started (found in the store).
 
 Refuses: HTTP (app.gateway.proxy) and the rules of what a turn is
-(app.domain.gateway).
+(app.domain.body.gateway).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 import structlog
 
+from app.domain.body.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
 from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
-from app.domain.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import Spool, SpoolFull
 from app.services import Services
-from app.store.gateway import open_sessions_opened_by
+from app.store.read.gateway import open_sessions_opened_by
 
 log = structlog.get_logger("turnlog.gateway")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.domain import jsonio
+from app.domain.wire import jsonio
 
 SUFFIX = ".turn"
 LOCK_NAME = ".lock"

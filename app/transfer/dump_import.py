@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.domain import jsonio
 from app.domain.errors import DomainError
-from app.domain.validate import is_int
-from app.store.writes import Writer
+from app.domain.wire import jsonio
+from app.domain.wire.validate import is_int
+from app.store.append.writes import Writer
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 

@@ -29,10 +29,10 @@ from typing import IO, Any
 
 import numpy as np
 
+from app.domain.body.labels import parse_label_filters
+from app.domain.body.queries import SESSIONS_PAGE
 from app.domain.errors import DomainError
-from app.domain.labels import parse_label_filters
-from app.domain.queries import SESSIONS_PAGE
-from app.domain.samples import Sample, SamplesResult
+from app.domain.projection.samples import Sample, SamplesResult
 from app.services import Services
 
 Progress = Callable[[int, int], None]

@@ -34,10 +34,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from app.domain.body.labels import label_text
 from app.domain.errors import DomainError
-from app.domain.labels import label_text
-from app.domain.projections import weight_version_text
-from app.domain.samples import Sample
+from app.domain.projection.rows import weight_version_text
+from app.domain.projection.samples import Sample
 from app.services import Services
 from app.transfer.npz import closed_sessions
 

@@ -3,13 +3,13 @@
 Every `/ui` answer carries a strict Content-Security-Policy (scripts, styles
 and images only from turnlog itself, no inline script, no framing) and
 `nosniff`. With API tokens configured, the bearer middleware
-(`app/api/auth.py`) leaves `/ui` to this one: a page needs a valid token,
+(`app/api/middleware/auth.py`) leaves `/ui` to this one: a page needs a valid token,
 either as `Authorization: Bearer` or as the cookie the login form sets
 (HttpOnly, SameSite=Strict, path `/ui`). The cookie is honoured on reading
 methods only, so a cross-site form can never write with it. A page without
 a valid token answers 401 with the login form; the stylesheet, scripts and
 the login endpoint itself are open. Refuses the token rules themselves:
-`app.api.auth.authorize` decides, as for the API.
+`app.api.middleware.auth.authorize` decides, as for the API.
 """
 
 from __future__ import annotations
@@ -19,8 +19,15 @@ from http.cookies import CookieError, SimpleCookie
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.auth import READ_METHODS, TokenTable, authorize, bearer_token, challenge, is_ui
 from app.api.http_errors import Forbidden, Unauthorized
+from app.api.middleware.auth import (
+    READ_METHODS,
+    TokenTable,
+    authorize,
+    bearer_token,
+    challenge,
+    is_ui,
+)
 from app.api.problems import send_problem
 from app.ui.render import login_page
 

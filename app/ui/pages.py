@@ -17,14 +17,16 @@ from urllib.parse import parse_qsl, urlencode
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 
-from app.api.auth import TokenTable
 from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
+from app.api.middleware.auth import TokenTable
 from app.api.problems import JSONText
-from app.api.sessions import label_filters
+from app.api.routes.sessions import label_filters
+from app.domain.body.labels import label_text, parse_label_filters
+from app.domain.body.queries import SESSIONS_PAGE, parse_status, parse_wait
+from app.domain.body.specinfo import SpecInfo
 from app.domain.errors import DomainError, UnknownParent
-from app.domain.labels import label_text, parse_label_filters
-from app.domain.lanes import token_lanes
-from app.domain.overview import (
+from app.domain.projection.lanes import token_lanes
+from app.domain.projection.overview import (
     mismatch_lines,
     newest_version,
     off_policy_lag,
@@ -32,10 +34,8 @@ from app.domain.overview import (
     reward_distribution,
     session_overview,
 )
-from app.domain.queries import SESSIONS_PAGE, parse_status, parse_wait
-from app.domain.samples import session_carrier
-from app.domain.specinfo import SpecInfo
-from app.store import browse
+from app.domain.projection.samples import session_carrier
+from app.store.read import browse
 from app.ui import plots, tokens
 from app.ui.guard import COOKIE
 from app.ui.render import error_page, render, templates

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.domain.overview import RewardDistribution, RewardGroup
+from app.domain.projection.overview import RewardDistribution, RewardGroup
 
 WIDTH, HEIGHT = 560, 200
 LEFT, RIGHT, TOP, BOTTOM = 48, 12, 12, 36

@@ -12,8 +12,8 @@ from urllib.parse import urlencode
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from app.domain.body.labels import label_text
 from app.domain.errors import DomainError
-from app.domain.labels import label_text
 from app.ui.views import text_of
 
 templates = Environment(loader=PackageLoader("app.ui", "templates"), autoescape=True,

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.domain import jsonio
-from app.domain.lanes import node_marks
-from app.domain.overview import mismatch_lines
-from app.domain.rollout_metrics import TITO_PREFIX
-from app.domain.tree import SessionState
+from app.domain.ci.rollout_metrics import TITO_PREFIX
+from app.domain.log.tree import SessionState
+from app.domain.projection.lanes import node_marks
+from app.domain.projection.overview import mismatch_lines
+from app.domain.wire import jsonio
 
 # Indentation steps the stylesheet has classes for; deeper branches share the last.
 MAX_INDENT = 24

@@ -1,4 +1,4 @@
-"""The bare append route (`app.api.hotpath.AppendRoute`) against FastAPI's own route.
+"""The bare append route (`app.api.routes.hotpath.AppendRoute`) against FastAPI's own route.
 
 The oracle is the FastAPI route of the same path, which `turnlog serve` no longer
 reaches for POSTs: the same requests, sent to an app with the bare route and to
@@ -14,10 +14,10 @@ import re
 
 import httpx
 
-from app.api.hotpath import AppendRoute
+from app.api.routes.hotpath import AppendRoute
 from app.main import create_app
 from app.settings import Settings
-from app.store import migrate
+from app.store.engine import migrate
 from tests.factory import open_body, r3_b64, turn
 from tests.wire import MSGPACK, to_msgpack, with_bin
 

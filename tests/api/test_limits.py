@@ -118,7 +118,7 @@ def test_the_value_count_matches_a_full_decode():
     # The oracle: a recursive count over the decoded value (keys counted as values).
     import msgspec
 
-    from app.domain.width import msgpack_values
+    from app.domain.wire.width import msgpack_values
 
     def count(v):
         if isinstance(v, dict):

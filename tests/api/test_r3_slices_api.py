@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from app.simulator import SessionSimulator, SimConfig, SimRates
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates
 from tests.factory import open_body, r3_b64, turn
 
 

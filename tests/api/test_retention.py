@@ -14,11 +14,11 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.domain.events import without_r3
-from app.store.db import Database
-from app.store.loader import StateCache
-from app.store.rebuild import rebuild
-from app.store.retention import Retention
+from app.domain.log.events import without_r3
+from app.store.engine.db import Database
+from app.store.fold.loader import StateCache
+from app.store.ops.rebuild import rebuild
+from app.store.ops.retention import Retention
 from tests.api.test_consumers import claim, group, problem
 from tests.factory import open_body, r3_b64, turn
 from tests.store.test_feed import tail_cursor
@@ -295,7 +295,7 @@ async def test_an_events_page_racing_retention_reads_as_pruned(settings, accept,
     import msgspec
 
     from app.main import create_app
-    from app.store import reads
+    from app.store.read import reader as reads
 
     app = create_app(settings)
     svc = app.state.services

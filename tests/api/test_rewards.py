@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.main import create_app
-from app.store.db import Database
-from app.store.rebuild import rebuild
+from app.store.engine.db import Database
+from app.store.ops.rebuild import rebuild
 from tests.api.helpers import append, assert_problem, close, opened
 from tests.factory import turn
 

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load, save
 
 from app.main import create_app
-from app.simulator import SessionSimulator, SimConfig, SimRates
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates
 from tests.factory import open_body, r3_b64, turn
 
 ST = "application/x-safetensors"
@@ -223,7 +223,7 @@ async def test_wire_of_an_open_session_is_409(client, sid):
 
 
 def test_header_is_padded_to_eight_bytes_as_the_library_writes_it():
-    from app.domain.samples_wire import WireTensor, header
+    from app.domain.projection.samples_wire import WireTensor, header
 
     tensors = [WireTensor("a", "I64", (3,), data=bytes(24))]
     raw = header(tensors) + bytes(24)

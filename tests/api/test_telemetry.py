@@ -9,8 +9,8 @@ from structlog.testing import capture_logs
 
 from app.main import create_app
 from app.metrics import RebuildProgress
-from app.store.db import Database
-from app.store.rebuild import rebuild
+from app.store.engine.db import Database
+from app.store.ops.rebuild import rebuild
 from tests.factory import open_body, r3_b64, turn
 
 TURNS = "/v1/sessions/{session_id}/turns"

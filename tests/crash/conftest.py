@@ -22,10 +22,10 @@ import httpx
 import numpy as np
 import pytest
 
-from app.domain.jsonio import strict_equal
-from app.domain.samples import build_samples
-from app.domain.session import parse_close, parse_open
-from app.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory, route
+from app.domain.body.session import parse_close, parse_open
+from app.domain.projection.samples import build_samples
+from app.domain.wire.jsonio import strict_equal
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory, route
 from turnlog_client import TurnlogClient
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from app.main import create_app
 from app.settings import Settings
-from app.store import migrate
+from app.store.engine import migrate
 from tests.crash.conftest import Played, check_session, play, simulator
 from turnlog_client import TurnlogClient
 

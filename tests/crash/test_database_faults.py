@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 from app.cli.main import cli
 from app.main import create_app
 from app.settings import Settings
-from app.store import migrate
+from app.store.engine import migrate
 from tests.factory import open_body, turn
 from tests.pg.stoppable import stoppable_cluster
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from app.main import create_app
-from app.simulator import OUTPUT_BASE, VOCAB, route
+from app.sim.simulator import OUTPUT_BASE, VOCAB, route
 from turnlog_client import TurnlogClient
 
 LAYERS, TOPK, EXPERTS = 3, 2, 16

@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from app.domain.assembly import (
+from app.domain.errors import R3Gap
+from app.domain.projection.assembly import (
     PlanSlice,
     R3Plan,
     TurnSpan,
@@ -16,9 +17,8 @@ from app.domain.assembly import (
     plan_shape,
     take,
 )
-from app.domain.errors import R3Gap
-from app.domain.r3 import Patch, narrow
-from app.simulator import SessionSimulator, SimConfig, fold_in_memory, route
+from app.domain.wire.r3 import Patch, narrow
+from app.sim.simulator import SessionSimulator, SimConfig, fold_in_memory, route
 
 L, K = 2, 2
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.domain.consumers import (
+from app.domain.errors import InvalidRequest, LeaseLost
+from app.domain.handoff.consumers import (
     Holding,
     ack_verdict,
     claimable,
@@ -14,7 +15,6 @@ from app.domain.consumers import (
     parse_group,
     requested,
 )
-from app.domain.errors import InvalidRequest, LeaseLost
 
 NOW = 1_000_000
 

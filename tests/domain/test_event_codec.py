@@ -6,12 +6,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.domain import jsonio
-from app.domain.events import encode_turn, restore_prompt, restore_record, stored_facts
-from app.domain.r3 import narrow
-from app.domain.session import parse_open
-from app.domain.tree import SessionState
-from app.domain.turn import parse_turn
+from app.domain.body.session import parse_open
+from app.domain.body.turn import parse_turn
+from app.domain.log.events import encode_turn, restore_prompt, restore_record, stored_facts
+from app.domain.log.tree import SessionState
+from app.domain.wire import jsonio
+from app.domain.wire.r3 import narrow
 
 json_leaf = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70),

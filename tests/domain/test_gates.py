@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.domain.errors import InvalidRequest
-from app.domain.gate_definitions import (
+from app.domain.ci.gate_definitions import (
     GATE_DEFAULTS,
     Constraint,
     GateDefinition,
@@ -19,7 +18,7 @@ from app.domain.gate_definitions import (
     parse_gate_definition,
     parse_gate_definitions,
 )
-from app.domain.gates import (
+from app.domain.ci.gates import (
     BaselineRow,
     GateCoordinate,
     GateStatus,
@@ -31,8 +30,9 @@ from app.domain.gates import (
     row_trust,
     select,
 )
-from app.domain.jsonio import dumps
-from app.domain.metric_history import RunCoordinate
+from app.domain.ci.metric_history import RunCoordinate
+from app.domain.errors import InvalidRequest
+from app.domain.wire.jsonio import dumps
 
 RUN = RunCoordinate("tests/e2e/test_grpo.py", "cuda", "stage-c")
 V1_TEXT = "rollout/tito_session_mismatch_rate/v1/assistant_text"

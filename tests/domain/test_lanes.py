@@ -1,6 +1,6 @@
 """Token lanes and tree marks over random simulated sessions.
 
-Oracles independent of `app/domain/lanes.py`: the simulator's own record of
+Oracles independent of `app/domain/projection/lanes.py`: the simulator's own record of
 each node's prompt and output, a retry rule written here from the tree's
 shape, and the samples' own loss masks (every trained position of every
 sample is one output token of exactly one node).
@@ -13,11 +13,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.domain.lanes import node_marks, token_lanes
-from app.domain.samples import build_samples
-from app.domain.session import SessionClose
-from app.domain.tree import SessionState
-from app.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory
+from app.domain.body.session import SessionClose
+from app.domain.log.tree import SessionState
+from app.domain.projection.lanes import node_marks, token_lanes
+from app.domain.projection.samples import build_samples
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory
 
 PROPERTY = settings(max_examples=60, deadline=None)
 MODES = (("v2", "retract"), ("v2", "in_place"), ("v1", "retract"), ("v1", "in_place"))

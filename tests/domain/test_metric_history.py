@@ -10,9 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.domain.errors import InvalidRequest
-from app.domain.jsonio import dumps
-from app.domain.metric_history import (
+from app.domain.ci.metric_history import (
     DEFAULT_METRIC_KEYS,
     MetricPoint,
     RunCoordinate,
@@ -24,6 +22,8 @@ from app.domain.metric_history import (
     parse_submission,
     rollout_points,
 )
+from app.domain.errors import InvalidRequest
+from app.domain.wire.jsonio import dumps
 
 V1_TEXT = "rollout/tito_session_mismatch_rate/v1/assistant_text"
 V2_TEXT = "rollout/tito_session_mismatch_rate/v2/assistant_text"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.domain.errors import InvalidRequest
-from app.domain.overview import (
+from app.domain.projection.overview import (
     SampleFacts,
     mismatch_lines,
     newest_version,

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.domain.assembly import TurnSpan, assemble, plan_r3
 from app.domain.errors import InvalidRequest
-from app.domain.r3 import Patch, narrow
-from app.domain.r3_slices import Bounds, parse_bounds, restrict, slice_blocks
+from app.domain.projection.assembly import TurnSpan, assemble, plan_r3
+from app.domain.projection.r3_slices import Bounds, parse_bounds, restrict, slice_blocks
+from app.domain.wire.r3 import Patch, narrow
 
 
 @st.composite

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.domain.body.rewards import RewardBody, latest_rewards, parse_reward, targets
 from app.domain.errors import InvalidRequest, UnknownSample
-from app.domain.rewards import RewardBody, latest_rewards, parse_reward, targets
 
 
 def rb(i: int, reward: float, sample: int | None = None, response_id: str | None = None,

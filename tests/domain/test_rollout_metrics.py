@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.domain.errors import StrictTito
-from app.domain.rollout_metrics import (
+from app.domain.body.specinfo import SpecInfo
+from app.domain.body.turn import MISMATCH_TYPES
+from app.domain.ci.rollout_metrics import (
     SampleRow,
     SessionRow,
     check_strict,
@@ -18,8 +19,7 @@ from app.domain.rollout_metrics import (
     strict_violations,
     tito_rates,
 )
-from app.domain.specinfo import SpecInfo
-from app.domain.turn import MISMATCH_TYPES
+from app.domain.errors import StrictTito
 
 P = "rollout/tito_session_mismatch_rate"
 

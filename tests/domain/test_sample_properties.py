@@ -17,12 +17,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.domain.assembly import assemble
-from app.domain.r3 import Patch
-from app.domain.samples import SamplesResult, build_samples
-from app.domain.session import SessionClose
-from app.domain.tree import SessionState
-from app.simulator import SessionSimulator, SimConfig, SimNode, SimRates, fold_in_memory, route
+from app.domain.body.session import SessionClose
+from app.domain.log.tree import SessionState
+from app.domain.projection.assembly import assemble
+from app.domain.projection.samples import SamplesResult, build_samples
+from app.domain.wire.r3 import Patch
+from app.sim.simulator import SessionSimulator, SimConfig, SimNode, SimRates, fold_in_memory, route
 
 LAYERS, TOPK, EXPERTS = 2, 2, 16
 STATUS = {"stop": "completed", "tool_calls": "completed", "length": "truncated",

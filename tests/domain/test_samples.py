@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from app.domain.body.session import SessionClose
 from app.domain.errors import Alignment, R3Gap, UnknownSample
-from app.domain.samples import SamplesResult, build_samples
-from app.domain.samples_merge import align
-from app.domain.session import SessionClose
-from app.domain.tree import SessionState
-from app.simulator import SessionSimulator, SimConfig, fold_in_memory
+from app.domain.log.tree import SessionState
+from app.domain.projection.samples import SamplesResult, build_samples
+from app.domain.projection.samples_merge import align
+from app.sim.simulator import SessionSimulator, SimConfig, fold_in_memory
 
 P0 = [1, 2, 3]
 

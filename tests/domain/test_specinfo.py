@@ -6,9 +6,9 @@ import random
 
 import numpy as np
 
-from app.domain.samples import session_carrier
-from app.domain.specinfo import SpecInfo, sum_turns
-from app.simulator import SessionSimulator, SimConfig, fold_in_memory
+from app.domain.body.specinfo import SpecInfo, sum_turns
+from app.domain.projection.samples import session_carrier
+from app.sim.simulator import SessionSimulator, SimConfig, fold_in_memory
 
 
 def counters(correct: int, proposed: int, verify: int, completion: int) -> SpecInfo:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from app.domain.body.labels import LabelFilters, parse_label_filters, parse_labels
+from app.domain.body.queries import FEED_PAGE, GROUP_BY_VALUES, parse_group_by, parse_wait
+from app.domain.body.session import parse_open
+from app.domain.ci.gate_definitions import parse_check
+from app.domain.ci.metric_history import parse_rollout_record
 from app.domain.errors import InvalidRequest
-from app.domain.gate_definitions import parse_check
-from app.domain.labels import LabelFilters, parse_label_filters, parse_labels
-from app.domain.metric_history import parse_rollout_record
-from app.domain.queries import FEED_PAGE, GROUP_BY_VALUES, parse_group_by, parse_wait
-from app.domain.session import parse_open
-from app.domain.validate import (
+from app.domain.wire.validate import (
     LABEL_KEY,
     SESSION_ID,
     finite_float,
@@ -84,7 +84,7 @@ def test_label_filters_compare_label_text() -> None:
 
 
 def test_group_by_is_one_list() -> None:
-    from app.store.analytics import GROUP_COLUMN
+    from app.store.read.analytics import GROUP_COLUMN
 
     assert tuple(GROUP_COLUMN) == GROUP_BY_VALUES
     for value in GROUP_BY_VALUES:

@@ -16,7 +16,7 @@ import uuid
 
 import httpx
 
-import app.store.writes as writes
+import app.store.append.writes as writes
 from app.main import create_app
 from tests.factory import open_body, turn
 

@@ -32,10 +32,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.domain import jsonio, msgpackio
+from app.domain.body.turn import json_carried, parse_turn
 from app.domain.errors import DomainError
-from app.domain.turn import json_carried, parse_turn
-from app.simulator import fold_in_memory
+from app.domain.wire import jsonio, msgpackio
+from app.sim.simulator import fold_in_memory
 from tests.factory import open_body, r3_b64, turn
 from tests.fuzz.budget import DERANDOMIZE, examples
 from tests.wire import MSGPACK, to_msgpack, with_bin

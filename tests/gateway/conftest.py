@@ -1,6 +1,6 @@
 """Fixtures for the recording-gateway tests: real processes on loopback ports.
 
-`fake_sglang` is `python -m app.simulator_http` (the simulator's causal router
+`fake_sglang` is `python -m app.sim.sglang_http` (the simulator's causal router
 behind SGLang's routes); `gateway_process` spawns `python -m app gateway` in
 front of it, restartable and SIGKILLable; `Wire` sends chat turns through the
 gateway and keeps what went over the wire (the request as sent, the reply
@@ -96,7 +96,7 @@ class Process:
 def fake_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     """The simulator's SGLang over HTTP (2 layers, top-2 of 16 experts)."""
     log = tmp_path_factory.mktemp("sglang") / "sglang.log"
-    process = Process(["-m", "app.simulator_http"], log, "/health")
+    process = Process(["-m", "app.sim.sglang_http"], log, "/health")
     process.start()
     asyncio.run(process.wait_ready())
     yield process

@@ -24,7 +24,7 @@ import pytest
 from app.gateway.spool import Spool
 from app.main import create_app
 from app.settings import Settings
-from app.store import migrate
+from app.store.engine import migrate
 from tests.gateway.conftest import Sent, chat, metric, scrape, send_turn, wait_for
 from tests.pg.stoppable import stoppable_cluster
 

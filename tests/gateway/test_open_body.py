@@ -1,7 +1,7 @@
 """`opened_by` in the open body (docs/api.md §1.1) and the gateway's pure rules.
 
 The open-body tests run on the three backends through the in-process API;
-the rule tests (app.domain.gateway) need no store.
+the rule tests (app.domain.body.gateway) need no store.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from app.domain.errors import InvalidRequest
-from app.domain.gateway import (
+from app.domain.body.gateway import (
     NO_SESSION,
     NOT_JSON,
     NOT_TITO,
@@ -32,6 +31,7 @@ from app.domain.gateway import (
     parse_labels_header,
     r3_as_bin,
 )
+from app.domain.errors import InvalidRequest
 
 
 async def test_opened_by_is_kept_shown_and_part_of_the_idempotent_open(client, sid):

@@ -2,7 +2,7 @@
 the simulator's SGLang, the store read back through the API.
 
 Oracles: the bytes the fake SGLang answers the same request with directly
-(it is deterministic), the JSON that went up, and `app.simulator.route` (a full
+(it is deterministic), the JSON that went up, and `app.sim.simulator.route` (a full
 forward) for the R3 rows.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from app.simulator import route
+from app.sim.simulator import route
 from tests.gateway.conftest import Sent, chat, metric, scrape, send_turn, wait_for
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from app.domain.jsonio import strict_equal
-from app.domain.samples import build_samples
-from app.domain.session import parse_close, parse_open
-from app.simulator import fold_in_memory, route
+from app.domain.body.session import parse_close, parse_open
+from app.domain.projection.samples import build_samples
+from app.domain.wire.jsonio import strict_equal
+from app.sim.simulator import fold_in_memory, route
 from tests.gateway_e2e.session_driver import CHAT_PATH, SessionDriver
 from turnlog_client import TurnlogClient
 

@@ -1,6 +1,6 @@
 """Fixtures for the gateway's end-to-end tests: real processes on loopback ports.
 
-A fake SGLang (`python -m app.simulator_http`) and the real `turnlog gateway`
+A fake SGLang (`python -m app.sim.sglang_http`) and the real `turnlog gateway`
 CLI in front of it, each a subprocess started on a free port and stopped at
 teardown; the store is read back through an in-process API app on the same
 database. (The gateway's own tests, with their fixtures, are in tests/gateway/;
@@ -105,7 +105,7 @@ class Process:
 def fake_sglang_argv(port: int, *, num_layers: int = 2, topk: int = 2, num_experts: int = 16,
                      router_seed: int = 0, speculative: bool = True,
                      extra: list[str] | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "app.simulator_http", "--port", str(port),
+    argv = [sys.executable, "-m", "app.sim.sglang_http", "--port", str(port),
             "--num-layers", str(num_layers), "--topk", str(topk),
             "--num-experts", str(num_experts), "--router-seed", str(router_seed)]
     if speculative:

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from app.simulator import OUTPUT_BASE
+from app.sim.simulator import OUTPUT_BASE
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 CHAT_PATH = "/v1/chat/completions"

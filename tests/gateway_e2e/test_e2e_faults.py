@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.store import migrate
+from app.store.engine import migrate
 from tests.gateway_e2e.checks import Router, check_samples, open_body
 from tests.gateway_e2e.conftest import store_at
 from tests.gateway_e2e.scenarios import play_v1, play_v2

@@ -1,6 +1,6 @@
 """The recording gateway end to end: real processes on loopback ports.
 
-fake SGLang (`python -m app.simulator_http`) ← `turnlog gateway` (the real CLI,
+fake SGLang (`python -m app.sim.sglang_http`) ← `turnlog gateway` (the real CLI,
 a subprocess) ← the session-server-like driver, on each store backend. The
 driver plays v1 and v2 sessions in addition and full R3 mode with retries,
 rollbacks and tool calls; then the stored turns must equal what went over the

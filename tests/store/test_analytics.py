@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from app.domain.projections import day_key, hour_key
-from app.domain.rollout_metrics import (
+from app.domain.body.specinfo import SPEC_INFO_KEYS, SpecInfo, sum_turns
+from app.domain.body.turn import MISMATCH_TYPES
+from app.domain.ci.rollout_metrics import (
     SPEC_ACCEPT_LENGTH,
     SPEC_ACCEPT_RATE,
     SampleRow,
@@ -29,8 +30,7 @@ from app.domain.rollout_metrics import (
     rollout_metrics,
     tito_key,
 )
-from app.domain.specinfo import SPEC_INFO_KEYS, SpecInfo, sum_turns
-from app.domain.turn import MISMATCH_TYPES
+from app.domain.projection.rows import day_key, hour_key
 from tests.factory import open_body, turn
 
 GROUPS = {"weight_version": "weight_version", "model": "model", "run_id": "run_id",

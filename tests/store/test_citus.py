@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.store import citus
+from app.store.engine import citus
 from tests.factory import open_body, r3_b64, turn
 
 

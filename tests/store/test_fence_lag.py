@@ -16,9 +16,9 @@ from sqlalchemy.engine import make_url
 
 from app.services import build_services
 from app.settings import Settings
-from app.store import migrate
-from app.store.dialect import fence_lag_seconds
-from app.store.writes import now_us
+from app.store.append.writes import now_us
+from app.store.engine import migrate
+from app.store.engine.dialect import fence_lag_seconds
 from tests.factory import open_body
 
 

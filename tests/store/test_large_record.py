@@ -6,7 +6,7 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.domain import jsonio
+from app.domain.wire import jsonio
 from tests.factory import open_body, turn
 
 LAYERS, TOPK = 64, 8

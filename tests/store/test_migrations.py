@@ -8,8 +8,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.store import migrate
-from app.store.schema import metadata
+from app.store.engine import migrate
+from app.store.engine.schema import metadata
 
 
 @pytest.fixture(params=["sqlite", "postgres", "citus"])

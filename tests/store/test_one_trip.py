@@ -1,4 +1,4 @@
-"""The one-round-trip append on PostgreSQL and Citus (`app/store/fastpath.py`).
+"""The one-round-trip append on PostgreSQL and Citus (`app/store/append/fastpath.py`).
 
 Oracles: the simulator's in-memory fold and a rebuild from the log (the rows the
 function writes equal what the general path and a rebuild compute); the
@@ -16,13 +16,13 @@ import asyncpg
 import httpx
 import pytest
 
-from app.domain.events import StoredTurn
-from app.domain.jsonio import canonical
+from app.domain.log.events import StoredTurn
+from app.domain.wire.jsonio import canonical
 from app.main import create_app
-from app.simulator import SessionSimulator, SimConfig, SimRates
-from app.store import fastpath
-from app.store.db import Database
-from app.store.rebuild import PROJECTIONS, computed_rows, projection_rows
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates
+from app.store.append import fastpath
+from app.store.engine.db import Database
+from app.store.ops.rebuild import PROJECTIONS, computed_rows, projection_rows
 from tests.factory import open_body, turn
 
 pytestmark = pytest.mark.postgres_only

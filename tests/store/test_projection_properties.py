@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.domain.jsonio import canonical
-from app.domain.samples import build_samples
-from app.domain.session import parse_close
-from app.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory, route
-from app.store.rebuild import PROJECTIONS, checksums, computed_rows, projection_rows, rebuild
+from app.domain.body.session import parse_close
+from app.domain.projection.samples import build_samples
+from app.domain.wire.jsonio import canonical
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory, route
+from app.store.ops.rebuild import PROJECTIONS, checksums, computed_rows, projection_rows, rebuild
 
 configs = st.builds(
     lambda version, mode, spec, trim: (version, mode, spec, trim),
@@ -90,7 +90,7 @@ async def test_store_samples_equal_domain_and_full_forward(client, cfg, seed, tu
 
 
 async def test_rebuild_equals_incremental(client, settings):
-    from app.store.db import Database
+    from app.store.engine.db import Database
 
     sids = []
     for seed in range(6):
@@ -128,8 +128,8 @@ async def test_a_rebuild_beside_a_live_writer_says_it_needs_a_quiet_store(
     # differ" although nothing was wrong. The writer is forced between the two
     # checksums (it closes the session being rebuilt): the rebuild must tell a changed
     # store from a wrong projection.
-    from app.store import rebuild as rebuild_module
-    from app.store.db import Database
+    from app.store.engine.db import Database
+    from app.store.ops import rebuild as rebuild_module
 
     sid = f"rb-live-{uuid.uuid4().hex}"
     assert (await client.post("/v1/sessions", json={

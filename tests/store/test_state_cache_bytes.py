@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from app.main import create_app
-from app.simulator import SessionSimulator, SimConfig, SimRates
-from app.store.loader import StateCache
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates
+from app.store.fold.loader import StateCache
 from tests.factory import open_body, r3_b64, turn
 from tests.wire import MSGPACK, to_msgpack
 
@@ -95,7 +95,7 @@ async def test_the_cache_evicts_by_bytes(client, sid):
 
 
 def test_tokens_beyond_int32_are_kept_whole():
-    from app.domain.tree import compact
+    from app.domain.log.tree import compact
 
     wide = np.array([1, 2**40], dtype=np.int64)
     assert compact(wide).dtype == np.int64

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.domain.body.labels import parse_label_filters
+from app.domain.body.queries import EVENTS_PAGE, SESSIONS_PAGE
 from app.domain.errors import (
     IdempotencyConflict,
     SessionClosed,
@@ -29,8 +31,6 @@ from app.domain.errors import (
     UnknownSample,
     UnknownSession,
 )
-from app.domain.labels import parse_label_filters
-from app.domain.queries import EVENTS_PAGE, SESSIONS_PAGE
 from app.services import Services, build_services
 from app.settings import Settings
 from tests.factory import open_body, r3_b64, turn

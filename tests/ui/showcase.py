@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from app.simulator import SessionSimulator, SimConfig, SimNode, SimRates
+from app.sim.simulator import SessionSimulator, SimConfig, SimNode, SimRates
 
 HOUR = 3600.0
 

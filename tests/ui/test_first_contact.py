@@ -17,7 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from app.simulator import SessionSimulator, SimConfig, SimRates
+from app.sim.simulator import SessionSimulator, SimConfig, SimRates
 from tests.ui.conftest import Page, _serve
 from tests.ui.server import UiServer
 from tests.ui.showcase import random_session, story

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
 from app.settings import get_settings
-from app.store.schema import metadata
+from app.store.engine.schema import metadata
 
 config = context.config
 target_metadata = metadata

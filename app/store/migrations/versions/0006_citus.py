@@ -15,7 +15,7 @@ Create Date: 2026-12-01
 from collections.abc import Sequence
 
 from alembic import op
-from app.store import citus
+from app.store.engine import citus
 
 revision: str = "0006"
 down_revision: str | None = "0005"

@@ -1,0 +1,159 @@
+"""Request guards that run before authorization (pure ASGI middleware).
+
+`HeaderBounds` refuses a request with too many or too large headers (431);
+the served protocol (`app.api.middleware.serving`) already cuts such a request off while
+it streams in, this is the same bound for any other ASGI server. `Loopback`
+protects the no-token mode from the browser: a web page on the same machine
+can send a `text/plain` POST to 127.0.0.1 (a cross-site request) or reach it
+under its own name (DNS rebinding). Without tokens, therefore, only loopback
+`Host` names (and `TURNLOG_ALLOWED_HOSTS`) are served, a foreign `Origin` is
+refused, and a write whose body declares a type must declare JSON or
+MessagePack, which a browser cannot send cross-site without asking first
+(CORS preflight, which this server never grants); a browser always sends an
+`Origin` with a cross-site write, so an untyped body without one is a script.
+With tokens configured nothing here applies: a browser never attaches a
+bearer token on its own.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+import structlog
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.http_errors import ForeignHost, HeadersTooLarge, Unauthorized, UnsupportedMediaType
+from app.api.problems import send_problem
+from app.domain.wire.url_tokens import query_token_param
+
+log = structlog.get_logger("turnlog.guard")
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
+WRITE_TYPES = frozenset({"application/json", "application/msgpack", "application/vnd.msgpack",
+                         "application/x-msgpack"})
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class HeaderBounds:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_count: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_count = max_count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope.get("headers") or []
+            size = sum(len(k) + len(v) + 4 for k, v in headers)
+            if len(headers) > self.max_count or size > self.max_bytes:
+                await send_problem(send, headers_too_large(len(headers), size, self.max_count,
+                                                           self.max_bytes))
+                return
+        await self.app(scope, receive, send)
+
+
+def headers_too_large(count: int, size: int, max_count: int, max_bytes: int) -> HeadersTooLarge:
+    return HeadersTooLarge(
+        f"request headers exceed the limit of {max_count} headers or {max_bytes} bytes",
+        field="headers", expected=f"at most {max_count} headers, {max_bytes} bytes",
+        actual=f"{count} headers, {size} bytes")
+
+
+def host_name(value: str) -> str:
+    """The name of a `Host` value without its port, lower case (`[::1]:80` → `::1`)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    if value.count(":") == 1:
+        value = value.partition(":")[0]
+    return value
+
+
+def is_loopback(name: str, extra: Iterable[str] = ()) -> bool:
+    if name in LOOPBACK_NAMES or name in extra:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class Loopback:
+    def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
+        self.app = app
+        # A wildcard bind address is no name a browser should be using.
+        self.allowed = frozenset(host_name(h) for h in allowed) - {"", "0.0.0.0", "::"}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self.refusal(scope)
+        if error is not None:
+            log.warning("request refused", method=scope["method"], path=scope["path"],
+                        problem=f"urn:turnlog:{error.slug}", status=error.http_status)
+            await send_problem(send, error)
+            return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> ForeignHost | UnsupportedMediaType | None:
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope.get("headers") or []:
+            headers.setdefault(name.lower(), value)
+        host = host_name(headers.get(b"host", b"").decode("latin-1"))
+        if not is_loopback(host, self.allowed):
+            return ForeignHost(
+                "without API tokens this server answers only loopback host names",
+                field="Host", expected="localhost, 127.0.0.1, [::1] or TURNLOG_ALLOWED_HOSTS",
+                actual=host[:80] or "missing")
+        origin = headers.get(b"origin")
+        if origin is not None:
+            origin_host = urlsplit(origin.decode("latin-1").strip()).hostname or ""
+            if not is_loopback(origin_host, self.allowed):
+                return ForeignHost(
+                    "without API tokens this server refuses requests from other origins",
+                    field="Origin", expected="a loopback origin or no Origin header",
+                    actual=origin.decode("latin-1")[:80])
+        if scope["method"].upper() in READ_METHODS or not has_body(headers):
+            return None
+        declared = headers.get(b"content-type")
+        if declared is None or not declared.strip():  # blank: as not sent (the routers agree)
+            # No browser sends a body without a type and without an Origin (checked
+            # above); scripts and curl that leave it out get the API's JSON default.
+            return None
+        media = declared.decode("latin-1").partition(";")[0].strip().lower()
+        if media not in WRITE_TYPES:
+            # Only turns read MessagePack; every other write names JSON alone (as its router).
+            turns = scope["path"].rstrip("/").endswith("/turns")
+            return UnsupportedMediaType(
+                "a turn's body must be JSON or MessagePack" if turns
+                else "a write's body must be JSON", field="content-type",
+                expected=" | ".join(sorted(WRITE_TYPES)) if turns else "application/json",
+                actual=declared.decode("latin-1")[:80] or "empty")
+        return None
+
+
+def has_body(headers: dict[bytes, bytes]) -> bool:
+    length = headers.get(b"content-length")
+    if b"transfer-encoding" in headers:
+        return True
+    return length is not None and length.strip() not in (b"", b"0")
+
+
+# A token in a URL lands in access logs, proxies and browser history, so it is refused;
+# the names are matched decoded (`app.domain.wire.url_tokens`), as the routers read them.
+class QueryTokens:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            name = query_token_param((scope.get("query_string") or b"").decode("latin-1"))
+            if name is not None:
+                await send_problem(send, Unauthorized(
+                    "API tokens go in the Authorization header, never in the URL",
+                    field=name[:40], expected="Authorization: Bearer <token>",
+                    actual="a token in the query string (redacted)"),
+                    {"www-authenticate": 'Bearer realm="turnlog", error="invalid_request"'})
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,24 @@
+"""`/v1/events`: the global feed in commit order, behind the visibility fence."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
+from app.api.problems import JSONText
+from app.domain.body.queries import FEED_PAGE, parse_wait
+
+router = APIRouter(prefix="/v1", tags=["feed"])
+
+
+@router.get("/events")
+async def feed(
+    svc: ServicesDep,
+    after: OptStr = None,
+    limit: OptLimit = None,
+    wait: Annotated[float | None, Blank, Query(
+        description="long-poll seconds (clamped to 30)")] = None,
+) -> JSONText:
+    return JSONText(await svc.reader.feed(after, FEED_PAGE.parse(limit), parse_wait(wait)))

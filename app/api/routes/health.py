@@ -1,0 +1,58 @@
+"""Liveness and readiness.
+
+`/readyz` answers 503 problem+json when the database cannot be reached, its
+schema is not at head, or (SQLite) the file failed its integrity check; the
+problem names the reason but never carries the driver's error text, which
+may hold host names, paths or credentials (that text goes to the log).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+import structlog
+from fastapi import APIRouter
+
+from app.api.deps import ServicesDep
+from app.api.problems import JSONText, damaged_sqlite, problem_response
+from app.store.engine.migrate import current_revision, head_revision
+
+router = APIRouter(tags=["service"])
+log = structlog.get_logger("turnlog.api")
+
+
+def not_ready(detail: str, reason: str) -> JSONText:
+    return problem_response({"type": "urn:turnlog:not-ready", "title": "Not ready",
+                             "status": 503, "detail": detail, "reason": reason},
+                            headers={"Retry-After": "5"})
+
+
+@router.get("/healthz")
+async def healthz() -> JSONText:
+    return JSONText({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(svc: ServicesDep) -> JSONText:
+    try:
+        # The integrity check first: damage can also break the reads below.
+        damage = await svc.integrity.problems()
+        if not damage:
+            async with svc.db.read() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+                current = await conn.run_sync(current_revision)
+    except Exception as exc:  # any failure to reach the database means "not ready"
+        if damaged_sqlite(exc):
+            damage = [str(exc)[:200]]
+        else:
+            log.warning("not ready: database unreachable", error=type(exc).__name__,
+                        detail=str(exc)[:500])
+            return not_ready("the database cannot be reached; see the server log",
+                             "database-unreachable")
+    if damage:
+        return not_ready(f"the SQLite file failed its integrity check ({len(damage)} "
+                         "problem(s); see the server log): restore it from a backup",
+                         "database-damaged")
+    head = head_revision()
+    if current != head:
+        return not_ready(f"schema at {current}, expected head {head}", "schema-not-at-head")
+    return JSONText({"status": "ready", "database": svc.db.dialect, "schema": current})

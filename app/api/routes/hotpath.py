@@ -1,0 +1,129 @@
+"""`POST /v1/sessions/{session_id}/turns` as a bare ASGI route: the append's hot path.
+
+Every turn of a fleet comes through here, so the route skips what it does not
+need: no FastAPI request or response objects, no dependency solving, no
+exit stack. The body is received from the ASGI `receive` straight into one
+buffer of its declared size and decoded once (`app.api.deps`); the reply is
+two ASGI messages. Everything that applies to every route still applies:
+it sits in the same router behind the same middleware (metrics, header
+bounds, loopback, authorization, body size and time limits), and an error
+raised here propagates to the same exception handlers (problem+json, 503 with
+Retry-After, 499 for a client gone). The FastAPI route of the same path
+(`app.api.routes.sessions.append_turn`) stays registered for the OpenAPI document
+and for other methods (405); this route answers the POSTs first.
+
+Refuses: any rule of its own (validation, idempotency and the append are the
+domain's and the store's: `services.writer.append_turn`, which the gateway
+calls in-process too).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette._utils import get_route_path
+from starlette.requests import ClientDisconnect
+from starlette.routing import BaseRoute, Match, NoMatchFound
+from starlette.types import Receive, Scope, Send
+
+from app.api.deps import (
+    BodyBuffer,
+    Uploads,
+    declared_length,
+    decode_turn,
+    media_type_of,
+    paced,
+    turn_decoder,
+)
+from app.api.middleware.telemetry import turn_appended, turn_rejected
+from app.domain.errors import DomainError
+from app.domain.wire import jsonio
+from app.services import Services
+
+PATH = "/v1/sessions/{session_id}/turns"
+# Starlette's `{name}` parameter: one path segment.
+_PATTERN = re.compile(r"/v1/sessions/([^/]+)/turns")
+_JSON_HEADER = (b"content-type", b"application/json")
+
+
+async def _messages(receive: Receive) -> AsyncIterator[bytes]:
+    """The body's chunks from ASGI messages."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            yield message.get("body", b"")
+            if not message.get("more_body", False):
+                return
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+
+
+async def receive_body(receive: Receive, declared: int | None,
+                       uploads: Uploads | None = None) -> bytearray:
+    """The whole body from ASGI messages, into one buffer (`BodyBuffer`); with
+    `uploads` (the body holds an upload slot) at the slot holders' minimum pace."""
+    buffer = BodyBuffer(declared)
+    chunks = _messages(receive) if uploads is None else paced(_messages(receive), uploads)
+    async for chunk in chunks:
+        buffer.add(chunk)
+    return buffer.result()
+
+
+class AppendRoute(BaseRoute):
+    """Matches `POST /v1/sessions/{session_id}/turns` only; everything else falls through."""
+
+    path = PATH  # the route template the metrics label requests with
+    path_format = PATH
+
+    def __init__(self, services: Services, uploads: Uploads) -> None:
+        self.services = services
+        self.uploads = uploads
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return Match.NONE, {}
+        found = _PATTERN.fullmatch(get_route_path(scope))
+        if found is None:
+            return Match.NONE, {}
+        params = {**scope.get("path_params", {}), "session_id": found[1]}
+        return Match.FULL, {"path_params": params, "route": self, "endpoint": self.handle}
+
+    def url_path_for(self, name: str, /, **path_params: Any) -> Any:
+        raise NoMatchFound(name, path_params)  # never a target of `url_for`
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        svc = self.services
+        session_id = scope["path_params"]["session_id"]
+        content_type = content_length = None
+        chunked = False
+        for name, value in scope["headers"]:
+            if name == b"content-type" and content_type is None:
+                content_type = value.decode("latin-1")
+            elif name == b"content-length" and content_length is None:
+                content_length = value
+            elif name == b"transfer-encoding":
+                chunked = True
+        declared = declared_length(content_length)
+        started, body = time.perf_counter(), None
+        try:
+            # A large turn waits for one of a few upload slots, then is decoded,
+            # validated and encoded on worker threads (app.api.deps.Uploads).
+            async with self.uploads.slot_for(declared, chunked) as large:
+                decode = turn_decoder(media_type_of(content_type))
+                raw = await receive_body(receive, declared, self.uploads if large else None)
+                body = await decode_turn(decode, raw, self.uploads)
+                del raw  # the decoded body may be all that is left of it
+                written = await svc.writer.append_turn(session_id, body, offload=large)
+        except DomainError as exc:
+            turn_rejected(svc.metrics, session_id, body, exc, started)
+            raise
+        turn_appended(svc.metrics, session_id, body, written, started)
+        if written.created:
+            svc.reader.notify()
+        reply = jsonio.dumps_bytes(written.body)
+        await send({"type": "http.response.start", "status": 201 if written.created else 200,
+                    "headers": [(b"content-length", str(len(reply)).encode()), _JSON_HEADER]})
+        await send({"type": "http.response.body", "body": reply})

@@ -1,0 +1,208 @@
+"""The recording gateway's rules: which request is a turn, what is recorded, how a session opens.
+
+Owns, for `turnlog gateway` (docs/gateway.md):
+- which headers are hop-by-hop (never forwarded either way);
+- the decision "is this request a turn?", in two steps — on the request
+  (`classify_request`: recorded path, session header, TITO body, no streaming)
+  and on the upstream reply (`classify_reply`: 200, JSON, the log-prob list) —
+  and the reason counted when it is not;
+- the SessionRecord appended for a turn (`build_record`, `turn_body`), its R3
+  payload handed on decoded once (`r3_as_bin`);
+- the auto-open body (`open_body`) from the gateway's defaults and the
+  `X-Turnlog-Labels` header (`parse_labels_header`).
+
+Refuses I/O, clocks and id generation: the shell passes the timestamps and
+the event id in, forwards the bytes, and writes through the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.domain.body.labels import parse_labels
+from app.domain.errors import DomainError, InvalidRequest
+from app.domain.wire import jsonio
+from app.domain.wire.r3 import payload_bytes
+from app.domain.wire.validate import SESSION_ID
+
+# Hop-by-hop headers: about one connection, not the message (RFC 9110 §7.6.1).
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
+                        "upgrade"})
+DEFAULT_RECORD_PATHS = ("/v1/chat/completions",)
+DEFAULT_SESSION_HEADER = "X-SMG-Routing-Key"
+LABELS_HEADER = "X-Turnlog-Labels"
+OPENED_BY = "gateway"
+IDLE_CLOSE = {"closed_by": "gateway-idle"}
+
+# Why a request to a recorded path was forwarded without being recorded.
+NO_SESSION = "no-session"
+NOT_TITO = "not-tito"
+STREAM = "stream"
+UPSTREAM_STATUS = "upstream-status"
+NOT_JSON = "not-json"
+SESSION_CLOSED = "session-closed"
+REJECTED = "rejected"
+UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, SESSION_CLOSED,
+                      REJECTED)
+
+
+def is_hop_by_hop(name: str) -> bool:
+    lower = name.lower()
+    return lower in HOP_BY_HOP or lower.startswith("proxy-")
+
+
+def forwarded_headers(headers: Iterable[tuple[str, str]],
+                      drop: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """The headers that travel on (hop-by-hop ones and `drop`, lower-case names, left out)."""
+    return [(name, value) for name, value in headers
+            if not is_hop_by_hop(name) and name.lower() not in drop]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request that is a turn if the upstream answers it with a TITO reply."""
+
+    session_id: str
+    request: Any  # the JSON body as forwarded
+
+
+@dataclass(frozen=True)
+class Unrecorded:
+    reason: str
+
+
+def classify_request(session_header_value: str | None, body: bytes) -> Candidate | Unrecorded:
+    """Step one, for a POST to a recorded path: may this request become a turn?"""
+    if session_header_value is None or not SESSION_ID.matches(session_header_value):
+        return Unrecorded(NO_SESSION)
+    try:
+        request = jsonio.loads(body)
+    except DomainError:
+        return Unrecorded(NOT_TITO)
+    if not isinstance(request, dict):
+        return Unrecorded(NOT_TITO)
+    ids = request.get("input_ids")
+    # One C-level type scan (parsed JSON holds exact ints; a boolean's type is bool),
+    # not a Python step per token of a 40k-token prompt.
+    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int}:
+        return Unrecorded(NOT_TITO)
+    if request.get("stream") is True:
+        return Unrecorded(STREAM)
+    return Candidate(session_header_value, request)
+
+
+def classify_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
+    """Step two: the upstream's reply as parsed JSON if it completes a turn."""
+    if status != 200:
+        return Unrecorded(UPSTREAM_STATUS)
+    try:
+        response = jsonio.loads(body)
+    except DomainError:
+        return Unrecorded(NOT_JSON)
+    try:
+        logprobs = response["choices"][0]["meta_info"]["output_token_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        return Unrecorded(NOT_TITO)
+    if not isinstance(logprobs, list):
+        return Unrecorded(NOT_TITO)
+    return response
+
+
+def r3_as_bin(response: Any) -> Any:
+    """The reply with its base64 `meta_info.routed_experts` decoded once into the int32
+    bytes a MessagePack bin carries (the store takes either; JSON renders a bin as the
+    same canonical base64), so a 4 MB payload is neither held twice nor decoded again.
+
+    Copies only the maps on the payload's path. Text that is empty or not canonical
+    base64 stays as it is: the store then answers it with its own R3 error.
+    """
+    try:
+        choice = response["choices"][0]
+        meta = choice["meta_info"]
+        text = meta["routed_experts"]
+    except (KeyError, IndexError, TypeError):
+        return response
+    if not isinstance(text, str) or not text:
+        return response
+    try:
+        data = payload_bytes(text, "record.response.choices[0].meta_info.routed_experts")
+    except DomainError:
+        return response
+    choices = list(response["choices"])
+    choices[0] = {**choice, "meta_info": {**meta, "routed_experts": data}}
+    return {**response, "choices": choices}
+
+
+def build_record(path: str, request: Any, response: Any, request_timestamp: float,
+                 timestamp: float) -> dict[str, Any]:
+    """miles' SessionRecord of one turn: the request as forwarded, the reply as received."""
+    return {
+        "timestamp": timestamp,
+        "request_timestamp": request_timestamp,
+        "method": "POST",
+        "path": path,
+        "status_code": 200,
+        "request": request,
+        "response": response,
+    }
+
+
+def turn_body(event_id: str, record: dict[str, Any]) -> dict[str, Any]:
+    """The append body; `parent` is left out so the store derives it (docs/api.md §1.2)."""
+    return {"event_id": event_id, "record": record}
+
+
+@dataclass(frozen=True)
+class GatewayDefaults:
+    """What an auto-opened session is opened with."""
+
+    version: str = "v2"
+    pause_generation_mode: str = "retract"
+    num_layers: int | None = None
+    max_trim_tokens: int = 0
+    speculative: bool = False
+    labels: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_label_flags(items: Iterable[str]) -> dict[str, str]:
+    """`--label KEY=VALUE` items (values are text); InvalidRequest names the bad one."""
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequest(f"label {item!r} is not KEY=VALUE", field="--label",
+                                 expected="KEY=VALUE", actual=item)
+        labels[key] = value
+    return parse_labels(labels, "--label")
+
+
+def parse_labels_header(text: str) -> dict[str, Any]:
+    """`X-Turnlog-Labels`: a JSON object of scalar values (InvalidRequest otherwise)."""
+    value = jsonio.loads(text)
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{LABELS_HEADER} must be a JSON object", field=LABELS_HEADER,
+                             expected="a JSON object of scalar values", actual=type(value).__name__)
+    for key, item in value.items():
+        if isinstance(item, dict | list):
+            raise InvalidRequest(f"{LABELS_HEADER} value of {key!r} is not a scalar",
+                                 field=f"{LABELS_HEADER}.{key}",
+                                 expected="string, number, boolean or null",
+                                 actual=type(item).__name__)
+    return parse_labels(value, LABELS_HEADER)
+
+
+def open_body(session_id: str, defaults: GatewayDefaults,
+              header_labels: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The open body of an auto-opened session; header labels win over the flags' on a key."""
+    return {
+        "session_id": session_id,
+        "version": defaults.version,
+        "pause_generation_mode": defaults.pause_generation_mode,
+        "r3": None if defaults.num_layers is None else {"num_layers": defaults.num_layers},
+        "spec": defaults.speculative,
+        "max_trim_tokens": defaults.max_trim_tokens,
+        "labels": {**defaults.labels, **(header_labels or {})},
+        "opened_by": OPENED_BY,
+    }

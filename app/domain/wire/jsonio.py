@@ -1,0 +1,203 @@
+"""Strict JSON in, canonical JSON out.
+
+Owns the one place where request bytes become Python values: non-finite
+numbers (NaN, ±Infinity, 1e999) and over-deep nesting are rejected as
+`InvalidRequest` instead of surfacing later as database errors. Also owns the
+canonical serialization used for idempotency fingerprints and for storing
+JSON losslessly as text. No I/O.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import chain, compress, repeat
+from typing import Any
+
+import msgspec
+
+from app.domain.errors import InvalidRequest
+from app.domain.wire.width import MAX_VALUES, check_json
+
+MAX_DEPTH = 64
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(
+        f"non-finite number {name} is not valid JSON here",
+        field="body",
+        expected="finite JSON numbers",
+        actual=name,
+    )
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _reject_constant(text)
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth (up to `MAX_DEPTH + 1`), one level at a time.
+
+    Each level's children are gathered and type-scanned by C-level iterators
+    (`chain`, `map`), so 2k `[logprob, id]` pairs or a 20k-token prompt cost a
+    few list operations, not a Python step per container.
+    """
+    level = 0
+    containers = [value] if type(value) is dict or type(value) is list else []
+    while containers and level <= MAX_DEPTH:
+        level += 1
+        children = children_of(containers)
+        kinds = set(map(type, children))
+        if dict not in kinds and list not in kinds:
+            break
+        containers = containers_in(children)
+    return level
+
+
+def containers_in(children: list[Any]) -> list[Any]:
+    """The dicts and lists among `children`, filtered by C-level iterators only."""
+    return list(compress(children, map(isinstance, children, repeat((dict, list)))))
+
+
+def children_of(containers: list[Any]) -> list[Any]:
+    """Every child of a level's containers (dict values, list items), in one list."""
+    dicts = [c for c in containers if type(c) is dict]
+    if not dicts:
+        return list(chain.from_iterable(containers))
+    lists = [c for c in containers if type(c) is list]
+    return list(chain(chain.from_iterable(map(dict.values, dicts)),
+                      chain.from_iterable(lists)))
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(
+        "JSON nesting is too deep",
+        field="body",
+        expected=f"at most {MAX_DEPTH} levels of nesting",
+        actual="deeper",
+    )
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic-garbage collection while a body is decoded.
+
+    Decoding allocates thousands of containers (one list per `[logprob, id]`
+    pair), which would trigger collections that walk every object of the
+    process; none of them can be garbage yet. Synchronous, so nothing else runs
+    meanwhile.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def loads(raw: bytes | bytearray | str, max_values: int = MAX_VALUES) -> Any:
+    """Parse a request body; every failure is an `InvalidRequest` naming `body`, and a
+    body that may decode into more than `max_values` values is a 413 (`width`).
+
+    msgspec is the fast path (exact floats and big integers, ~5x the standard
+    library on R3-sized bodies); whatever it refuses (lone surrogate escapes,
+    out-of-range numbers, malformed text) the standard library parses again
+    with our hooks and decides.
+    """
+    check_json(raw, max_values)
+    try:
+        with gc_paused():
+            value = msgspec.json.decode(raw)
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.DecodeError:
+        value = _loads_stdlib(raw)
+    if _depth(value) > MAX_DEPTH:
+        raise _too_deep()
+    return value
+
+
+def loads_stored(raw: bytes | str) -> Any:
+    """Parse JSON this store wrote itself (an event payload): it passed `loads` when it
+    came in, so the nesting walk is skipped — on a long session's fold it costs more
+    than the parse. Parsing is the same as `loads` (msgspec, then the standard library)."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return _loads_stdlib(raw)
+
+
+def _loads_stdlib(raw: bytes | bytearray | str) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except InvalidRequest:
+        raise
+    except RecursionError:
+        raise _too_deep() from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(
+            f"body is not valid JSON: {exc}",
+            field="body",
+            expected="a JSON document",
+            actual="malformed JSON",
+        ) from None
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON text of any value `loads` produced (UTF-8 safe, NUL escaped).
+
+    msgspec is the fast path; a lone surrogate (valid in JSON escapes, not in
+    UTF-8) falls back to ASCII-escaped standard-library output.
+    """
+    try:
+        return msgspec.json.encode(value).decode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def dumps_bytes(value: Any) -> bytes:
+    """`dumps` as bytes, for response bodies."""
+    try:
+        return msgspec.json.encode(value)
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False).encode("ascii")
+
+
+def canonical(value: Any) -> str:
+    """Key-sorted compact JSON: equal values give equal text."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False,
+                      sort_keys=True)
+
+
+def fingerprint(value: Any) -> str:
+    return hashlib.sha256(canonical(value).encode("ascii")).hexdigest()
+
+
+def strict_equal(a: Any, b: Any) -> bool:
+    """JSON equality that also tells `1`, `1.0` and `true` apart (Python's `==` does not)."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, dict):
+            if x.keys() != y.keys():
+                return False
+            stack.extend((x[k], y[k]) for k in x)
+        elif isinstance(x, list):
+            if len(x) != len(y):
+                return False
+            stack.extend(zip(x, y, strict=True))
+        elif x != y:
+            return False
+    return True

@@ -1,0 +1,134 @@
+"""Strict MessagePack in (turn bodies), MessagePack out (event pages).
+
+Owns the rules that make a MessagePack turn body the same value its JSON
+twin would be (docs/ingest.md): string map keys only, no ext types (a
+timestamp included), finite floats, the JSON path's nesting limit, no
+trailing bytes, and a bin in exactly one place — the turn's
+`record.response.choices[0].meta_info.routed_experts`, where it holds the raw
+little-endian int32 R3 bytes. Every failure is an `InvalidRequest` naming
+`body`. Also owns the media types that mean MessagePack. No I/O; which wire a
+request uses is the API's decision.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from typing import Any
+
+import msgspec
+
+from app.domain.errors import InvalidRequest
+from app.domain.wire.jsonio import MAX_DEPTH, children_of, containers_in, gc_paused
+from app.domain.wire.width import MAX_VALUES, check_msgpack
+
+MEDIA_TYPES = frozenset({"application/msgpack", "application/vnd.msgpack",
+                         "application/x-msgpack"})
+MEDIA_TYPE = "application/msgpack"
+# Where a bin may stand: the turn's R3 payload (`TurnBody` keys, then the record's path).
+R3_PATH: tuple[str | int, ...] = ("record", "response", "choices", 0, "meta_info",
+                                  "routed_experts")
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_VALUES = _SCALARS | {dict, list}
+
+
+def _invalid(why: str, actual: Any) -> InvalidRequest:
+    return InvalidRequest(f"body is not valid MessagePack here: {why}", field="body",
+                          expected="a MessagePack map with string keys, finite floats, "
+                                   "no ext types and bin only as routed_experts",
+                          actual=actual)
+
+
+def _reject_ext(code: int, _data: memoryview) -> Any:
+    raise _invalid(f"ext type {code}", f"ext type {code}")
+
+
+_DECODER = msgspec.msgpack.Decoder(ext_hook=_reject_ext)
+
+
+def _r3_holder(value: Any) -> dict[str, Any] | None:
+    """The map holding a bin at `R3_PATH` of a decoded body, if one stands there."""
+    node = value
+    for key in R3_PATH[:-1]:
+        if type(key) is str:
+            if type(node) is not dict or key not in node:
+                return None
+        elif type(node) is not list or not node:
+            return None
+        node = node[key]
+    if type(node) is dict and type(node.get(R3_PATH[-1])) is bytes:
+        return node
+    return None
+
+
+def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> Any:
+    """Decode a request body strictly; the R3 payload may be a bin, nothing else may.
+    A body of more than `max_values` values is a 413 before it is decoded (`width`)."""
+    check_msgpack(raw, max_values)
+    try:
+        with gc_paused():
+            value = _DECODER.decode(raw)
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"body is not valid MessagePack: {exc}", field="body",
+                             expected="one complete MessagePack document",
+                             actual="malformed MessagePack") from None
+    holder = _r3_holder(value)
+    if holder is None:
+        _check(value)
+        return value
+    # The one allowed bin steps aside for the walk (by place, not identity: b"" is shared).
+    payload = holder["routed_experts"]
+    holder["routed_experts"] = None
+    try:
+        _check(value)
+    finally:
+        holder["routed_experts"] = payload
+    return value
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest("MessagePack nesting is too deep", field="body",
+                          expected=f"at most {MAX_DEPTH} levels of nesting", actual="deeper")
+
+
+def _check(value: Any) -> None:
+    """One walk, a level at a time: types, keys, floats, depth.
+
+    Each level's children are gathered and scanned by C-level iterators
+    (`chain`, `map`, `set`), so the 2k `[logprob, id]` pairs of a turn cost a
+    few list operations, not a Python step per pair.
+    """
+    if type(value) not in _VALUES:
+        name = "bin" if type(value) is bytes else type(value).__name__
+        raise _invalid(f"{name} is not allowed here", name)
+    containers = [value] if type(value) is dict or type(value) is list else []
+    level = 0
+    while containers:
+        level += 1
+        if level > MAX_DEPTH:
+            raise _too_deep()
+        dicts = [c for c in containers if type(c) is dict]
+        if dicts:
+            keys = set(map(type, chain.from_iterable(dicts)))
+            if keys and keys != {str}:
+                bad = next(k for k in chain.from_iterable(dicts) if type(k) is not str)
+                raise _invalid("map keys must be strings", f"{type(bad).__name__} key")
+        children = children_of(containers)
+        kinds = set(map(type, children))
+        if not kinds <= _VALUES:
+            kind = next(iter(kinds - _VALUES))
+            name = "bin" if kind is bytes else kind.__name__
+            raise _invalid(f"{name} is not allowed here", name)
+        if float in kinds and not all(map(math.isfinite, (c for c in children
+                                                          if type(c) is float))):
+            raise _invalid("non-finite float", "NaN or Infinity")
+        if dict not in kinds and list not in kinds:
+            return
+        containers = containers_in(children)
+
+
+def dumps(value: Any) -> bytes:
+    """MessagePack of a reply document (R3 payloads already as bytes become bin)."""
+    return msgspec.msgpack.encode(value)

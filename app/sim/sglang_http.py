@@ -1,0 +1,258 @@
+"""A fake SGLang over HTTP: the simulator's causal router behind the routes a router serves.
+
+For tests, demos and benchmarks of `turnlog gateway` (and anything else that
+talks to SGLang) without a GPU. Serve it with `python -m app.sim.sglang_http
+--port P [--num-layers N --topk K --num-experts E]`, or mount `FakeSGLang()`
+in any ASGI server.
+
+Routes:
+- `POST /v1/chat/completions`: a TITO chat turn. The output tokens are a hash
+  of `input_ids` and the sampling `seed` (`max_tokens` of them, default 4, at
+  most 4096) with made-up log-probs; with `return_routed_experts` the reply's
+  `meta_info.routed_experts` is base64 int32 of `route(prompt + output)` rows
+  `[start, len - 1)` where `start = routed_experts_start_len` (0 when absent) —
+  a full forward's rows, so stored R3 can be checked against
+  `app.sim.simulator.route` (`r3="filler"`: cheap rows of the same size, for
+  benchmarks of big replies). With `tools` offered and the last message not a
+  tool result, the turn ends in a tool call (`finish_reason` "tool_calls"), as
+  an agent loop expects. With `speculative` the meta_info carries SGLang's spec
+  counters. With `"stream": true` the reply is a server-sent event stream
+  (chunked). A reply is a pure function of the request (no clock, no cache
+  state): the same body gives the same bytes, directly or through a proxy.
+  Test knobs (request headers): `X-Sim-Status: N` answers N with a JSON error;
+  `X-Sim-Reply: not-json | no-logprobs` answers text / JSON without the log-prob
+  list; `X-Sim-Delay: S` waits S seconds first; `X-Sim-Pad: N` adds an N-byte
+  `sim_padding` string to the reply (big replies).
+- `GET /health` (200 "OK"), `GET /metrics` (Prometheus text), `GET /workers`.
+- `GET /stream?chunks=N&size=B&delay=S`: N chunks of B bytes, chunked, spaced S s.
+- Everything else (`/generate`, `/add_worker`, …): an echo — JSON of the method,
+  raw path, query, headers and body as received.
+
+Refuses: any rule of turnlog (it is the upstream; it knows nothing of sessions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import json
+from typing import Any
+from urllib.parse import parse_qs
+
+import numpy as np
+
+from app.domain.wire.r3 import WIRE_DTYPE
+from app.sim.simulator import OUTPUT_BASE, VOCAB, route
+
+MAX_TOKENS = 4096
+
+
+def output_for(prompt: list[int], count: int, sampling_seed: int = 0) -> list[int]:
+    """Deterministic output tokens for a prompt and sampling seed (the same pair
+    gives the same output; another seed is another sample, as a retry gets)."""
+    data = np.asarray(prompt, dtype=np.int64).tobytes()
+    if sampling_seed:
+        data += b"seed:%d" % sampling_seed
+    seed = hashlib.sha256(data).digest()
+    rng = np.random.default_rng(int.from_bytes(seed[:8], "little"))
+    return [int(t) for t in rng.integers(OUTPUT_BASE, VOCAB, size=count)]
+
+
+def filler_rows(start: int, end: int, num_layers: int, topk: int,
+                num_experts: int) -> np.ndarray:
+    """Cheap deterministic rows [start, end) with R3's shape (not a forward)."""
+    per_row = num_layers * topk
+    values = np.arange(start * per_row, end * per_row, dtype=np.int64) % num_experts
+    return values.astype(WIRE_DTYPE).reshape(end - start, num_layers, topk)
+
+
+class FakeSGLang:
+    def __init__(self, num_layers: int = 2, topk: int = 2, num_experts: int = 16,
+                 router_seed: int = 0, speculative: bool = False,
+                 r3: str = "oracle") -> None:
+        if r3 not in ("oracle", "filler"):
+            raise ValueError(f"r3 must be 'oracle' or 'filler', not {r3!r}")
+        self.num_layers = num_layers
+        self.topk = topk
+        self.num_experts = num_experts
+        self.router_seed = router_seed
+        self.speculative = speculative
+        self.r3 = r3
+        self.requests = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"].rsplit(".", 1)[-1]
+                await send({"type": f"{message['type']}.complete"})
+                if kind == "shutdown":
+                    return
+        if scope["type"] != "http":
+            return
+        self.requests += 1
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        path, method = scope["path"], scope["method"]
+        if path == "/v1/chat/completions" and method == "POST":
+            await self._chat(headers, body, send)
+        elif path == "/health":
+            await _reply(send, 200, b"OK", b"text/plain")
+        elif path == "/metrics":
+            text = f"sglang_num_requests_total {self.requests}\n".encode()
+            await _reply(send, 200, text, b"text/plain; version=0.0.4")
+        elif path == "/workers":
+            await _reply(send, 200, b'{"workers":[]}')
+        elif path == "/stream":
+            await self._stream(scope, send)
+        else:
+            await _reply(send, 200, json.dumps({
+                "method": method,
+                "path": scope.get("raw_path", path.encode()).decode("latin-1"),
+                "query": scope.get("query_string", b"").decode("latin-1"),
+                "headers": [[k.decode("latin-1"), v.decode("latin-1")]
+                            for k, v in scope["headers"]],
+                "body": body.decode("latin-1"),
+            }).encode())
+
+    async def _stream(self, scope: dict[str, Any], send: Any) -> None:
+        query = parse_qs(scope.get("query_string", b"").decode())
+        chunks = int(query.get("chunks", ["3"])[0])
+        size = int(query.get("size", ["16"])[0])
+        delay = float(query.get("delay", ["0"])[0])
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/octet-stream")]})
+        for i in range(chunks):
+            if delay:
+                await asyncio.sleep(delay)
+            piece = bytes([65 + i % 26]) * size
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    def completion(self, request: dict[str, Any], pad: int = 0) -> dict[str, Any]:
+        """The reply SGLang would give this request (what the gateway must record)."""
+        prompt = [int(t) for t in request["input_ids"]]
+        count = max(0, min(int(request.get("max_tokens") or 4), MAX_TOKENS))
+        sampling_seed = int(request.get("seed") or request.get("sampling_seed") or 0)
+        out = output_for(prompt, count, sampling_seed)
+        tokens = prompt + out
+        finish = "stop"
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": " ".join(f"t{t}" for t in out)}
+        messages = request.get("messages") or [{}]
+        last_role = messages[-1].get("role") if isinstance(messages[-1], dict) else None
+        tools = request.get("tools")
+        if tools and isinstance(tools, list) and last_role != "tool":
+            function = tools[0].get("function", {}) if isinstance(tools[0], dict) else {}
+            finish = "tool_calls"
+            message["tool_calls"] = [{
+                "id": "call_" + hashlib.sha256(repr(tokens).encode()).hexdigest()[:12],
+                "type": "function", "index": 0,
+                "function": {"name": function.get("name", "tool"),
+                             "arguments": json.dumps({"q": out[0] if out else 0})}}]
+        meta: dict[str, Any] = {
+            "output_token_logprobs": [[-((t % 97) / 97.0), t] for t in out],
+            "completion_tokens": len(out),
+            "prompt_tokens": len(prompt),
+            "cached_tokens": 0,
+            "weight_version": "1",
+            "finish_reason": {"type": finish},
+        }
+        if self.speculative:
+            # SGLang's names (miles reads these since PR #2028); verify >= 1 per turn.
+            verify = 1 + len(out) // 2
+            proposed = 3 * verify
+            meta.update({"spec_verify_ct": verify,
+                         "spec_num_correct_drafts": sum(t % 3 == 0 for t in out) % (proposed + 1),
+                         "spec_num_proposed_drafts": proposed})
+        if request.get("return_routed_experts"):
+            start = int(request.get("routed_experts_start_len") or 0)
+            if self.r3 == "filler":
+                rows = filler_rows(start, max(len(tokens) - 1, start), self.num_layers,
+                                   self.topk, self.num_experts)
+            else:
+                rows = route(np.asarray(tokens, dtype=np.int64), self.num_layers, self.topk,
+                             self.num_experts, self.router_seed)[start:]
+            meta["routed_experts"] = base64.b64encode(
+                rows.astype(WIRE_DTYPE).tobytes()).decode("ascii")
+        reply: dict[str, Any] = {
+            "id": "chatcmpl-" + hashlib.sha256(repr(tokens).encode()).hexdigest()[:16],
+            "object": "chat.completion",
+            "model": request.get("model", "default"),
+            "choices": [{"index": 0, "finish_reason": finish, "message": message,
+                         "meta_info": meta}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out)},
+        }
+        if pad:
+            reply["sim_padding"] = "x" * pad
+        return reply
+
+    async def _chat(self, headers: dict[str, str], body: bytes, send: Any) -> None:
+        if "x-sim-delay" in headers:
+            await asyncio.sleep(float(headers["x-sim-delay"]))
+        if "x-sim-status" in headers:
+            status = int(headers["x-sim-status"])
+            await _reply(send, status, json.dumps({"error": f"simulated {status}"}).encode())
+            return
+        if headers.get("x-sim-reply") == "not-json":
+            await _reply(send, 200, b"this is not JSON", b"text/plain")
+            return
+        try:
+            request = json.loads(body)
+            request["input_ids"]  # noqa: B018 (a KeyError is the 400 below)
+        except (ValueError, KeyError, TypeError):
+            await _reply(send, 400, b'{"error":"expected a JSON body with input_ids"}')
+            return
+        reply = self.completion(request, int(headers.get("x-sim-pad", "0")))
+        if headers.get("x-sim-reply") == "no-logprobs":
+            del reply["choices"][0]["meta_info"]["output_token_logprobs"]
+        if request.get("stream") is True:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for piece in (reply["choices"][0]["message"]["content"], ""):
+                event = {"id": reply["id"], "choices": [{"delta": {"content": piece}}]}
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"data: " + json.dumps(event).encode() + b"\n\n"})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
+        await _reply(send, 200, json.dumps(reply).encode())
+
+
+async def _reply(send: Any, status: int, body: bytes,
+                 content_type: bytes = b"application/json") -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="A fake SGLang (the simulator's router)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30001)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--num-experts", type=int, default=16)
+    parser.add_argument("--router-seed", type=int, default=0)
+    parser.add_argument("--speculative", action="store_true",
+                        help="add SGLang's speculative-decoding counters to meta_info")
+    parser.add_argument("--r3", choices=("oracle", "filler"), default="oracle",
+                        help="oracle: a full forward's rows; filler: cheap rows (benchmarks)")
+    args = parser.parse_args(argv)
+    app = FakeSGLang(args.num_layers, args.topk, args.num_experts, args.router_seed,
+                     args.speculative, args.r3)
+    uvicorn.run(app, host=args.host,
+                port=args.port, log_level="warning", lifespan="on")
+
+
+if __name__ == "__main__":
+    main()

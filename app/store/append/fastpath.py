@@ -1,0 +1,58 @@
+"""The append in one round trip on PostgreSQL: one call of `turnlog_append`.
+
+The function (created by migration 0008) takes the session's row lock, checks
+that the session is still open with the number of turns the caller folded,
+and writes the event, the R3 patch, the node and the session head. The call
+runs outside an explicit transaction on a plain asyncpg connection, so the
+lock, the four writes and the durable commit are one round trip, with no
+SQLAlchemy statement building. It answers the event's position, or None when
+the session moved on (another worker appended, or it was closed): nothing was
+written and the caller takes the general path, which folds under the lock.
+
+Owns: binding the rows the domain computed to the function's arguments.
+Refuses: deciding anything (validation, attachment and idempotency are the
+domain's and `writes.py`'s), and SQLite (no functions; see `writes.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import asyncpg
+
+from app.domain.log.events import StoredTurn
+
+APPEND = "SELECT turnlog_append(" + ", ".join(f"${i}" for i in range(1, 39)) + ")"
+
+# The node columns in the order of the function's node arguments.
+NODE_COLUMNS = ("parent", "depth", "num_tokens", "prompt_len", "prompt_lcp", "output_len",
+                "r3_start", "r3_end", "finish_reason", "weight_version", "spec_correct",
+                "spec_proposed", "spec_verify", "spec_completion", "cached_tokens",
+                "record_ts", "record_hour", "record_day")
+HEAD_COLUMNS = ("active_leaf", "topk", "spec_correct", "spec_proposed", "spec_verify",
+                "spec_completion")
+
+
+def append_args(
+    session_id: str, num_nodes: int, seq: int, event_id: str, stored: StoredTurn,
+    recorded_us: int, node: Mapping[str, Any], head: Mapping[str, Any],
+) -> tuple[Any, ...]:
+    """The 38 arguments of `turnlog_append`, in its order (migration 0008)."""
+    patch = stored.patch
+    patch_args: tuple[Any, ...] = (None,) * 6 if patch is None else (
+        patch.start, patch.end, patch.num_layers, patch.topk, patch.dtype, patch.data)
+    return (
+        session_id, num_nodes,
+        seq, event_id, stored.payload, stored.prompt_lcp, stored.prompt_delta, recorded_us,
+        *patch_args,
+        *(node[name] for name in NODE_COLUMNS),
+        *(head[name] for name in HEAD_COLUMNS),
+    )
+
+
+async def append(pool: asyncpg.Pool, args: tuple[Any, ...]) -> int | None:
+    """Call `turnlog_append` in its own transaction: the position, or None (moved on)."""
+    async with pool.acquire() as conn:
+        position = await conn.fetchval(APPEND, *args)
+    return None if position is None else int(position)

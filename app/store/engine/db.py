@@ -1,0 +1,88 @@
+"""Transactions on one database: a writer and a reader engine, and the store's clock.
+
+`Database.write()` is one short write transaction (queued in process where
+the backend has a single writer), `Database.read()` a read-only one, and on
+PostgreSQL `Database.driver_pool()` the asyncpg pool the one-round-trip
+append calls its function on. How
+each backend's engines are configured is `dialect.py`'s; `now_us` is the one
+clock every `recorded_us` column is stamped with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import asyncpg
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.settings import Settings
+from app.store.engine.dialect import (
+    backend,
+    create_driver_pool,
+    create_engines,
+    normalize_url,
+    single_writer,
+)
+
+
+def now_us() -> int:
+    """Microseconds since the epoch: what every `recorded_us` column holds."""
+    return time.time_ns() // 1000
+
+
+class Database:
+    """The store's handle on one database: a writer and a reader engine."""
+
+    def __init__(self, url: str, settings: Settings) -> None:
+        self.url = normalize_url(url)
+        self.dialect = backend(self.url)
+        self.settings = settings
+        self.writer, self.reader = create_engines(self.url, settings)
+        self._write_lock = asyncio.Lock() if single_writer(self.url) else None
+        self._driver_pool: asyncpg.Pool | None = None
+        self._driver_pool_lock = asyncio.Lock()
+
+    @property
+    def one_trip_appends(self) -> bool:
+        """PostgreSQL (and Citus): an append is one call of `turnlog_append`."""
+        return self.dialect == "postgresql"
+
+    async def driver_pool(self) -> asyncpg.Pool:
+        """The asyncpg pool of the one-round-trip append, opened on first use."""
+        if self._driver_pool is None:
+            async with self._driver_pool_lock:
+                if self._driver_pool is None:
+                    pool = await create_driver_pool(self.url, self.settings)
+                    assert pool is not None, "only PostgreSQL has a driver pool"
+                    self._driver_pool = pool
+        return self._driver_pool
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[AsyncConnection]:
+        """One short write transaction; committed on success, rolled back on error."""
+        if self._write_lock is not None:
+            async with self._write_lock, self.writer.begin() as conn:
+                yield conn
+        else:
+            async with self.writer.begin() as conn:
+                yield conn
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A read-only transaction with one consistent snapshot on SQLite."""
+        async with self.reader.connect() as conn:
+            try:
+                yield conn
+            finally:
+                await conn.rollback()
+
+    async def dispose(self) -> None:
+        if self._driver_pool is not None:
+            pool, self._driver_pool = self._driver_pool, None
+            await pool.close()
+        await self.writer.dispose()
+        if self.reader is not self.writer:
+            await self.reader.dispose()

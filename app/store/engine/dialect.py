@@ -1,0 +1,228 @@
+"""Everything dialect-specific in the store: connection set-up and SQL.
+
+Each branch on SQLite versus PostgreSQL lives here, so the rest of the store
+reads the same on both backends.
+
+Connections. SQLite (embedded default): WAL, `foreign_keys=ON`,
+`synchronous=FULL`, a busy timeout, and `BEGIN IMMEDIATE` for writes so a
+writer never upgrades a read lock mid-transaction; it has a single writer
+(`single_writer`), so in-process writers queue on an asyncio lock instead of
+spinning on the busy timeout. PostgreSQL (asyncpg): READ COMMITTED,
+pre-ping, statement and idle-in-transaction timeouts so no append can hold
+the feed fence for long; plus a plain asyncpg pool with the same settings for
+the append's one-round-trip call (`app/store/append/fastpath.py`).
+
+SQL. PostgreSQL's feed fence: a reader takes only events whose writing
+transaction id is below the oldest transaction still running in its snapshot
+(`pg_snapshot_xmin(pg_current_snapshot())`), so an insert that commits after
+a later one was read can never be skipped. SQLite has a single writer and its
+rowid order is commit order, so it needs no fence. Also the append's row
+lock, the upsert and code-point text order.
+
+The horizon is read by a statement of its own, before the page query, and
+bound as a value. On a single PostgreSQL that changes nothing (a transaction
+below the horizon committed before it was read, so the page's later snapshot
+sees it). On Citus it is what makes the fence valid at all: transaction ids
+are per node, and a function in a query over distributed tables runs on the
+workers, against the workers' own ids. turnlog's rows carry the
+*coordinator's* transaction id (the column default is evaluated on the
+coordinator, where every insert is planned), and the horizon must be the
+coordinator's too. It holds because every write transaction of turnlog
+touches one session, so one worker: Citus commits such a transaction on the
+worker (one-phase commit) before the coordinator's own commit ends it, so
+once the coordinator no longer sees it running, its rows are visible on the
+worker. (A transaction spanning two workers would use two-phase commit,
+whose COMMIT PREPARED follows the coordinator's commit; turnlog has none.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import asyncpg
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+from sqlalchemy.sql.elements import ColumnElement
+
+from app.settings import Settings
+from app.store.engine.schema import events
+
+PG_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+
+
+def _is_postgres(conn: AsyncConnection) -> bool:
+    return conn.dialect.name == "postgresql"
+
+
+# -- connections ------------------------------------------------------------------
+
+def normalize_url(url: str) -> str:
+    """Accept plain `postgres://`, `postgresql://` and `sqlite://` URLs and pick the
+    async drivers (`postgres://` is what Heroku-style environments hand out)."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "postgres":
+        parsed, backend = parsed.set(drivername="postgresql+asyncpg"), "postgresql"
+    if backend == "postgresql" and parsed.drivername != "postgresql+asyncpg":
+        parsed = parsed.set(drivername="postgresql+asyncpg")
+    elif backend == "sqlite" and parsed.drivername != "sqlite+aiosqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+    elif backend not in ("postgresql", "sqlite"):
+        raise ValueError(f"unsupported database {backend!r}: use sqlite or postgresql")
+    return parsed.render_as_string(hide_password=False)
+
+
+def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
+    engine = create_async_engine(url, connect_args={"timeout": 60}, poolclass=NullPool
+                                 if ":memory:" in url else None)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL",
+                       "busy_timeout=60000"):
+            cursor.execute(f"PRAGMA {pragma}")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+def _server_settings(settings: Settings) -> dict[str, str]:
+    server_settings = {
+        "application_name": "turnlog",
+        "idle_in_transaction_session_timeout": "30000",
+    }
+    if settings.statement_timeout_ms:
+        server_settings["statement_timeout"] = str(settings.statement_timeout_ms)
+    return server_settings
+
+
+def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
+    server_settings = _server_settings(settings)
+    return create_async_engine(
+        url,
+        pool_size=settings.pool_size,
+        max_overflow=settings.max_overflow,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+        isolation_level="READ COMMITTED",
+        connect_args={"server_settings": server_settings, "command_timeout": 120},
+    )
+
+
+def backend(url: str) -> str:
+    """`sqlite` or `postgresql`, from a (normalized) URL."""
+    return make_url(url).get_backend_name()
+
+
+def file_integrity_checkable(url: str) -> bool:
+    """SQLite: the database is one file that `PRAGMA quick_check` can verify at start."""
+    return backend(url) == "sqlite"
+
+
+def single_writer(url: str) -> bool:
+    """SQLite: one writer at a time, so writes are queued in process."""
+    return backend(url) == "sqlite"
+
+
+def create_engines(url: str, settings: Settings) -> tuple[AsyncEngine, AsyncEngine]:
+    """(writer, reader) engines for a normalized URL; one shared pool on PostgreSQL."""
+    if single_writer(url):
+        return _sqlite_engine(url, immediate=True), _sqlite_engine(url, immediate=False)
+    engine = _postgres_engine(url, settings)
+    return engine, engine
+
+
+async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | None:
+    """A plain asyncpg pool for the append's one-round-trip call (PostgreSQL; None on
+    SQLite), with the engine's session settings.
+
+    Separate from SQLAlchemy's pool because a checkout there pays a ping round
+    trip (`pool_pre_ping`); asyncpg's pool drops a broken connection when it is
+    released and opens a new one on demand, so a restarted server needs no ping.
+    """
+    if backend(url) != "postgresql":
+        return None
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    return await asyncpg.create_pool(
+        dsn, min_size=0, max_size=settings.pool_size, command_timeout=120,
+        server_settings=_server_settings(settings))
+
+
+# -- SQL --------------------------------------------------------------------------
+
+async def feed_fence(
+    conn: AsyncConnection, xid: ColumnElement[int] = events.c.xid
+) -> ColumnElement[bool] | None:
+    """Rows of transactions that can no longer commit behind a reader (PG only)."""
+    if not _is_postgres(conn):
+        return None
+    return xid < await _horizon(conn)
+
+
+async def _horizon(conn: AsyncConnection) -> int:
+    """The coordinator's transaction horizon, read by a statement of its own (see above)."""
+    return int((await conn.execute(sa.text(PG_XMIN))).scalar_one())
+
+
+async def fence_lag_seconds(conn: AsyncConnection, now_us: int) -> float:
+    """How far the feed fence holds readers back, in seconds (0.0 on SQLite).
+
+    The larger of: how long the oldest committed event still behind the fence
+    has waited (from the events table: needs no grant, sees every role's
+    writes), and the age of the oldest running transaction with an xid that
+    `pg_stat_activity` shows (without `pg_read_all_stats` only this role's own:
+    other roles' `xact_start` reads NULL, which is why the first part exists).
+    """
+    if not _is_postgres(conn):
+        return 0.0
+    held_us = (await conn.execute(
+        sa.select(sa.func.min(events.c.recorded_us)).where(events.c.xid >= await _horizon(conn))
+    )).scalar()
+    running = (await conn.execute(sa.text(
+        "SELECT EXTRACT(EPOCH FROM clock_timestamp() - min(xact_start)) "
+        "FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
+    ))).scalar()
+    held = 0.0 if held_us is None else max(0.0, (now_us - int(held_us)) / 1e6)
+    return max(held, float(running or 0.0))
+
+
+def lock_for_append(conn: AsyncConnection, query: sa.Select[Any]) -> sa.Select[Any]:
+    """The session row read that serializes appends (SQLite's single writer already does)."""
+    if _is_postgres(conn):
+        # NO KEY UPDATE: serializes appends without blocking inserts that only
+        # reference the session row (foreign keys take KEY SHARE locks).
+        return query.with_for_update(key_share=True)
+    return query
+
+
+def upsert(
+    conn: AsyncConnection, table: sa.Table, values: Sequence[Mapping[str, Any]],
+    index_elements: Sequence[str], update: Sequence[str],
+) -> Any:
+    """INSERT … ON CONFLICT (index_elements) DO UPDATE SET the `update` columns."""
+    insert = postgresql.insert if _is_postgres(conn) else sqlite.insert
+    stmt = insert(table).values(list(values))
+    return stmt.on_conflict_do_update(
+        index_elements=list(index_elements),
+        set_={name: stmt.excluded[name] for name in update},
+    )
+
+
+def code_point_order(conn: AsyncConnection, text: ColumnElement[Any]) -> ColumnElement[Any]:
+    """`text` compared by code point on both dialects.
+
+    SQLite's default BINARY collation compares UTF-8 bytes (code point order);
+    PostgreSQL's database collation may be linguistic, so it is pinned to "C".
+    """
+    return text.collate("C") if _is_postgres(conn) else text

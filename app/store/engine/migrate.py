@@ -1,0 +1,72 @@
+"""Alembic as a library: upgrade, downgrade and inspect, from sync or async code.
+
+The migration scripts ship inside the package (`app/store/migrations/`), so an
+installed wheel migrates without a source checkout. The configuration is built
+here in code; the URL is handed over, never read from a file. (`migrations.ini`
+and `alembic/` at the top of a clone point at the same scripts, for people who
+run the `alembic` command by hand.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
+
+from alembic import command
+from app.store.engine.dialect import normalize_url
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "migrations"
+_lock = threading.Lock()
+
+
+def config(url: str | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(SCRIPTS))
+    cfg.set_main_option("path_separator", "os")
+    if url is not None:
+        cfg.attributes["url"] = normalize_url(url)
+    return cfg
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(config()).get_current_head()
+
+
+def current_revision(connection: Connection) -> str | None:
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    with _lock:
+        command.upgrade(config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    with _lock:
+        command.downgrade(config(url), revision)
+
+
+def current(url: str) -> str | None:
+    result: list[str | None] = []
+
+    async def _read() -> None:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        engine = create_async_engine(normalize_url(url))
+        async with engine.connect() as conn:
+            result.append(await conn.run_sync(current_revision))
+        await engine.dispose()
+
+    asyncio.run(_read())
+    return result[0]
+
+
+async def upgrade_async(url: str, revision: str = "head") -> None:
+    """Upgrade from inside a running loop (env.py runs its own loop in a thread)."""
+    await asyncio.to_thread(upgrade, url, revision)
