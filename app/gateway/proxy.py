@@ -42,7 +42,7 @@ from app.domain.body.gateway import (
     r3_as_bin,
     turn_body,
 )
-from app.domain.errors import DomainError, SpoolFull, UpstreamUnavailable
+from app.domain.errors import DomainError, InvalidRequest, SpoolFull, UpstreamUnavailable
 from app.domain.wire import jsonio
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from app.gateway.recorder import SPOOL_FULL, Recorder
@@ -161,6 +161,8 @@ class Gateway:
                 await self._passthrough(scope, receive, send)
         except ClientGone:
             log.debug("caller disconnected", path=path)
+        except InvalidRequest as exc:  # raised before anything was sent
+            await _problem(send, exc)
 
     # -- own routes ----------------------------------------------------------------------
 
@@ -198,8 +200,14 @@ class Gateway:
             headers = [(n, v) for n, v in headers if n != b"x-forwarded-for"]
             chain = b", ".join([*forwarded, client[0].encode("latin-1")])
             headers.append((b"x-forwarded-for", chain))
-        return self.client.build_request(scope["method"], self.upstream.copy_with(
-            raw_path=raw_path), headers=headers, content=content)
+        try:
+            url = self.upstream.copy_with(raw_path=raw_path)
+        except (UnicodeDecodeError, httpx.InvalidURL) as exc:
+            raise InvalidRequest("the request target cannot be forwarded", field="path",
+                                 expected="a URL path and query of printable ASCII",
+                                 actual=repr(raw_path[:80])) from exc
+        return self.client.build_request(scope["method"], url, headers=headers,
+                                         content=content)
 
     async def _upstream(self, request: httpx.Request) -> httpx.Response:
         assert self.client is not None

@@ -33,6 +33,8 @@ import sqlalchemy as sa
 import structlog
 
 from app.domain.body.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
+from app.domain.body.session import parse_open
+from app.domain.body.turn import parse_turn
 from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import Spool, SpoolFull
@@ -133,6 +135,9 @@ class Recorder:
         try:
             await writer.append_turn(session_id, body, offload=offload)
         except UnknownSession:
+            # No session is opened for a turn the store would refuse: the turn is
+            # checked against the definition it would open with first (pure rules).
+            parse_turn(body, parse_open(open_body))
             with contextlib.suppress(SessionConflict):  # opened meanwhile with other labels
                 await writer.open_session(open_body)
                 log.info("session opened", session_id=session_id, labels=open_body["labels"])
@@ -160,7 +165,9 @@ class Recorder:
             log.error("spool full: turn answered 503, not stored", session_id=session_id,
                       detail=str(exc))
             return SPOOL_FULL
-        except OSError as exc:  # the disk refused: as good as full, never a silent loss
+        except (OSError, TypeError, ValueError) as exc:
+            # The disk refused, or the turn cannot be written as JSON: as good as
+            # full (503), never a silent loss and never a 500.
             log.error("cannot write the spool: turn answered 503, not stored",
                       session_id=session_id, error=type(exc).__name__, detail=str(exc))
             return SPOOL_FULL

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.domain.body.turn import json_carried
 from app.domain.wire import jsonio
 
 SUFFIX = ".turn"
@@ -100,6 +101,8 @@ class Spool:
     def add(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any]) -> Spooled:
         """Write one turn durably (file and directory fsynced), or SpoolFull."""
         spooled_at = time.time()
+        # An R3 payload handed over as bytes is spooled as the base64 JSON carries.
+        body = {**body, "record": json_carried(body["record"])} if "record" in body else body
         data = jsonio.dumps_bytes({"session_id": session_id, "body": body, "open": open_body,
                                    "spooled_at": spooled_at})
         if self.bytes + len(data) > self.max_bytes:

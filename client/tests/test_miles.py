@@ -280,3 +280,14 @@ async def test_the_reward_hook_with_turnlog_down(
     assert "did not record 3 reward(s)" in warning.getMessage()
     assert await rm(None, batch[0]) == 0.1
     assert len(warnings.records) == 2
+
+
+def test_a_malformed_integer_in_the_environment_is_ignored_not_raised(caplog):
+    """A typo in the launcher's environment must not fail a rollout either."""
+    from turnlog_client.miles import Settings
+
+    with caplog.at_level("WARNING", logger="turnlog_client.miles"):
+        settings = Settings.from_env({"TURNLOG_MILES_NUM_LAYERS": "forty-eight",
+                                      "TURNLOG_MILES_MAX_TRIM_TOKENS": "1.5"})
+    assert settings.num_layers is None and settings.max_trim_tokens == 0
+    assert "TURNLOG_MILES_NUM_LAYERS must be an integer" in caplog.text

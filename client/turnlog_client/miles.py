@@ -82,7 +82,10 @@ class Settings:
             try:
                 return int(value)
             except ValueError:
-                raise ValueError(f"{name} must be an integer, not {value!r}") from None
+                # A typo in the launcher's environment must not fail a rollout either.
+                log.warning("%s must be an integer, not %r: ignored (its default is used)",
+                            name, value)
+                return None
 
         keys = tuple(k.strip() for k in (text("TURNLOG_MILES_LABEL_KEYS") or "").split(","))
         return cls(

@@ -10,6 +10,7 @@ exactly the turns its caller was answered for, in the order they were sent.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import sqlite3
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from app.gateway.spool import Spool
@@ -252,3 +254,26 @@ async def test_a_turn_committed_before_the_crash_is_not_stored_twice(tmp_path, g
         reply = await http.get(f"/v1/sessions/{session}/events")
         turns = [e for e in reply.json() if e["type"] == "turn_recorded"]
     assert [t["event_id"] for t in turns] == [body["event_id"]]
+
+
+def test_a_turn_with_r3_bytes_and_a_lone_surrogate_is_spooled_as_json_carries_it(tmp_path):
+    """The gateway hands the store R3 as bytes; the spool writes JSON. A record holding a
+    lone surrogate takes the standard library's JSON path, which has no bytes: the payload
+    must be spooled as its base64 text (it was a TypeError, answered as a 500)."""
+    payload = np.arange(12, dtype="<i4").tobytes()
+    body = {"event_id": uuid.uuid4().hex, "record": {
+        "timestamp": 2.0, "request_timestamp": 1.0, "method": "POST",
+        "path": "/v1/chat/completions", "status_code": 200,
+        "request": {"input_ids": [1, 2], "messages": [{"role": "user", "content": "\ud800"}]},
+        "response": {"choices": [{"meta_info": {"routed_experts": payload}}]}}}
+    spool = Spool(tmp_path / "spool", 1 << 20)
+    spool.add("s-1", body, {"session_id": "s-1"})
+    spool.close()
+    again = Spool(tmp_path / "spool", 1 << 20)
+    try:
+        [entry] = list(again.entries)
+        stored = entry.body["record"]["response"]["choices"][0]["meta_info"]["routed_experts"]
+        assert base64.b64decode(stored) == payload
+        assert entry.body["record"]["request"] == body["record"]["request"]
+    finally:
+        again.close()
