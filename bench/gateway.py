@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,19 @@ def reset_peak(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_py_spy(out: str, pid: int) -> subprocess.Popen[bytes]:
+    exe = Path(sys.executable).parent / "py-spy"
+    return subprocess.Popen([str(exe) if exe.exists() else "py-spy", "record", "--format",
+                             "raw", "--rate", "200", "-p", str(pid), "-o", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def gateway_argv(upstream: str, port: int, url: str, spool: Path) -> list[str]:
@@ -291,6 +305,9 @@ async def main() -> None:
     parser.add_argument("--passthrough", type=int, default=500,
                         help="GET /health pairs for the passthrough figure")
     parser.add_argument("--big-reply-mb", type=int, default=100, help="0 = skip")
+    parser.add_argument("--py-spy", metavar="FILE",
+                        help="record a py-spy profile (raw format) of the gateway during "
+                             "the latency part into FILE (py-spy on PATH or next to Python)")
     args = parser.parse_args()
     if not TURNLOG.exists():
         raise SystemExit(f"no turnlog console script at {TURNLOG} (run `make install`)")
@@ -328,8 +345,14 @@ async def main() -> None:
                   f"tokens, R3 {LAYERS} layers x top-{TOPK}, PostgreSQL, addition mode",
                   flush=True)
             pairs: list[tuple[float, float, int]] = []
+            spy = start_py_spy(args.py_spy, proxy.pid) if args.py_spy else None
+            cpu_before = cpu_seconds(proxy.pid)
             await asyncio.gather(*(session(i, args.turns, args.turn_tokens, direct, gateway,
                                            pairs) for i in range(args.sessions)))
+            cpu = cpu_seconds(proxy.pid) - cpu_before
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(30)
             added = [g - d for d, g, _ in pairs]
             size = statistics.mean(n for _, _, n in pairs)
             print(f"reply size: mean {size / 1e6:.2f} MB")
@@ -342,6 +365,10 @@ async def main() -> None:
             async with httpx.AsyncClient(timeout=30) as http:
                 metrics = (await http.get(gateway + "/turnlog/metrics")).text
             print(f"gateway's own turnlog_gateway_added_seconds: {added_histogram(metrics)}")
+            # CPU is the figure a loaded machine disturbs least (wall time queues).
+            print(f"gateway process CPU per recorded turn: "
+                  f"{cpu / (len(pairs) + args.sessions) * 1000:.1f} ms "
+                  f"(user+system, all its threads)")
 
             through = await passthrough(direct, gateway, args.passthrough)
             print(f"passthrough GET /health added ({len(through)} calls): "
