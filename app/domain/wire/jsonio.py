@@ -21,9 +21,10 @@ from typing import Any
 import msgspec
 
 from app.domain.errors import InvalidRequest
-from app.domain.wire.width import MAX_VALUES, check_json
+from app.domain.wire.width import MAX_VALUES, check_json, count_bytes
 
 MAX_DEPTH = 64
+_OPENINGS = tuple(b"[{")
 
 
 def _reject_constant(name: str) -> Any:
@@ -121,9 +122,18 @@ def loads(raw: bytes | bytearray | str, max_values: int = MAX_VALUES) -> Any:
         raise _too_deep() from None
     except msgspec.DecodeError:
         value = _loads_stdlib(raw)
-    if _depth(value) > MAX_DEPTH:
+    # Each container opens with a `[` or `{` byte (strings may add more): with at most
+    # MAX_DEPTH of them the walk is skipped — on a 40k-token prompt it costs 4x the parse.
+    if _openings(raw) > MAX_DEPTH and _depth(value) > MAX_DEPTH:
         raise _too_deep()
     return value
+
+
+def _openings(raw: bytes | bytearray | str) -> int:
+    """An upper bound of the containers in JSON text `raw` (stops past MAX_DEPTH)."""
+    if isinstance(raw, str):
+        return raw.count("[") + raw.count("{")
+    return count_bytes(raw, _OPENINGS, MAX_DEPTH)
 
 
 def loads_stored(raw: bytes | str) -> Any:
