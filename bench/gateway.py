@@ -370,10 +370,13 @@ async def main() -> None:
                   f"{cpu / (len(pairs) + args.sessions) * 1000:.1f} ms "
                   f"(user+system, all its threads)")
 
+            cpu_before = cpu_seconds(proxy.pid)
             through = await passthrough(direct, gateway, args.passthrough)
+            cpu = cpu_seconds(proxy.pid) - cpu_before
             print(f"passthrough GET /health added ({len(through)} calls): "
                   f"p50 {percentile(through, .5) * 1000:.2f} ms (target <= 2), "
-                  f"p99 {percentile(through, .99) * 1000:.2f} ms", flush=True)
+                  f"p99 {percentile(through, .99) * 1000:.2f} ms; gateway CPU per call "
+                  f"{cpu / (len(through) + 20) * 1000:.2f} ms", flush=True)
 
             if args.big_reply_mb > 0:
                 # A fresh gateway: the latency run's freed heap would hide the growth.
