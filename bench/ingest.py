@@ -6,6 +6,7 @@ Run by hand (not in CI):
     .venv/bin/python -m bench.ingest [--postgres-url postgresql://...] [--sessions 8]
                                      [--workers 1,2] [--big-turn-mb 100]
                                      [--curve 1,4,16,64 --curve-turns 4]
+    .venv/bin/python -m bench.ingest --sqlite [--baseline DIR] [--new-tokens 50]
 
 Addition-mode (in_place) sessions with Qwen3-30B-A3B geometry (48 layers,
 top-8, 128 experts), 10 turns per session, ~2k new tokens per turn, appended
@@ -369,6 +370,40 @@ async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Na
               flush=True)
 
 
+async def sqlite_phases(args: argparse.Namespace, wires: list[str]) -> None:
+    """`--sqlite`: the turnlog phases (1 worker, SQLite has one writer) against fresh
+    SQLite files, this checkout and the `--baseline` one interleaved."""
+    from app.store.engine import migrate
+
+    rng = np.random.default_rng(7)
+    plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]
+    turns = sum(len(p.turns) for p in plans)
+    phases = [(wire, None) for wire in wires]
+    if args.baseline:
+        phases += [(f"{wire} base", args.baseline) for wire in wires]
+    best: dict[str, tuple[float, float]] = {}
+    for round_no in range(1, args.rounds + 1):
+        print(f"round {round_no}/{args.rounds}", flush=True)
+        for name, root in phases:
+            path = Path(f"/tmp/turnlog-bench-ingest-{uuid.uuid4().hex[:6]}.db")
+            url = f"sqlite+aiosqlite:///{path}"
+            await migrate.upgrade_async(url)
+            try:
+                elapsed, cpu_s = await bench_turnlog(url, plans, args.clients, 1,
+                                                     name.split()[0], args.py_spy, root)
+            finally:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{path}{suffix}").unlink(missing_ok=True)
+            old = best.get(name, (elapsed, cpu_s))
+            best[name] = (min(old[0], elapsed), min(old[1], cpu_s))
+            print(f"  {name:12s} {elapsed:7.2f} s  {turns / elapsed:8.1f} turns/s  "
+                  f"server CPU {cpu_s / turns * 1e3:.2f} ms/turn", flush=True)
+    print()
+    print(f"{'SQLite':12s} {'turns/s':>9s} {'server CPU ms/turn':>19s}   (best of each)")
+    for name, (elapsed, cpu_s) in best.items():
+        print(f"{name:12s} {turns / elapsed:9.1f} {cpu_s / turns * 1e3:19.2f}")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -401,9 +436,15 @@ async def main() -> None:
                         help="the migration the --baseline checkout's schema stops at")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
+    parser.add_argument("--sqlite", action="store_true",
+                        help="only the turnlog phases (and --baseline), each on a fresh SQLite "
+                             "file: turns/s and server CPU per turn, no references")
     args = parser.parse_args()
     worker_counts = [int(w) for w in args.workers.split(",")]
     wires = args.wires.split(",")
+    if args.sqlite:
+        await sqlite_phases(args, wires)
+        return
 
     server = postgres(args.postgres_url)
     if not args.postgres_url and not args.fast_unsafe:

@@ -1,6 +1,8 @@
 """Any record survives encode → restore exactly (the append → read promise, without a DB)."""
 
 import base64
+import dataclasses
+import random
 
 import numpy as np
 from hypothesis import given, settings
@@ -81,6 +83,8 @@ def test_two_turn_records_round_trip(data, session, prompt0, out1, extra):
         geometry = None if stored.patch is None else (stored.patch.start, stored.patch.topk)
         facts = stored_facts(definition, payload, prompt, geometry)
         assert np.array_equal(facts.tokens, turn.facts.tokens)
+        assert_same_facts(stored_facts(definition, payload, prompt, geometry, trusted=True),
+                          facts)
         state.apply_turn(i, attachment.parent, turn.event_id, facts)
     # the TITO delta keeps the second prompt's shared prefix out of the log
     assert stored.prompt_lcp == len(parent_tokens)
@@ -94,3 +98,64 @@ def test_narrowing_is_lossless(values):
     assert np.array_equal(back.astype("<i4"), arr)
     if arr.size and arr.min() >= 0 and arr.max() < 256:
         assert code == "u1"
+
+
+def assert_same_facts(got, want):
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, np.ndarray) or isinstance(a, np.ndarray):
+            assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), f.name
+            assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+        else:
+            assert type(a) is type(b) and a == b, f.name
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32), version=st.sampled_from(["v1", "v2"]),
+       mode=st.sampled_from(["retract", "in_place"]), spec=st.booleans(),
+       metadata=st.sampled_from([None, {}, {"tito_session_mismatch": []},
+                                 {"tito_session_mismatch": [{"type": "assistant_text"}]}]),
+       meta_extra=st.fixed_dictionaries({}, optional={
+           "weight_version": st.one_of(st.none(), st.text(max_size=4), st.integers(0, 9)),
+           "cached_tokens": st.one_of(st.none(), st.integers(-1, 2**60), st.text(max_size=2)),
+           "prompt_tokens": st.one_of(st.integers(-1, 99), st.floats(0, 9)),
+           "spec_accept_token_num": st.integers(0, 9),
+           "completion_tokens": st.none()}),
+       timestamp=st.one_of(st.none(), st.integers(0, 2**33), st.floats(0, 2e9)),
+       response_id=st.one_of(st.none(), st.text(max_size=4), st.integers(0, 9)))
+def test_a_trusted_fold_derives_the_facts_a_validated_one_does(
+        seed, version, mode, spec, metadata, meta_extra, timestamp, response_id):
+    # A rebuild folds stored turns without validating them again (`trusted`): for
+    # every record `parse_turn` accepted, the facts must be the same.
+    from app.sim.simulator import SessionSimulator, SimConfig, SimRates
+
+    config = SimConfig(session_id="t", version=version, pause_generation_mode=mode,
+                       speculative=spec, max_trim_tokens=1 if mode == "in_place" else 2)
+    sim = SessionSimulator(config, random.Random(seed), SimRates(no_r3=0.2, omit_parent=0.3))
+    definition = parse_open(sim.open_body())
+    state = SessionState(definition=definition)
+    for _ in range(4):
+        raw = sim.random_turn()
+        varied = jsonio.loads(jsonio.dumps(raw))
+        choice = varied["record"]["response"]["choices"][0]
+        choice["meta_info"].update(meta_extra)
+        if timestamp is None:
+            varied["record"].pop("timestamp", None)
+        else:
+            varied["record"]["timestamp"] = timestamp
+        if response_id is not None:
+            varied["record"]["response"]["id"] = response_id
+        if metadata is not None:
+            varied["metadata"] = metadata
+        turn = parse_turn(varied, definition)
+        attachment = state.attach(turn, 1024)
+        stored = encode_turn(turn, attachment, definition.num_layers)
+        payload = jsonio.loads(stored.payload)
+        parent = payload["parent"]
+        ptoks = None if parent is None else state.nodes[parent].tokens
+        prompt = restore_prompt(ptoks, stored.prompt_lcp, stored.prompt_delta)
+        geometry = None if stored.patch is None else (stored.patch.start, stored.patch.topk)
+        checked = stored_facts(definition, payload, prompt, geometry)
+        assert_same_facts(stored_facts(definition, payload, prompt, geometry, trusted=True),
+                          checked)
+        state.apply_turn(attachment.seq, attachment.parent, turn.event_id, checked)

@@ -436,10 +436,22 @@ def parse_turn(raw: Any, definition: SessionDefinition,
     envelope = _envelope(raw)
     prompt, output, logprobs = _prompt_output(envelope, stored_prompt)
     finish, weight_version, timestamp = _meta(envelope)
+    facts = _facts(definition, envelope, prompt, output, logprobs, finish, weight_version,
+                   timestamp, _mismatch(envelope.metadata), stored_r3)
+    return TurnBody(event_id=envelope.event_id, parent=envelope.parent, record=envelope.record,
+                    metadata=envelope.metadata, facts=facts)
+
+
+def _facts(definition: SessionDefinition, envelope: _Envelope, prompt: np.ndarray,
+           output: np.ndarray, logprobs: list[float], finish: str | None, weight_version: Any,
+           timestamp: float | None, mismatch: list[Any] | None,
+           stored_r3: tuple[int, int] | None) -> TurnFacts:
+    """Step 4 and the rest: the R3 geometry, the counters and the facts, shared by
+    `parse_turn` and `stored_turn_facts`."""
     meta = envelope.meta
     returns_r3, r3_start, r3_values, topk = _r3(definition, envelope.request, meta,
                                                 int(prompt.size + output.size), stored_r3)
-    facts = TurnFacts(
+    return TurnFacts(
         prompt=prompt,
         output=output,
         logprobs=logprobs,
@@ -452,11 +464,37 @@ def parse_turn(raw: Any, definition: SessionDefinition,
         spec_info=read_spec_info(meta, int(output.size)),
         cached_tokens=_optional_counter(meta, "cached_tokens"),
         timestamp=timestamp,
-        mismatch=_mismatch(envelope.metadata),
+        mismatch=mismatch,
         content=_content(envelope.choice),
         prompt_tokens=_lenient_counter(meta, "prompt_tokens"),
         response_id=response_id if isinstance(response_id := envelope.response.get("id"), str)
         else None,
     )
-    return TurnBody(event_id=envelope.event_id, parent=envelope.parent, record=envelope.record,
-                    metadata=envelope.metadata, facts=facts)
+
+
+def stored_turn_facts(record: dict[str, Any], metadata: dict[str, Any] | None,
+                      definition: SessionDefinition, stored_r3: tuple[int, int] | None,
+                      stored_prompt: np.ndarray) -> TurnFacts:
+    """The facts of a turn read back from the log, without validating it again.
+
+    Only for records `parse_turn` accepted when they were appended (the log is
+    immutable): the checks of steps 1 to 3 are skipped, what they derive
+    (output ids and log-probs, finish reason, weight version, timestamp,
+    mismatch report) is read directly, and the rest is `parse_turn`'s own
+    `_facts`, so both give the same facts for such a record. A rebuild folds
+    the whole log with it.
+    """
+    response = record["response"]
+    choice = response["choices"][0]
+    meta = choice["meta_info"]
+    entries = meta["output_token_logprobs"]
+    output = np.asarray([entry[1] for entry in entries], dtype=np.int64) if entries \
+        else np.empty(0, np.int64)
+    timestamp = record.get("timestamp")
+    envelope = _Envelope("stored", OMITTED, record, record["request"], response, choice, meta,
+                         metadata)
+    mismatch = None if metadata is None else metadata.get("tito_session_mismatch")
+    return _facts(definition, envelope, stored_prompt, output,
+                  [float(entry[0]) for entry in entries], choice.get("finish_reason"),
+                  meta.get("weight_version"), None if timestamp is None else float(timestamp),
+                  mismatch, stored_r3)

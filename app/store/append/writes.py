@@ -7,10 +7,11 @@ row lock on PostgreSQL; SQLite has a single writer). Validation is the
 domain's; this module orders the steps: parse → lock → idempotency → fold →
 attach → insert → commit, and only then updates the in-process state cache.
 
-On PostgreSQL an append whose session state is cached takes one round trip
-instead (`fastpath.py`): attach against the cached state, then one call that
-locks, checks the state is still the session's, writes and commits; if the
-check fails nothing is written and the general path runs.
+An append whose session state is cached takes one round trip instead
+(`fastpath.py` on PostgreSQL, `sqlite_path.py` on SQLite): attach against the
+cached state, then one call that locks, checks the state is still the
+session's, writes and commits; if the check fails nothing is written and the
+general path runs.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from app.domain.projection.rows import (
 )
 from app.domain.projection.samples import build_samples
 from app.domain.wire import jsonio
-from app.store.append import fastpath
+from app.store.append import fastpath, sqlite_path
 from app.store.engine.db import Database, now_us
 from app.store.engine.schema import (
     events,
@@ -186,8 +187,8 @@ class Writer:
     async def _append_one_trip(
         self, session_id: str, body: TurnBody, offload: bool
     ) -> Written | None:
-        """PostgreSQL: attach against the cached state, then lock, check and write in
-        one call (`app/store/append/fastpath.py`). None when the general path must decide:
+        """Attach against the cached state, then lock, check and write in one call
+        (`app/store/append/fastpath.py`, `sqlite_path.py`). None when the general path must decide:
         no cached state, a repeat or a refusal (judged again under the lock, against
         the log, which a stale cache could misjudge), or the session moved on.
 
@@ -210,9 +211,14 @@ class Writer:
         node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
         recorded = now_us()
         nrow = node_row(session_id, node, 0, recorded)
-        args = fastpath.append_args(session_id, num_nodes, attachment.seq, body.event_id,
-                                    stored, recorded, nrow, session_head(state, node))
-        position = await fastpath.append(await self.db.driver_pool(), args)
+        if self.db.dialect == "sqlite":
+            position = await sqlite_path.append(self.db, session_id, num_nodes, attachment.seq,
+                                                body.event_id, stored, recorded, nrow,
+                                                session_head(state, node))
+        else:
+            args = fastpath.append_args(session_id, num_nodes, attachment.seq, body.event_id,
+                                        stored, recorded, nrow, session_head(state, node))
+            position = await fastpath.append(await self.db.driver_pool(), args)
         if position is None:
             return None
         nrow["position"] = position

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -47,8 +48,9 @@ class Database:
 
     @property
     def one_trip_appends(self) -> bool:
-        """PostgreSQL (and Citus): an append is one call of `turnlog_append`."""
-        return self.dialect == "postgresql"
+        """An append with a cached state is one call: of `turnlog_append` on PostgreSQL
+        (and Citus), of one function on aiosqlite's thread on SQLite."""
+        return True
 
     async def driver_pool(self) -> asyncpg.Pool:
         """The asyncpg pool of the one-round-trip append, opened on first use."""
@@ -69,6 +71,15 @@ class Database:
         else:
             async with self.writer.begin() as conn:
                 yield conn
+
+    @asynccontextmanager
+    async def sqlite_writer(self) -> AsyncIterator[Any]:
+        """SQLite: the writer's aiosqlite connection, in no transaction, queued like
+        `write()`; for the one-call append (`app/store/append/sqlite_path.py`), which
+        runs its own `BEGIN IMMEDIATE` … `COMMIT` on it."""
+        assert self._write_lock is not None, "only SQLite has a single writer"
+        async with self._write_lock, self.writer.connect() as conn:
+            yield (await conn.get_raw_connection()).driver_connection
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:

@@ -50,7 +50,7 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.elements import ColumnElement
 
 from app.settings import Settings
-from app.store.engine.schema import events
+from app.store.engine.schema import events, sessions
 
 PG_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 
@@ -204,6 +204,56 @@ def lock_for_append(conn: AsyncConnection, query: sa.Select[Any]) -> sa.Select[A
         # reference the session row (foreign keys take KEY SHARE locks).
         return query.with_for_update(key_share=True)
     return query
+
+
+LOCK_SESSION = "SELECT id FROM sessions WHERE session_id = $1 FOR NO KEY UPDATE"
+
+
+async def lock_sessions(conn: AsyncConnection, session_ids: Sequence[str]) -> None:
+    """Lock several sessions' rows as an append locks one, in the order given.
+
+    PostgreSQL: one statement per session (Citus routes a lock only by
+    `session_id = $1`); the first through SQLAlchemy, which opens the
+    transaction, the rest pipelined on the driver connection in one trip.
+    SQLite: nothing to do, the write transaction (`BEGIN IMMEDIATE`) already
+    excludes every other writer.
+    """
+    if not _is_postgres(conn) or not session_ids:
+        return
+    first, *rest = session_ids
+    await conn.execute(lock_for_append(
+        conn, sa.select(sessions.c.id).where(sessions.c.session_id == first)))
+    if rest:
+        raw = await _driver_connection(conn)
+        await raw.executemany(LOCK_SESSION, [(sid,) for sid in rest])
+
+
+async def bulk_insert(
+    conn: AsyncConnection, table: sa.Table, rows: Sequence[Mapping[str, Any]]
+) -> None:
+    """Insert rows of one shape (the keys of the first) in the connection's transaction.
+
+    PostgreSQL: COPY on the driver connection, without SQLAlchemy's statement
+    building and binding (Citus accepts COPY into a distributed table and routes
+    each row to its shard); SQLite: one executemany.
+    """
+    if not rows:
+        return
+    if not _is_postgres(conn):
+        await conn.execute(table.insert(), list(rows))
+        return
+    raw = await _driver_connection(conn)
+    columns = list(rows[0])
+    await raw.copy_records_to_table(
+        table.name, columns=columns, records=[tuple(row[c] for c in columns) for row in rows])
+
+
+async def _driver_connection(conn: AsyncConnection) -> asyncpg.Connection:
+    """The asyncpg connection under `conn`, inside `conn`'s open transaction."""
+    raw = (await conn.get_raw_connection()).driver_connection
+    assert isinstance(raw, asyncpg.Connection) and raw.is_in_transaction(), \
+        "a statement through SQLAlchemy must have opened the transaction first"
+    return raw
 
 
 def upsert(

@@ -174,10 +174,14 @@ def fold_rows(
     rows: Iterable[Any],
     geometry: Mapping[int, tuple[int, int]],
     log: FoldLog | None = None,
+    *,
+    trusted: bool = False,
 ) -> SessionState:
     """Fold one session's event rows (in position order) into `state`; no I/O.
 
     `geometry` maps a turn's seq to its stored patch's `(start_row, topk)`.
+    `trusted`: take each stored turn's facts without validating it again (it
+    was validated when appended); the same fold, the same state.
     """
     # Full tokens of the node folded last: in a chain it is the next one's parent,
     # so the delta-kept tokens need not be rebuilt from the ancestors.
@@ -203,7 +207,8 @@ def fold_rows(
             else:
                 parent_tokens = state.nodes[parent].head(row.prompt_lcp)
             prompt = restore_prompt(parent_tokens, row.prompt_lcp, row.prompt_delta)
-            facts = stored_facts(state.definition, payload, prompt, geometry.get(row.seq))
+            facts = stored_facts(state.definition, payload, prompt, geometry.get(row.seq),
+                                 trusted=trusted)
             state.apply_turn(row.seq, parent, row.event_id, facts, row.prompt_lcp)
             last = (row.seq, facts.tokens)
         elif row.type == SESSION_CLOSED and state is not None:

@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain.projection.rows import checksum, project_session
 from app.store.engine.db import Database
-from app.store.engine.dialect import lock_for_append, single_writer
+from app.store.engine.dialect import bulk_insert, lock_sessions, single_writer
 from app.store.engine.schema import (
     events,
     metadata,
@@ -65,10 +65,13 @@ async def projection_rows(
     conn: AsyncConnection, name: str, session_ids: Sequence[str] | None = None
 ) -> list[dict[str, Any]]:
     table = PROJECTIONS[name]
-    query = sa.select(*_columns(table))
+    columns = _columns(table)
+    query = sa.select(*columns)
     if session_ids is not None:
         query = query.where(table.c.session_id.in_(session_ids))
-    return [dict(row) for row in (await conn.execute(query)).mappings()]
+    # Plain tuples zipped with the names: a third of the cost of SQLAlchemy's mappings.
+    keys = [c.name for c in columns]
+    return [dict(zip(keys, row, strict=True)) for row in (await conn.execute(query)).all()]
 
 
 async def checksums(db: Database, session_ids: Sequence[str] | None = None) -> dict[str, str]:
@@ -121,11 +124,9 @@ async def rebuild_batch(db: Database, session_ids: Sequence[str]) -> None:
     """Rebuild the projections of several sessions in one transaction."""
     ids = list(session_ids)
     async with db.write() as conn:
-        # One session row at a time, as an append locks it (Citus routes a lock only by
-        # `session_id = $1`); in id order like every batch, so two rebuilds cannot deadlock.
-        for sid in ids:
-            await conn.execute(lock_for_append(
-                conn, sa.select(sessions.c.id).where(sessions.c.session_id == sid)))
+        # Each session row as an append locks it, in id order like every batch, so two
+        # rebuilds cannot deadlock.
+        await lock_sessions(conn, ids)
         rows_by_session: dict[str, list[Any]] = defaultdict(list)
         for row in await conn.execute(
             sa.select(events.c.session_id, events.c.type, events.c.seq, events.c.event_id,
@@ -143,15 +144,16 @@ async def rebuild_batch(db: Database, session_ids: Sequence[str]) -> None:
         computed: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for sid in ids:
             log = FoldLog()
-            state = fold_rows(None, sid, rows_by_session.get(sid, ()), geometry[sid], log)
+            # Stored turns were validated when appended: the trusted fold skips it.
+            state = fold_rows(None, sid, rows_by_session.get(sid, ()), geometry[sid], log,
+                              trusted=True)
             for name, rows in project_session(state, log.opened_us, log.closed_us,
                                               log.turns).items():
                 computed[name] += rows
         for name in ("samples", "nodes", "session_labels"):
             table = PROJECTIONS[name]
             await conn.execute(table.delete().where(table.c.session_id.in_(ids)))
-            if computed[name]:
-                await conn.execute(table.insert(), computed[name])
+            await bulk_insert(conn, table, computed[name])
         # One executemany per shape of row (open and closed heads differ in keys).
         shapes: dict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
         for head in computed["sessions"]:
