@@ -53,7 +53,7 @@ from app.domain.handoff.consumers import (
 )
 from app.domain.projection.rows import iso_us
 from app.domain.wire import jsonio
-from app.store.engine.db import Database
+from app.store.engine.db import Database, now_us
 from app.store.engine.dialect import feed_fence
 from app.store.engine.schema import (
     consumer_acks,
@@ -68,10 +68,6 @@ from app.store.read.selects import label_filter
 # Closes take this advisory lock shared, defining a group takes it exclusive.
 GROUPS_LOCK_KEY = 0x7475726E6C6F67  # "turnlog"
 POLL_SECONDS = 0.25
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
 
 
 async def _groups_lock(conn: AsyncConnection, shared: bool) -> None:

@@ -25,7 +25,8 @@ so the table stops growing; returning the pages to the operating system
 needs `VACUUM FULL` / pg_repack, which lock the table.
 
 Refuses: deciding which sessions a group acknowledged (the consumer tables
-say), and anything but R3.
+say), writing the log itself (the `r3_pruned` event is appended by
+`app.store.append.writes.append_r3_pruned`), and anything but R3.
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ import sqlalchemy as sa
 
 from app.domain.errors import UnknownConsumer
 from app.domain.handoff.retention import R3Retention
-from app.domain.log.events import R3_PRUNED
-from app.domain.wire import jsonio
-from app.store.append.writes import now_us
+from app.store.append.writes import append_r3_pruned
 from app.store.engine.citus import DETECT
 from app.store.engine.db import Database
-from app.store.engine.schema import consumer_groups, consumer_sessions, events, r3_patches, sessions
+from app.store.engine.schema import consumer_groups, consumer_sessions, r3_patches, sessions
 from app.store.fold.loader import StateCache, session_row
 
 
@@ -123,9 +122,7 @@ class Retention:
                 .where(rp.session_id == session_id))).scalar_one())
             if stored == 0 or dry_run:
                 return stored
-            await conn.execute(events.insert().values(
-                session_id=session_id, type=R3_PRUNED, payload=jsonio.dumps({"bytes": stored}),
-                recorded_us=now_us()))
+            await append_r3_pruned(conn, session_id, stored)
             await conn.execute(sessions.update().where(sessions.c.session_id == session_id)
                                .values(r3_pruned_bytes=stored))
             await conn.execute(r3_patches.update().where(rp.session_id == session_id)
