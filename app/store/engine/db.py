@@ -24,6 +24,7 @@ from app.store.engine.dialect import (
     create_driver_pool,
     create_engines,
     normalize_url,
+    one_trip_appends,
     single_writer,
 )
 
@@ -48,7 +49,7 @@ class Database:
     @property
     def one_trip_appends(self) -> bool:
         """PostgreSQL (and Citus): an append is one call of `turnlog_append`."""
-        return self.dialect == "postgresql"
+        return one_trip_appends(self.url)
 
     async def driver_pool(self) -> asyncpg.Pool:
         """The asyncpg pool of the one-round-trip append, opened on first use."""
