@@ -26,6 +26,7 @@ from app.api.routes import (
     health,
     history,
     hotpath,
+    metrics,
     retention,
     samples,
     sessions,
@@ -84,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(HeaderBounds, max_bytes=settings.max_header_bytes,
                        max_count=settings.max_headers)
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
-    for module in (health, telemetry, sessions, samples, feed, analytics, history, gates,
+    for module in (health, metrics, sessions, samples, feed, analytics, history, gates,
                    docs_ui, consumers, retention):
         app.include_router(module.router)
     # Appends first: the bare hot path answers POST …/turns before FastAPI's route of

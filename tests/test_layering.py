@@ -60,7 +60,7 @@ STORE_FORBIDDEN: dict[str, tuple[str, ...]] = {
     # so `append` may call `handoff`; hand-off never calls the append.
     "append": ("read", "ops", "ci"),
     "handoff": ("append", "ops", "ci"),
-    # Retention still borrows the append's clock (`writes.now_us`); to go with its split.
+    # Retention appends its `r3_pruned` event through the append (`writes.append_r3_pruned`).
     "ops": ("ci",),
     # CI reads the analytics views through `read`, and writes only its own tables.
     "ci": ("fold", "append", "handoff", "ops"),

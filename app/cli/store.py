@@ -3,7 +3,8 @@
 Both read the database directly (checked first: never created, must be
 migrated). Results go to stdout (a table, readable text or `--json`);
 progress to stderr. Refuses: the rebuild and fold themselves (`app.store`,
-`app.domain`).
+`app.domain`) and the rebuild's checkpoint protocol (`app.store.ops.checkpoint`):
+this module asks for them and shows the result.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+from rich.table import Table
 
 from app.cli.browse import print_tree
 from app.cli.common import (
@@ -31,11 +33,13 @@ from app.cli.common import (
     table,
 )
 
+# No SQLAlchemy at import (the CLI starts without it); `_checkpoint_key` as tests know it.
+from app.store.ops.checkpoint import Checkpoint, Resume
+from app.store.ops.checkpoint import checkpoint_key as _checkpoint_key  # noqa: F401
 
-def _checkpoint_key(url: str, session: str | None) -> str:
-    from sqlalchemy.engine import make_url
-
-    return f"{make_url(url).render_as_string(hide_password=True)} session={session}"
+if TYPE_CHECKING:
+    from app.metrics import RebuildProgress
+    from app.store.ops.rebuild import RebuildReport
 
 
 def rebuild(
@@ -61,77 +65,97 @@ def rebuild(
     run again with the same database, comparing against the checksums taken
     when it first started.
     """
+    url = resolve_url(database_url)
+    check_database(url)
+    gauges = _progress_gauges(metrics_port)
+    saved = Checkpoint(checkpoint, url, session)
+    resume = _resume_from(saved, restart)
+    report = asyncio.run(_run_rebuild(url, session, gauges, saved, resume, parallel))
+    saved.remove()
+    if as_json:
+        echo_json(_report_json(report))
+    else:
+        out().print(_report_table(report))
+    _print_problems(report)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _progress_gauges(metrics_port: int | None) -> RebuildProgress:
+    """The progress gauges, served for Prometheus on 127.0.0.1:`metrics_port` if given."""
     from prometheus_client import start_http_server
 
     from app.metrics import RebuildProgress
-    from app.store.engine.db import Database
-    from app.store.ops.rebuild import rebuild as run_rebuild
 
-    url = resolve_url(database_url)
-    check_database(url)
     gauges = RebuildProgress()
     if metrics_port is not None:
         start_http_server(metrics_port, addr="127.0.0.1", registry=gauges.registry)
-    key = _checkpoint_key(url, session)
-    resume: dict[str, Any] = {}
-    if checkpoint.exists() and not restart:
-        saved = json.loads(checkpoint.read_text())
-        if saved.get("key") == key:
-            resume = saved
-            err().print(f"resuming the rebuild after session id {saved['last_id']} "
-                        f"(checkpoint {checkpoint})")
+    return gauges
 
-    def save(last_id: int, before: dict[str, str]) -> None:
-        # Written whole then renamed: an interruption never leaves half a checkpoint.
-        tmp = checkpoint.with_name(checkpoint.name + ".tmp")
-        tmp.write_text(json.dumps({"key": key, "last_id": last_id, "before": before}))
-        tmp.replace(checkpoint)
 
-    async def go() -> Any:
-        db = Database(url, settings_for(url))
-        try:
-            only = None
-            if session is not None:
-                only = await resolve_session(db, session)
-            with Progress("[progress.description]{task.description}", BarColumn(),
-                          MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
-                          transient=True) as bar:
-                task = bar.add_task("rebuilding sessions", total=None)
+def _resume_from(saved: Checkpoint, restart: bool) -> Resume | None:
+    """This run's checkpoint, unless `--restart`; said on stderr when resuming."""
+    resume = None if restart else saved.load()
+    if resume is not None:
+        err().print(f"resuming the rebuild after session id {resume.last_id} "
+                    f"(checkpoint {saved.path})")
+    return resume
 
-                def advance(done: int, total: int) -> None:
-                    bar.update(task, completed=done, total=total)
-                    gauges(done, total)
 
-                return await run_rebuild(db, only, advance,
-                                         start_after=resume.get("last_id"),
-                                         before=resume.get("before"), on_batch=save,
-                                         parallel=parallel)
-        finally:
-            await db.dispose()
+async def _run_rebuild(url: str, session: str | None, gauges: RebuildProgress,
+                       saved: Checkpoint, resume: Resume | None,
+                       parallel: int) -> RebuildReport:
+    """The rebuild, with a progress bar on stderr and a checkpoint after each batch."""
+    from app.store.engine.db import Database
+    from app.store.ops.rebuild import rebuild as run_rebuild
 
-    report = asyncio.run(go())
-    checkpoint.unlink(missing_ok=True)
-    if as_json:
-        echo_json({"sessions": report.sessions, "equal": report.equal,
-                   "changed_during_rebuild": report.changed,
-                   "projections": {name: {"before": before, "after": report.after[name],
-                                          "equal": before == report.after[name]}
-                                   for name, before in report.before.items()}})
-    else:
-        grid = table(f"projections of {report.sessions} session(s)")
-        for column in ("projection", "before", "after", ""):
-            grid.add_column(column, no_wrap=True)
-        for name, before in report.before.items():
-            after = report.after[name]
-            grid.add_row(name, before[:16], after[:16],
-                         "[green]equal[/]" if before == after else "[red]DIFFERENT[/]")
-        out().print(grid)
+    db = Database(url, settings_for(url))
+    try:
+        only = None if session is None else await resolve_session(db, session)
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
+                      transient=True) as bar:
+            task = bar.add_task("rebuilding sessions", total=None)
+
+            def advance(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+                gauges(done, total)
+
+            return await run_rebuild(db, only, advance,
+                                     start_after=None if resume is None else resume.last_id,
+                                     before=None if resume is None else resume.before,
+                                     on_batch=saved.save, parallel=parallel)
+    finally:
+        await db.dispose()
+
+
+def _report_json(report: RebuildReport) -> dict[str, Any]:
+    return {"sessions": report.sessions, "equal": report.equal,
+            "changed_during_rebuild": report.changed,
+            "projections": {name: {"before": before, "after": report.after[name],
+                                   "equal": before == report.after[name]}
+                            for name, before in report.before.items()}}
+
+
+def _report_table(report: RebuildReport) -> Table:
+    grid = table(f"projections of {report.sessions} session(s)")
+    for column in ("projection", "before", "after", ""):
+        grid.add_column(column, no_wrap=True)
+    for name, before in report.before.items():
+        after = report.after[name]
+        grid.add_row(name, before[:16], after[:16],
+                     "[green]equal[/]" if before == after else "[red]DIFFERENT[/]")
+    return grid
+
+
+def _print_problems(report: RebuildReport) -> None:
+    """Orphan rows, changed or differing checksums, unaccounted log rows: on stderr."""
     for name, found in report.orphans.items():
         total = sum(found.values())
         shown = ", ".join(f"{sid} ({n})" for sid, n in list(found.items())[:10])
         more = f" and {len(found) - 10} more" if len(found) > 10 else ""
         err().print(f"[red]{total} {name} row(s) belong to no session[/] "
-                      f"(session row missing): {shown}{more}")
+                    f"(session row missing): {shown}{more}")
     if not report.equal and report.changed:
         err().print(f"[red]the store changed during the rebuild ({report.changed} event(s) "
                     "written by a live server), so its checksums cannot be compared: "
@@ -142,9 +166,7 @@ def rebuild(
         err().print("[red]rebuilt projections differ from the incremental ones[/]")
     if not report.accounted:
         err().print("[red]the log holds rows this rebuild cannot account for; restore the "
-                      "missing sessions rows from a backup[/]")
-    if not report.ok:
-        raise typer.Exit(1)
+                    "missing sessions rows from a backup[/]")
 
 
 def replay(

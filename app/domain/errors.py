@@ -5,7 +5,8 @@ together with the field, expected and actual value, so the API maps them to
 RFC 9457 problem+json in one place (`app/api/problems.py`). Nothing here knows
 about HTTP frameworks. Errors of the transport rather than of a rule (missing
 token, foreign host, headers too large, request timeout, wrong content type,
-database unavailable) live in `app/api/http_errors.py`.
+database unavailable) live in `app/api/http_errors.py`; the recording gateway's
+(upstream unavailable, spool full) in `app/gateway/errors.py`.
 """
 
 from __future__ import annotations
@@ -186,19 +187,3 @@ class R3Pruned(DomainError):
     slug = "r3-pruned"
     status = 410
     title = "R3 was freed by retention"
-
-
-class UpstreamUnavailable(DomainError):
-    """The recording gateway could not reach its upstream, or it did not answer in time."""
-
-    slug = "upstream-unavailable"
-    status = 502
-    title = "Upstream unavailable"
-
-
-class SpoolFull(DomainError):
-    """The recording gateway can neither store a turn nor spool it: it is not answered."""
-
-    slug = "spool-full"
-    status = 503
-    title = "Gateway spool full"

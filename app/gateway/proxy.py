@@ -47,8 +47,9 @@ from app.domain.body.gateway import (
     r3_as_bin,
     turn_body,
 )
-from app.domain.errors import DomainError, InvalidRequest, SpoolFull, UpstreamUnavailable
+from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
+from app.gateway.errors import SpoolFull, UpstreamUnavailable
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from app.gateway.recorder import SPOOL_FULL, Recorder
 from app.gateway.spool import Spool

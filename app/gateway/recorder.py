@@ -36,8 +36,9 @@ from app.domain.body.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLO
 from app.domain.body.session import parse_open
 from app.domain.body.turn import parse_turn
 from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
+from app.gateway.errors import SpoolFull
 from app.gateway.metrics import GatewayMetrics
-from app.gateway.spool import Spool, SpoolFull
+from app.gateway.spool import Spool
 from app.services import Services
 from app.store.read.gateway import open_sessions_opened_by
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from app.domain.body.turn import json_carried
 from app.domain.wire import jsonio
+from app.gateway.errors import SpoolFull
 
 SUFFIX = ".turn"
 LOCK_NAME = ".lock"
@@ -39,10 +40,6 @@ class Spooled:
     open_body: dict[str, Any]  # how to open the session if the store does not know it
     size: int  # bytes on disk
     spooled_at: float  # unix seconds
-
-
-class SpoolFull(Exception):
-    """Adding the turn would take the spool past its byte bound."""
 
 
 class SpoolInUse(Exception):

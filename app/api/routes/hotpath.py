@@ -38,7 +38,7 @@ from app.api.deps import (
     paced,
     turn_decoder,
 )
-from app.api.middleware.telemetry import turn_appended, turn_rejected
+from app.api.routes.append_log import turn_appended, turn_rejected
 from app.domain.errors import DomainError
 from app.domain.wire import jsonio
 from app.services import Services

@@ -21,8 +21,8 @@ from app.api.deps import (
     turn_body,
     wants_msgpack,
 )
-from app.api.middleware.telemetry import turn_appended, turn_rejected
 from app.api.problems import JSONText
+from app.api.routes.append_log import turn_appended, turn_rejected
 from app.api.routes.docs import OPEN_BODY, TURN_BODY
 from app.domain.body.labels import LabelFilters, parse_label_filters
 from app.domain.body.queries import EVENTS_PAGE, SESSIONS_PAGE, parse_status

@@ -37,6 +37,7 @@ from app.domain.errors import (
     SessionOpen,
 )
 from app.domain.log.events import (
+    R3_PRUNED,
     REWARD_RECORDED,
     SESSION_CLOSED,
     SESSION_OPENED,
@@ -99,6 +100,14 @@ def turn_reply(session_id: str, node: Any) -> dict[str, Any]:
 async def _insert_event(conn: AsyncConnection, values: dict[str, Any]) -> int:
     result = await conn.execute(events.insert().values(**values).returning(events.c.position))
     return int(result.scalar_one())
+
+
+async def append_r3_pruned(conn: AsyncConnection, session_id: str, freed_bytes: int) -> None:
+    """The `r3_pruned` event (`{"bytes": n}`), in the caller's transaction: R3 retention
+    (`app.store.ops.retention`) frees the patches, the log is appended here."""
+    await conn.execute(events.insert().values(
+        session_id=session_id, type=R3_PRUNED, payload=jsonio.dumps({"bytes": freed_bytes}),
+        recorded_us=now_us()))
 
 
 T = TypeVar("T")

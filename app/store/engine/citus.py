@@ -1,4 +1,4 @@
-"""The Citus-specific bits of the store: detection and the distribution of the schema.
+"""The Citus-specific bits of the store: the distribution of the schema.
 
 turnlog on Citus (distributed PostgreSQL) shards every session table by
 `session_id`, colocated with `sessions`, so that everything one append
@@ -17,7 +17,8 @@ The immutability triggers of the log tables are created on every shard
 (`citus.enable_unsafe_triggers`: Citus cannot prove a trigger only touches
 its own shard; ours touches nothing, it only refuses).
 
-Refuses: anything about the feed's order (see `app/store/engine/dialect.py`), and
+Refuses: detecting Citus (`app/store/engine/dialect.py` `has_citus`, like every
+backend branch), anything about the feed's order (see `app/store/engine/dialect.py`), and
 multi-session writes (none exist: an event is always inserted by a
 transaction that touches one session, which is what keeps the feed fence
 valid on Citus).
@@ -29,8 +30,6 @@ from collections.abc import Callable, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
-
-DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 
 # Tables distributed by session_id, in an order where a referenced table comes first.
 DISTRIBUTED: tuple[str, ...] = ("sessions", "session_labels", "events", "r3_patches", "nodes",
@@ -52,13 +51,6 @@ WIDENED_KEYS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("events", "pk_events", ("position",)),
 )
 DISTRIBUTION_COLUMN = "session_id"
-
-
-def is_citus(connection: Connection) -> bool:
-    """True when the database has the Citus extension (checked by the migrations)."""
-    if connection.dialect.name != "postgresql":
-        return False
-    return connection.execute(sa.text(DETECT)).first() is not None
 
 
 def _exists(connection: Connection, table: str) -> bool:

@@ -17,7 +17,9 @@ transaction id is below the oldest transaction still running in its snapshot
 (`pg_snapshot_xmin(pg_current_snapshot())`), so an insert that commits after
 a later one was read can never be skipped. SQLite has a single writer and its
 rowid order is commit order, so it needs no fence. Also the append's row
-lock, the upsert and code-point text order.
+lock, the consumer groups' locks (advisory, `SKIP LOCKED`, row locks), the
+upsert, code-point text order, time buckets, Citus detection, R3 retention's
+permission to empty patch data and VACUUM.
 
 The horizon is read by a statement of its own, before the page query, and
 bound as a value. On a single PostgreSQL that changes nothing (a transaction
@@ -44,7 +46,7 @@ import asyncpg
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.elements import ColumnElement
@@ -53,6 +55,7 @@ from app.settings import Settings
 from app.store.engine.schema import events, sessions
 
 PG_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+CITUS_DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 
 
 def _is_postgres(conn: AsyncConnection) -> bool:
@@ -256,6 +259,26 @@ async def _driver_connection(conn: AsyncConnection) -> asyncpg.Connection:
     return raw
 
 
+def lock_rows(query: sa.Select[Any]) -> sa.Select[Any]:
+    """`FOR UPDATE` on PostgreSQL; SQLite's single writer already holds every row
+    (SQLAlchemy renders no lock clause there)."""
+    return query.with_for_update()
+
+
+def skip_locked(query: sa.Select[Any]) -> sa.Select[Any]:
+    """`FOR UPDATE SKIP LOCKED` on PostgreSQL: rows another transaction holds are
+    passed over, not waited for; SQLite has a single writer, so nothing is held."""
+    return query.with_for_update(skip_locked=True)
+
+
+async def advisory_xact_lock(conn: AsyncConnection, key: int, shared: bool) -> None:
+    """A transaction-scoped advisory lock on `key`, shared or exclusive (PostgreSQL);
+    SQLite's single writer serializes the transactions already."""
+    if _is_postgres(conn):
+        fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+        await conn.execute(sa.text(f"SELECT {fn}(:key)"), {"key": key})
+
+
 def upsert(
     conn: AsyncConnection, table: sa.Table, values: Sequence[Mapping[str, Any]],
     index_elements: Sequence[str], update: Sequence[str],
@@ -276,3 +299,53 @@ def code_point_order(conn: AsyncConnection, text: ColumnElement[Any]) -> ColumnE
     PostgreSQL's database collation may be linguistic, so it is pinned to "C".
     """
     return text.collate("C") if _is_postgres(conn) else text
+
+
+def time_bucket(conn: AsyncConnection, seconds_since_epoch: ColumnElement[Any],
+                seconds: int) -> ColumnElement[Any]:
+    """The index of the `seconds`-long bucket a time falls in, as an integer.
+
+    PostgreSQL floors; SQLite's cast truncates, which is the floor for the
+    positive times records carry.
+    """
+    if _is_postgres(conn):
+        return sa.cast(sa.func.floor(seconds_since_epoch / seconds), sa.BigInteger)
+    return sa.cast(seconds_since_epoch / seconds, sa.Integer)
+
+
+# -- Citus and R3 retention ---------------------------------------------------------
+
+def has_citus(connection: Connection) -> bool:
+    """True when the database has the Citus extension (asked by the migrations)."""
+    if connection.dialect.name != "postgresql":
+        return False
+    return connection.execute(sa.text(CITUS_DETECT)).first() is not None
+
+
+async def citus_detected(conn: AsyncConnection) -> bool:
+    """`has_citus` on an async connection (False on SQLite without asking)."""
+    if not _is_postgres(conn):
+        return False
+    return (await conn.execute(sa.text(CITUS_DETECT))).first() is not None
+
+
+async def permit_r3_prune(conn: AsyncConnection, citus: bool) -> None:
+    """Let this transaction empty R3 patch data (the immutability trigger of migration
+    0005): on PostgreSQL the transaction-local setting `turnlog.r3_prune`, set first
+    so that on Citus (`citus`) it is propagated to the worker before the statements
+    there; SQLite's trigger asks for the session's mark instead, set by the caller."""
+    if not _is_postgres(conn):
+        return
+    if citus:
+        await conn.execute(sa.text("SET LOCAL citus.propagate_set_commands = 'local'"))
+    await conn.execute(sa.text("SET LOCAL turnlog.r3_prune = 'on'"))
+
+
+async def vacuum(engine: AsyncEngine, table: str) -> None:
+    """Make the pages of a table's dead tuples reusable now rather than at autovacuum's
+    next pass (PostgreSQL and Citus); SQLite reuses freed pages by itself."""
+    if engine.dialect.name != "postgresql":
+        return
+    async with engine.connect() as conn:
+        auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        await auto.execute(sa.text(f"VACUUM {table}"))

@@ -53,8 +53,8 @@ from app.domain.handoff.consumers import (
 )
 from app.domain.projection.rows import iso_us
 from app.domain.wire import jsonio
-from app.store.engine.db import Database
-from app.store.engine.dialect import feed_fence
+from app.store.engine.db import Database, now_us
+from app.store.engine.dialect import advisory_xact_lock, feed_fence, lock_rows, skip_locked
 from app.store.engine.schema import (
     consumer_acks,
     consumer_claims,
@@ -70,14 +70,8 @@ GROUPS_LOCK_KEY = 0x7475726E6C6F67  # "turnlog"
 POLL_SECONDS = 0.25
 
 
-def now_us() -> int:
-    return time.time_ns() // 1000
-
-
 async def _groups_lock(conn: AsyncConnection, shared: bool) -> None:
-    if conn.dialect.name == "postgresql":
-        fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
-        await conn.execute(sa.text(f"SELECT {fn}(:key)"), {"key": GROUPS_LOCK_KEY})
+    await advisory_xact_lock(conn, GROUPS_LOCK_KEY, shared)
 
 
 async def enqueue_closed(conn: AsyncConnection, session_id: str, labels: Mapping[str, Any],
@@ -369,14 +363,13 @@ class Consumers:
         # and `claim` answers the original; the common path pays no lookup.
         async with self.db.write() as conn:
             now = now_us()
-            candidates = (await conn.execute(
+            candidates = (await conn.execute(skip_locked(
                 sa.select(cs.session_id)
                 .where(cs.group_name == group, cs.acked_us.is_(None))
                 .where(sa.or_(cs.claim_id.is_(None), cs.expires_us <= now))
                 .order_by(cs.closed_us, cs.session_id)
                 .limit(request.limit)
-                .with_for_update(skip_locked=True)
-            )).scalars().all()
+            ))).scalars().all()
             if not candidates and not allow_empty:
                 await self._group_row(conn, group)  # an unknown group is 404 at once
                 raise _NothingYet
@@ -416,11 +409,10 @@ class Consumers:
                              ) -> list[Any]:
         cs = consumer_sessions.c
         # One lock order (session_id) for every writer: concurrent acks never deadlock.
-        return list((await conn.execute(
+        return list((await conn.execute(lock_rows(
             sa.select(consumer_sessions)
             .where(cs.group_name == group, cs.session_id.in_(wanted))
-            .order_by(cs.session_id)
-            .with_for_update())).all())
+            .order_by(cs.session_id)))).all())
 
     async def ack(self, group: str, claim_id: str, raw: Any) -> dict[str, Any]:
         known_group(group)

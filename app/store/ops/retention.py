@@ -25,7 +25,8 @@ so the table stops growing; returning the pages to the operating system
 needs `VACUUM FULL` / pg_repack, which lock the table.
 
 Refuses: deciding which sessions a group acknowledged (the consumer tables
-say), and anything but R3.
+say), writing the log itself (the `r3_pruned` event is appended by
+`app.store.append.writes.append_r3_pruned`), and anything but R3.
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ import sqlalchemy as sa
 
 from app.domain.errors import UnknownConsumer
 from app.domain.handoff.retention import R3Retention
-from app.domain.log.events import R3_PRUNED
-from app.domain.wire import jsonio
-from app.store.append.writes import now_us
-from app.store.engine.citus import DETECT
+from app.store.append.writes import append_r3_pruned
 from app.store.engine.db import Database
-from app.store.engine.schema import consumer_groups, consumer_sessions, events, r3_patches, sessions
+from app.store.engine.dialect import citus_detected, permit_r3_prune, vacuum
+from app.store.engine.schema import consumer_groups, consumer_sessions, r3_patches, sessions
 from app.store.fold.loader import StateCache, session_row
 
 
@@ -88,11 +87,8 @@ class Retention:
 
     async def _is_citus(self) -> bool:
         if self._citus is None:
-            if (self.db.dialect == "sqlite"):
-                self._citus = False
-            else:
-                async with self.db.read() as conn:
-                    self._citus = (await conn.execute(sa.text(DETECT))).first() is not None
+            async with self.db.read() as conn:
+                self._citus = await citus_detected(conn)
         return self._citus
 
     async def prune_session(self, session_id: str, dry_run: bool) -> int | Held:
@@ -100,13 +96,10 @@ class Retention:
         `Held` when a consumer group that matches it has not acknowledged it."""
         rp = r3_patches.c
         cs = consumer_sessions.c
+        citus = not dry_run and await self._is_citus()
         async with self.db.write() as conn:
-            if not dry_run and self.db.dialect != "sqlite":
-                # Set first, so Citus sends it to the worker before the statements there.
-                if await self._is_citus():
-                    await conn.execute(sa.text(
-                        "SET LOCAL citus.propagate_set_commands = 'local'"))
-                await conn.execute(sa.text("SET LOCAL turnlog.r3_prune = 'on'"))
+            if not dry_run:
+                await permit_r3_prune(conn, citus)
             row = await session_row(conn, session_id, lock=True)
             if row["r3_pruned_bytes"] is not None:
                 return 0
@@ -123,9 +116,7 @@ class Retention:
                 .where(rp.session_id == session_id))).scalar_one())
             if stored == 0 or dry_run:
                 return stored
-            await conn.execute(events.insert().values(
-                session_id=session_id, type=R3_PRUNED, payload=jsonio.dumps({"bytes": stored}),
-                recorded_us=now_us()))
+            await append_r3_pruned(conn, session_id, stored)
             await conn.execute(sessions.update().where(sessions.c.session_id == session_id)
                                .values(r3_pruned_bytes=stored))
             await conn.execute(r3_patches.update().where(rp.session_id == session_id)
@@ -152,8 +143,4 @@ class Retention:
     async def vacuum(self) -> None:
         """Make the freed TOAST pages reusable now rather than at autovacuum's next pass
         (PostgreSQL and Citus; SQLite reuses freed pages by itself)."""
-        if (self.db.dialect == "sqlite"):
-            return
-        async with self.db.writer.connect() as conn:
-            auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            await auto.execute(sa.text("VACUUM r3_patches"))
+        await vacuum(self.db.writer, "r3_patches")

@@ -26,7 +26,7 @@ from app.domain.projection.overview import SampleFacts
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import Patch
 from app.store.engine.db import Database
-from app.store.engine.dialect import feed_fence
+from app.store.engine.dialect import feed_fence, time_bucket
 from app.store.engine.schema import events, samples, sessions
 from app.store.fold.loader import StateCache, load_state, session_row
 from app.store.read import cursor
@@ -204,10 +204,7 @@ async def spec_rates_by_bucket(db: Database, filters: LabelFilters,
     seconds since the epoch. For runs too short for hourly points to read."""
     ts = spec_times.c.record_ts
     async with db.read() as conn:
-        if conn.dialect.name == "postgresql":
-            bucket: sa.ColumnElement[Any] = sa.cast(sa.func.floor(ts / seconds), sa.BigInteger)
-        else:  # SQLite's cast truncates: the floor for the positive times records carry
-            bucket = sa.cast(ts / seconds, sa.Integer)
+        bucket = time_bucket(conn, ts, seconds)
         query = (sa.select(
             bucket.label("key"),
             sa.func.count(sa.distinct(spec_times.c.session_id)).label("sessions"),

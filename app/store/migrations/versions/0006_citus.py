@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from alembic import op
 from app.store.engine import citus
+from app.store.engine.dialect import has_citus
 
 revision: str = "0006"
 down_revision: str | None = "0005"
@@ -25,11 +26,11 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     bind = op.get_bind()
-    if citus.is_citus(bind):
+    if has_citus(bind):
         citus.distribute(op.execute, bind)
 
 
 def downgrade() -> None:
     bind = op.get_bind()
-    if citus.is_citus(bind):
+    if has_citus(bind):
         citus.undistribute(op.execute, bind)

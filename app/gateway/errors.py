@@ -1,0 +1,29 @@
+"""Errors of the recording gateway's transport, not of any rule of the data.
+
+Owns the two conditions only the gateway meets: its upstream did not answer
+(502 `upstream-unavailable`) and a turn can be neither stored nor spooled
+(503 `spool-full`; the spool raises it when a turn would take it past its byte
+bound, the proxy answers it). They subclass `DomainError` only to carry the
+same problem+json shape (`DomainError.problem`), which `proxy._problem` sends.
+Refuses every rule of the data: those errors are `app/domain/errors.py`'s.
+"""
+
+from __future__ import annotations
+
+from app.domain.errors import DomainError
+
+
+class UpstreamUnavailable(DomainError):
+    """The recording gateway could not reach its upstream, or it did not answer in time."""
+
+    slug = "upstream-unavailable"
+    status = 502
+    title = "Upstream unavailable"
+
+
+class SpoolFull(DomainError):
+    """The recording gateway can neither store a turn nor spool it: it is not answered."""
+
+    slug = "spool-full"
+    status = 503
+    title = "Gateway spool full"
