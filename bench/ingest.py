@@ -150,9 +150,10 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
 
 async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int,
                         wire: str = "json", py_spy: str | None = None,
-                        root: Path | None = None) -> tuple[float, float]:
+                        root: Path | None = None,
+                        settings: dict[str, str] | None = None) -> tuple[float, float]:
     """(wall seconds, server CPU seconds) of appending every turn of `plans`."""
-    proc, base = await start_server(url, workers, root)
+    proc, base = await start_server(url, workers, root, settings)
     spy = None
     if py_spy:
         # Sample the server (and its worker processes) for the whole phase.
@@ -337,36 +338,61 @@ async def big_turn_memory(url: str, megabytes: float) -> list[tuple[str, int, in
     return out
 
 
+async def commits(server: Any, url: str) -> int:
+    """Transactions committed in the database of `url` so far (pg_stat_database)."""
+    conn = await asyncpg.connect(pg_dsn(server.url))
+    try:
+        return int(await conn.fetchval(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = $1",
+            url.rsplit("/", 1)[1]))
+    finally:
+        await conn.close()
+
+
 async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Namespace,
                         counts: list[int]) -> None:
-    """turns/s of MessagePack turnlog (1 worker) and of the floor at each client count."""
+    """turns/s of MessagePack turnlog (1 worker) and of the floor at each client count;
+    with `--group-commit`, turnlog once per group-commit window, and the database's
+    commits per turn (the opens' and the appends' transactions)."""
     from app.store.engine import migrate
 
+    windows: list[int | None] = ([int(w) for w in args.group_commit.split(",")]
+                                 if args.group_commit else [None])
     most = max(max(counts), args.sessions)
     print(f"\nclients curve: generating {most} sessions x {args.curve_turns} turns ...",
           flush=True)
     pool = [make_session(rng, args.curve_turns, args.new_tokens) for _ in range(most)]
-    print(f"{'clients':>7s} {'turnlog/s':>10s} {'floor/s':>9s} {'x floor':>8s} "
-          f"{'server CPU ms/turn':>19s}")
+    kinds = ["turnlog" if w is None else f"gc={w}us" for w in windows]
+    print(f"{'clients':>7s} " + " ".join(f"{k + '/s':>12s} {'x floor':>7s} {'CPU ms':>7s} "
+                                         f"{'commits/turn':>12s}" for k in kinds)
+          + f" {'floor/s':>9s}")
     for clients in counts:
         plans = pool[:max(clients, args.sessions)]
         turns = sum(len(p.turns) for p in plans)
         best: dict[str, float] = {}
-        cpu_best = float("inf")
+        cpu_best: dict[str, float] = {}
+        commit_rate: dict[str, float] = {}
         for _ in range(args.rounds):
-            for kind in ("turnlog", "floor"):
+            for kind, window in [*zip(kinds, windows, strict=True), ("floor", None)]:
                 url = create_database(server, f"bench_curve_{uuid.uuid4().hex[:6]}")
-                if kind == "turnlog":
+                if kind != "floor":
                     await migrate.upgrade_async(url)
-                    elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1, "msgpack")
-                    cpu_best = min(cpu_best, cpu_s)
+                    settings = (None if window is None
+                                else {"TURNLOG_GROUP_COMMIT_WINDOW_US": str(window)})
+                    before = await commits(server, url)
+                    elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1, "msgpack",
+                                                         settings=settings)
+                    await asyncio.sleep(0.5)  # the server's backends report as they exit
+                    commit_rate[kind] = (await commits(server, url) - before) / turns
+                    cpu_best[kind] = min(cpu_best.get(kind, cpu_s), cpu_s)
                 else:
                     elapsed = await bench_floor(url, plans, clients)
                 drop_database(server, url.rsplit("/", 1)[1])
                 best[kind] = min(best.get(kind, elapsed), elapsed)
-        print(f"{clients:7d} {turns / best['turnlog']:10.1f} {turns / best['floor']:9.1f} "
-              f"{best['floor'] / best['turnlog']:8.2f} {cpu_best / turns * 1e3:19.2f}",
-              flush=True)
+        print(f"{clients:7d} " + " ".join(
+            f"{turns / best[k]:12.1f} {best['floor'] / best[k]:7.2f} "
+            f"{cpu_best[k] / turns * 1e3:7.2f} {commit_rate[k]:12.2f}" for k in kinds)
+            + f" {turns / best['floor']:9.1f}", flush=True)
 
 
 async def main() -> None:
@@ -393,6 +419,10 @@ async def main() -> None:
                              "these client counts, e.g. 1,4,16,64 (one session per client, at "
                              "least --sessions; --curve-turns turns each)")
     parser.add_argument("--curve-turns", type=int, default=4)
+    parser.add_argument("--group-commit", metavar="WINDOWS_US",
+                        help="run the curve's turnlog once per TURNLOG_GROUP_COMMIT_WINDOW_US "
+                             "value, e.g. 0,1000 (0 = one transaction per append; default: "
+                             "the server's setting)")
     parser.add_argument("--baseline", metavar="DIR", type=Path,
                         help="also run the turnlog phases (1 worker) with the checkout in DIR "
                              "(its own .venv), e.g. the code before a change: phases "

@@ -49,8 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
+import structlog
 
 from app.store.append import fastpath
+
+log = structlog.get_logger("turnlog.store")
 
 TRY_APPEND = "SELECT turnlog_try_append(" + ", ".join(f"${i}" for i in range(1, 39)) + ")"
 
@@ -176,6 +179,7 @@ class GroupCommit:
             self.stats.groups += 1
             self.stats.grouped += len(members)
             self.stats.largest = max(self.stats.largest, len(members))
+            log.debug("group committed", appends=len(members))
             for member, position in zip(members, positions, strict=True):
                 _answer(member, position)
         except BaseException:
