@@ -6,6 +6,7 @@ Run by hand (not in CI):
     .venv/bin/python -m bench.ingest [--postgres-url postgresql://...] [--sessions 8]
                                      [--workers 1,2] [--big-turn-mb 100]
                                      [--curve 1,4,16,64 --curve-turns 4]
+                                     [--group-commit 0,1000]
 
 Addition-mode (in_place) sessions with Qwen3-30B-A3B geometry (48 layers,
 top-8, 128 experts), 10 turns per session, ~2k new tokens per turn, appended
@@ -60,9 +61,12 @@ from bench.common import (
     stop_server,
 )
 from tests.pg import create_database, drop_database
+from tests.pg.cluster import start_cluster
+from tests.pg.common import PostgresServer
 from turnlog_client.async_client import _encode_turn
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
+DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")
 
 
@@ -338,13 +342,23 @@ async def big_turn_memory(url: str, megabytes: float) -> list[tuple[str, int, in
     return out
 
 
-async def commits(server: Any, url: str) -> int:
-    """Transactions committed in the database of `url` so far (pg_stat_database)."""
+async def wal_syncs(server: Any) -> int:
+    """WAL fsyncs of the whole (benchmark's own) cluster so far (pg_stat_wal)."""
     conn = await asyncpg.connect(pg_dsn(server.url))
     try:
-        return int(await conn.fetchval(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = $1",
-            url.rsplit("/", 1)[1]))
+        return int(await conn.fetchval("SELECT wal_sync FROM pg_stat_wal"))
+    finally:
+        await conn.close()
+
+
+async def transactions_per_turn(url: str) -> float:
+    """Write transactions per stored turn: distinct transaction ids of the turn events
+    (1.0 = one transaction per append; below 1 = appends shared commits)."""
+    conn = await asyncpg.connect(pg_dsn(url))
+    try:
+        return float(await conn.fetchval(
+            "SELECT count(DISTINCT xid)::float8 / count(*) FROM events "
+            "WHERE type = 'turn_recorded'"))
     finally:
         await conn.close()
 
@@ -352,8 +366,8 @@ async def commits(server: Any, url: str) -> int:
 async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Namespace,
                         counts: list[int]) -> None:
     """turns/s of MessagePack turnlog (1 worker) and of the floor at each client count;
-    with `--group-commit`, turnlog once per group-commit window, and the database's
-    commits per turn (the opens' and the appends' transactions)."""
+    with `--group-commit`, turnlog once per group-commit window, with the write
+    transactions and the WAL fsyncs per turn."""
     from app.store.engine import migrate
 
     windows: list[int | None] = ([int(w) for w in args.group_commit.split(",")]
@@ -364,14 +378,16 @@ async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Na
     pool = [make_session(rng, args.curve_turns, args.new_tokens) for _ in range(most)]
     kinds = ["turnlog" if w is None else f"gc={w}us" for w in windows]
     print(f"{'clients':>7s} " + " ".join(f"{k + '/s':>12s} {'x floor':>7s} {'CPU ms':>7s} "
-                                         f"{'commits/turn':>12s}" for k in kinds)
+                                         f"{'xacts/turn':>10s} {'fsyncs/turn':>11s}"
+                                         for k in kinds)
           + f" {'floor/s':>9s}")
     for clients in counts:
         plans = pool[:max(clients, args.sessions)]
         turns = sum(len(p.turns) for p in plans)
         best: dict[str, float] = {}
         cpu_best: dict[str, float] = {}
-        commit_rate: dict[str, float] = {}
+        fsyncs: dict[str, float] = {}
+        xacts: dict[str, float] = {}
         for _ in range(args.rounds):
             for kind, window in [*zip(kinds, windows, strict=True), ("floor", None)]:
                 url = create_database(server, f"bench_curve_{uuid.uuid4().hex[:6]}")
@@ -379,11 +395,12 @@ async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Na
                     await migrate.upgrade_async(url)
                     settings = (None if window is None
                                 else {"TURNLOG_GROUP_COMMIT_WINDOW_US": str(window)})
-                    before = await commits(server, url)
+                    before = await wal_syncs(server)
                     elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1, "msgpack",
                                                          settings=settings)
                     await asyncio.sleep(0.5)  # the server's backends report as they exit
-                    commit_rate[kind] = (await commits(server, url) - before) / turns
+                    fsyncs[kind] = (await wal_syncs(server) - before) / turns
+                    xacts[kind] = await transactions_per_turn(url)
                     cpu_best[kind] = min(cpu_best.get(kind, cpu_s), cpu_s)
                 else:
                     elapsed = await bench_floor(url, plans, clients)
@@ -391,7 +408,8 @@ async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Na
                 best[kind] = min(best.get(kind, elapsed), elapsed)
         print(f"{clients:7d} " + " ".join(
             f"{turns / best[k]:12.1f} {best['floor'] / best[k]:7.2f} "
-            f"{cpu_best[k] / turns * 1e3:7.2f} {commit_rate[k]:12.2f}" for k in kinds)
+            f"{cpu_best[k] / turns * 1e3:7.2f} {xacts[k]:10.2f} {fsyncs[k]:11.2f}"
+            for k in kinds)
             + f" {turns / best['floor']:9.1f}", flush=True)
 
 
@@ -435,14 +453,17 @@ async def main() -> None:
     worker_counts = [int(w) for w in args.workers.split(",")]
     wires = args.wires.split(",")
 
-    server = postgres(args.postgres_url)
     if not args.postgres_url and not args.fast_unsafe:
-        # The test cluster runs with fsync off; measure with production durability.
-        conn = await asyncpg.connect(pg_dsn(server.url))
-        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
-            await conn.execute(f"ALTER SYSTEM SET {setting} = on")
-        await conn.execute("SELECT pg_reload_conf()")
-        await conn.close()
+        # The test cluster runs with fsync off; measure with production durability. Given
+        # on its command line: `ALTER SYSTEM` cannot override the test cluster's `-c`
+        # options (they rank above postgresql.auto.conf), so it left fsync off.
+        server = PostgresServer(url=start_cluster(DURABLE).url(), source="binaries")
+    else:
+        server = postgres(args.postgres_url)
+    conn = await asyncpg.connect(pg_dsn(server.url))
+    durability = {name: await conn.fetchval(f"SHOW {name}") for name in DURABLE}
+    await conn.close()
+    print(f"PostgreSQL: {', '.join(f'{k}={v}' for k, v in durability.items())}", flush=True)
     rng = np.random.default_rng(7)
     print(f"generating {args.sessions} sessions x {args.turns} turns ...", flush=True)
     plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]
