@@ -238,8 +238,8 @@ async def test_a_killed_connection_answers_every_member_an_error_and_stores_none
 
 
 async def test_two_appends_of_a_session_never_share_a_group(client, pool, plain_postgres):
-    """The second call of a session closes the open group: it runs after the first
-    in a transaction of its own, finds the count moved and writes nothing."""
+    """The second call of a session closes the open group and opens the next: the two
+    never share a transaction, and only one of them writes."""
     blocked, sid, other = [f"gs-{i}-{uuid.uuid4().hex}" for i in range(3)]
     await opened(client, blocked, sid, other)
     group = GroupCommit(pool, window_s=5.0, max_appends=8, max_bytes=1 << 30)
@@ -254,7 +254,11 @@ async def test_two_appends_of_a_session_never_share_a_group(client, pool, plain_
     finally:
         await blocker.release()
     await first
-    assert isinstance(answers[0], int) and isinstance(answers[1], int) and answers[2] is None
+    # The two calls of `sid` were sent together (attached against the same count), so
+    # either may take the row lock first, as two single calls would: one writes, the
+    # other finds the count moved and writes nothing (the general path would decide it).
+    assert isinstance(answers[1], int)
+    assert sorted([answers[0] is None, answers[2] is None]) == [False, True], answers
     assert group.stats.groups == 1 and group.stats.largest == 2  # {sid, other}, then {sid}
     assert await turn_counts(pool, [sid, other]) == {sid: 2, other: 2}
 

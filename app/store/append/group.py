@@ -17,11 +17,14 @@ Why the guarantees of the single call still hold:
 
 - a group holds at most one call per session: a call whose session is
   already in the open group closes that group (it is committed now) and opens
-  the next one, so two appends of a session are never in one transaction,
-  and the later one runs after the earlier's group took the row lock. Each
-  call still checks the session's turn count under the row lock, so an
-  append attached against a count another append has since moved writes
-  nothing and answers None (general path), exactly as alone;
+  the next one, so two appends of a session are never in one transaction.
+  Two calls of one session are pending together only when they were sent
+  without waiting for each other's reply (a client that waits sends the next
+  turn after the previous one's commit); like two single calls they are then
+  unordered, and each checks the session's turn count under the row lock: the
+  one attached against a count the other has moved writes nothing and
+  answers None (general path, which attaches it after the other), exactly as
+  alone;
 - `turnlog_try_append` (migration 0009) catches any error of its own call in
   a subtransaction and answers NULL, having written nothing: a failing member
   falls back alone to the general path, the others are untouched;
