@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     # `upload_grace_s + n / min_upload_rate` seconds after its first read, or 408.
     min_upload_rate: int = Field(default=64 * 1024, ge=0)  # bytes/s; 0 = no minimum
     upload_grace_s: float = Field(default=10.0, gt=0)
+    # PostgreSQL group commit (docs/ingest.md): appends of different sessions arriving
+    # while a commit is in flight share the next one, collected for at most this many
+    # microseconds (0 = off: one transaction per append), appends and argument bytes.
+    group_commit_window_us: int = Field(default=1000, ge=0, le=100_000)
+    group_commit_max_appends: int = Field(default=32, ge=1)
+    group_commit_max_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
     # Without tokens only loopback Host names are served; more names, comma-separated.
     allowed_hosts: str = ""
     # A local tokenizer.json: the UI shows token text beside the ids (needs the optional

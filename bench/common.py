@@ -37,15 +37,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def start_server(url: str, workers: int = 1,
-                       root: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+async def start_server(url: str, workers: int = 1, root: Path | None = None,
+                       settings: dict[str, str] | None = None,
+                       ) -> tuple[subprocess.Popen[bytes], str]:
     """`turnlog serve` on a free loopback port; returns once `/readyz` answers 200.
 
     `root`: another checkout of turnlog (with its own `.venv`) to run instead of
     this one, e.g. the code before a change, for a comparison within one run.
+    `settings`: `TURNLOG_*` variables for this server only.
     """
     port = free_port()
     python, env = sys.executable, dict(os.environ, TURNLOG_DATABASE_URL=url)
+    env.update(settings or {})
     if root is not None:
         python = str(root / ".venv" / "bin" / "python")
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # leave the other checkout as it is

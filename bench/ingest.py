@@ -6,6 +6,7 @@ Run by hand (not in CI):
     .venv/bin/python -m bench.ingest [--postgres-url postgresql://...] [--sessions 8]
                                      [--workers 1,2] [--big-turn-mb 100]
                                      [--curve 1,4,16,64 --curve-turns 4]
+                                     [--group-commit 0,1000]
     .venv/bin/python -m bench.ingest --sqlite [--baseline DIR] [--new-tokens 50]
 
 Addition-mode (in_place) sessions with Qwen3-30B-A3B geometry (48 layers,
@@ -61,9 +62,12 @@ from bench.common import (
     stop_server,
 )
 from tests.pg import create_database, drop_database
+from tests.pg.cluster import start_cluster
+from tests.pg.common import PostgresServer
 from turnlog_client.async_client import _encode_turn
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
+DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")
 
 
@@ -151,9 +155,10 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
 
 async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int,
                         wire: str = "json", py_spy: str | None = None,
-                        root: Path | None = None) -> tuple[float, float]:
+                        root: Path | None = None,
+                        settings: dict[str, str] | None = None) -> tuple[float, float]:
     """(wall seconds, server CPU seconds) of appending every turn of `plans`."""
-    proc, base = await start_server(url, workers, root)
+    proc, base = await start_server(url, workers, root, settings)
     spy = None
     if py_spy:
         # Sample the server (and its worker processes) for the whole phase.
@@ -338,36 +343,75 @@ async def big_turn_memory(url: str, megabytes: float) -> list[tuple[str, int, in
     return out
 
 
+async def wal_syncs(server: Any) -> int:
+    """WAL fsyncs of the whole (benchmark's own) cluster so far (pg_stat_wal)."""
+    conn = await asyncpg.connect(pg_dsn(server.url))
+    try:
+        return int(await conn.fetchval("SELECT wal_sync FROM pg_stat_wal"))
+    finally:
+        await conn.close()
+
+
+async def transactions_per_turn(url: str) -> float:
+    """Write transactions per stored turn: distinct transaction ids of the turn events
+    (1.0 = one transaction per append; below 1 = appends shared commits)."""
+    conn = await asyncpg.connect(pg_dsn(url))
+    try:
+        return float(await conn.fetchval(
+            "SELECT count(DISTINCT xid)::float8 / count(*) FROM events "
+            "WHERE type = 'turn_recorded'"))
+    finally:
+        await conn.close()
+
+
 async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Namespace,
                         counts: list[int]) -> None:
-    """turns/s of MessagePack turnlog (1 worker) and of the floor at each client count."""
+    """turns/s of MessagePack turnlog (1 worker) and of the floor at each client count;
+    with `--group-commit`, turnlog once per group-commit window, with the write
+    transactions and the WAL fsyncs per turn."""
     from app.store.engine import migrate
 
+    windows: list[int | None] = ([int(w) for w in args.group_commit.split(",")]
+                                 if args.group_commit else [None])
     most = max(max(counts), args.sessions)
     print(f"\nclients curve: generating {most} sessions x {args.curve_turns} turns ...",
           flush=True)
     pool = [make_session(rng, args.curve_turns, args.new_tokens) for _ in range(most)]
-    print(f"{'clients':>7s} {'turnlog/s':>10s} {'floor/s':>9s} {'x floor':>8s} "
-          f"{'server CPU ms/turn':>19s}")
+    kinds = ["turnlog" if w is None else f"gc={w}us" for w in windows]
+    print(f"{'clients':>7s} " + " ".join(f"{k + '/s':>12s} {'x floor':>7s} {'CPU ms':>7s} "
+                                         f"{'xacts/turn':>10s} {'fsyncs/turn':>11s}"
+                                         for k in kinds)
+          + f" {'floor/s':>9s}")
     for clients in counts:
         plans = pool[:max(clients, args.sessions)]
         turns = sum(len(p.turns) for p in plans)
         best: dict[str, float] = {}
-        cpu_best = float("inf")
+        cpu_best: dict[str, float] = {}
+        fsyncs: dict[str, float] = {}
+        xacts: dict[str, float] = {}
         for _ in range(args.rounds):
-            for kind in ("turnlog", "floor"):
+            for kind, window in [*zip(kinds, windows, strict=True), ("floor", None)]:
                 url = create_database(server, f"bench_curve_{uuid.uuid4().hex[:6]}")
-                if kind == "turnlog":
+                if kind != "floor":
                     await migrate.upgrade_async(url)
-                    elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1, "msgpack")
-                    cpu_best = min(cpu_best, cpu_s)
+                    settings = (None if window is None
+                                else {"TURNLOG_GROUP_COMMIT_WINDOW_US": str(window)})
+                    before = await wal_syncs(server)
+                    elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1, "msgpack",
+                                                         settings=settings)
+                    await asyncio.sleep(0.5)  # the server's backends report as they exit
+                    fsyncs[kind] = (await wal_syncs(server) - before) / turns
+                    xacts[kind] = await transactions_per_turn(url)
+                    cpu_best[kind] = min(cpu_best.get(kind, cpu_s), cpu_s)
                 else:
                     elapsed = await bench_floor(url, plans, clients)
                 drop_database(server, url.rsplit("/", 1)[1])
                 best[kind] = min(best.get(kind, elapsed), elapsed)
-        print(f"{clients:7d} {turns / best['turnlog']:10.1f} {turns / best['floor']:9.1f} "
-              f"{best['floor'] / best['turnlog']:8.2f} {cpu_best / turns * 1e3:19.2f}",
-              flush=True)
+        print(f"{clients:7d} " + " ".join(
+            f"{turns / best[k]:12.1f} {best['floor'] / best[k]:7.2f} "
+            f"{cpu_best[k] / turns * 1e3:7.2f} {xacts[k]:10.2f} {fsyncs[k]:11.2f}"
+            for k in kinds)
+            + f" {turns / best['floor']:9.1f}", flush=True)
 
 
 async def sqlite_phases(args: argparse.Namespace, wires: list[str]) -> None:
@@ -428,6 +472,10 @@ async def main() -> None:
                              "these client counts, e.g. 1,4,16,64 (one session per client, at "
                              "least --sessions; --curve-turns turns each)")
     parser.add_argument("--curve-turns", type=int, default=4)
+    parser.add_argument("--group-commit", metavar="WINDOWS_US",
+                        help="run the curve's turnlog once per TURNLOG_GROUP_COMMIT_WINDOW_US "
+                             "value, e.g. 0,1000 (0 = one transaction per append; default: "
+                             "the server's setting)")
     parser.add_argument("--baseline", metavar="DIR", type=Path,
                         help="also run the turnlog phases (1 worker) with the checkout in DIR "
                              "(its own .venv), e.g. the code before a change: phases "
@@ -446,14 +494,17 @@ async def main() -> None:
         await sqlite_phases(args, wires)
         return
 
-    server = postgres(args.postgres_url)
     if not args.postgres_url and not args.fast_unsafe:
-        # The test cluster runs with fsync off; measure with production durability.
-        conn = await asyncpg.connect(pg_dsn(server.url))
-        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
-            await conn.execute(f"ALTER SYSTEM SET {setting} = on")
-        await conn.execute("SELECT pg_reload_conf()")
-        await conn.close()
+        # The test cluster runs with fsync off; measure with production durability. Given
+        # on its command line: `ALTER SYSTEM` cannot override the test cluster's `-c`
+        # options (they rank above postgresql.auto.conf), so it left fsync off.
+        server = PostgresServer(url=start_cluster(DURABLE).url(), source="binaries")
+    else:
+        server = postgres(args.postgres_url)
+    conn = await asyncpg.connect(pg_dsn(server.url))
+    durability = {name: await conn.fetchval(f"SHOW {name}") for name in DURABLE}
+    await conn.close()
+    print(f"PostgreSQL: {', '.join(f'{k}={v}' for k, v in durability.items())}", flush=True)
     rng = np.random.default_rng(7)
     print(f"generating {args.sessions} sessions x {args.turns} turns ...", flush=True)
     plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]

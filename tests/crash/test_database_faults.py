@@ -91,6 +91,15 @@ async def test_a_stopped_postgres_is_503_with_retry_after_and_no_tracebacks():
                 assert r.headers["content-type"] == "application/problem+json"
                 assert r.json()["type"] == "urn:turnlog:unavailable", r.text
                 assert int(r.headers["retry-after"]) >= 1
+            # Concurrent appends of several sessions (group commit is on by default):
+            # each is the 503 a single append gets, none is told "stored".
+            burst = await asyncio.gather(*(
+                http.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 77, i], [7]))
+                for i in range(8)))
+            for r in burst:
+                statuses[r.status_code] += 1
+                assert r.status_code == 503, r.text
+                assert r.json()["type"] == "urn:turnlog:unavailable", r.text
             ready = await http.get("/readyz")
         assert ready.status_code == 503 and ready.json()["type"] == "urn:turnlog:not-ready"
         assert "127.0.0.1" not in ready.text and str(cluster.port) not in ready.text

@@ -9,7 +9,12 @@ SQLAlchemy statement building. It answers the event's position, or None when
 the session moved on (another worker appended, or it was closed): nothing was
 written and the caller takes the general path, which folds under the lock.
 
-Owns: binding the rows the domain computed to the function's arguments.
+With group commit on (`group.py`) the call is handed to a `Grouped` instead of
+a pool: it then shares one transaction, and one durable commit, with the
+concurrent calls of other sessions, and answers the same way.
+
+Owns: binding the rows the domain computed to the function's arguments, and
+the single call.
 Refuses: deciding anything (validation, attachment and idempotency are the
 domain's and `writes.py`'s), and SQLite (no functions; see `writes.py`).
 """
@@ -17,7 +22,7 @@ domain's and `writes.py`'s), and SQLite (no functions; see `writes.py`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -51,7 +56,20 @@ def append_args(
     )
 
 
-async def append(pool: asyncpg.Pool, args: tuple[Any, ...]) -> int | None:
+class Grouped(Protocol):
+    """Where a call shares its commit with others (`group.GroupCommit`)."""
+
+    async def append(self, args: tuple[Any, ...]) -> int | None: ...
+
+
+async def append(via: asyncpg.Pool | Grouped, args: tuple[Any, ...]) -> int | None:
+    """The position, or None (moved on): alone on a pool, or in a group commit."""
+    if isinstance(via, asyncpg.Pool):
+        return await call(via, args)
+    return await via.append(args)
+
+
+async def call(pool: asyncpg.Pool, args: tuple[Any, ...]) -> int | None:
     """Call `turnlog_append` in its own transaction: the position, or None (moved on)."""
     async with pool.acquire() as conn:
         position = await conn.fetchval(APPEND, *args)

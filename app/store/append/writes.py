@@ -12,16 +12,20 @@ An append whose session state is cached takes one round trip instead
 cached state, then one call that locks, checks the state is still the
 session's, writes and commits; if the check fails nothing is written and the
 general path runs.
+On plain PostgreSQL (not Citus) concurrent calls of different sessions share
+one commit (`group.py`, `TURNLOG_GROUP_COMMIT_*`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio.to_thread
+import asyncpg
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -58,7 +62,9 @@ from app.domain.projection.rows import (
 from app.domain.projection.samples import build_samples
 from app.domain.wire import jsonio
 from app.store.append import fastpath, sqlite_path
+from app.store.append.group import GroupCommit
 from app.store.engine.db import Database, now_us
+from app.store.engine.dialect import CITUS_DETECT
 from app.store.engine.schema import (
     events,
     nodes,
@@ -125,6 +131,31 @@ class Writer:
         self.db = db
         self.cache = cache
         self.max_nodes = max_nodes
+        # Where the one-round-trip call goes: the pool it was decided for, and the
+        # pool itself (one transaction per append) or the group commit on it.
+        self._via: tuple[asyncpg.Pool, asyncpg.Pool | GroupCommit] | None = None
+        self._via_lock = asyncio.Lock()
+
+    async def one_trip_via(self) -> asyncpg.Pool | GroupCommit:
+        """The driver pool, or a group commit on it: on plain PostgreSQL with
+        `group_commit_window_us` > 0. Never on Citus, where a group of sessions on
+        several workers would be a two-phase commit (docs/ingest.md)."""
+        pool = await self.db.driver_pool()
+        if self._via is not None and self._via[0] is pool:
+            return self._via[1]
+        async with self._via_lock:
+            if self._via is None or self._via[0] is not pool:
+                settings = self.db.settings
+                via: asyncpg.Pool | GroupCommit = pool
+                if settings.group_commit_window_us > 0:
+                    async with pool.acquire() as conn:
+                        citus = await conn.fetchval(CITUS_DETECT) is not None
+                    if not citus:
+                        via = GroupCommit(pool, settings.group_commit_window_us / 1e6,
+                                          settings.group_commit_max_appends,
+                                          settings.group_commit_max_bytes)
+                self._via = (pool, via)
+            return self._via[1]
 
     async def open_session(self, raw: Any) -> tuple[SessionDefinition, bool]:
         definition = parse_open(raw)
@@ -227,7 +258,7 @@ class Writer:
         else:
             args = fastpath.append_args(session_id, num_nodes, attachment.seq, body.event_id,
                                         stored, recorded, nrow, session_head(state, node))
-            position = await fastpath.append(await self.db.driver_pool(), args)
+            position = await fastpath.append(await self.one_trip_via(), args)
         if position is None:
             return None
         nrow["position"] = position
