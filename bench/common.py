@@ -17,13 +17,36 @@ sys.path.insert(0, str(ROOT))
 
 from tests.pg import PostgresServer, start_postgres  # noqa: E402
 
+# Production durability for a benchmark's own cluster. Given on the cluster's command
+# line: `ALTER SYSTEM` cannot override the test clusters' `-c fsync=off` (command-line
+# options rank above postgresql.auto.conf), so a cluster started for the tests stays
+# fsync off whatever is set afterwards.
+DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
-def postgres(url: str | None) -> PostgresServer:
-    """The server at `url`, else a throwaway cluster from the installed binaries."""
+
+def postgres(url: str | None, durable: bool = False) -> PostgresServer:
+    """The server at `url`, else a throwaway cluster from the installed binaries
+    (`durable`: started with fsync, synchronous commit and full-page writes on)."""
     if url:
         return PostgresServer(url=str(make_url(url).set(drivername="postgresql+asyncpg")),
                               source="env")
+    if durable:
+        from tests.pg.cluster import start_cluster
+
+        return PostgresServer(url=start_cluster(DURABLE).url(), source="binaries")
     return start_postgres()
+
+
+async def show_durability(url: str) -> str:
+    """`fsync=on, synchronous_commit=on, ...` as the server reports them (printed by
+    every benchmark, so a figure says what it was measured with)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_dsn(url))
+    try:
+        return ", ".join([f"{name}={await conn.fetchval(f'SHOW {name}')}" for name in DURABLE])
+    finally:
+        await conn.close()
 
 
 def pg_dsn(url: str) -> str:

@@ -44,10 +44,9 @@ import time
 import uuid
 from pathlib import Path
 
-import asyncpg
 import httpx
 
-from bench.common import ROOT, free_port, pg_dsn, postgres
+from bench.common import ROOT, free_port, postgres, show_durability
 from tests.pg import create_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -312,14 +311,8 @@ async def main() -> None:
     if not TURNLOG.exists():
         raise SystemExit(f"no turnlog console script at {TURNLOG} (run `make install`)")
 
-    server = postgres(args.postgres_url)
-    if not args.postgres_url:
-        # The test cluster runs with fsync off; measure with production durability.
-        conn = await asyncpg.connect(pg_dsn(server.url))
-        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
-            await conn.execute(f"ALTER SYSTEM SET {setting} = on")
-        await conn.execute("SELECT pg_reload_conf()")
-        await conn.close()
+    server = postgres(args.postgres_url, durable=True)
+    print(f"PostgreSQL: {await show_durability(server.url)}", flush=True)
     from app.store.engine import migrate
 
     url = create_database(server, f"bench_gateway_{uuid.uuid4().hex[:6]}")

@@ -58,16 +58,14 @@ from bench.common import (
     free_port,
     pg_dsn,
     postgres,
+    show_durability,
     start_server,
     stop_server,
 )
 from tests.pg import create_database, drop_database
-from tests.pg.cluster import start_cluster
-from tests.pg.common import PostgresServer
 from turnlog_client.async_client import _encode_turn
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
-DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels", "samples")
 
 
@@ -494,17 +492,8 @@ async def main() -> None:
         await sqlite_phases(args, wires)
         return
 
-    if not args.postgres_url and not args.fast_unsafe:
-        # The test cluster runs with fsync off; measure with production durability. Given
-        # on its command line: `ALTER SYSTEM` cannot override the test cluster's `-c`
-        # options (they rank above postgresql.auto.conf), so it left fsync off.
-        server = PostgresServer(url=start_cluster(DURABLE).url(), source="binaries")
-    else:
-        server = postgres(args.postgres_url)
-    conn = await asyncpg.connect(pg_dsn(server.url))
-    durability = {name: await conn.fetchval(f"SHOW {name}") for name in DURABLE}
-    await conn.close()
-    print(f"PostgreSQL: {', '.join(f'{k}={v}' for k, v in durability.items())}", flush=True)
+    server = postgres(args.postgres_url, durable=not args.fast_unsafe)
+    print(f"PostgreSQL: {await show_durability(server.url)}", flush=True)
     rng = np.random.default_rng(7)
     print(f"generating {args.sessions} sessions x {args.turns} turns ...", flush=True)
     plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]
