@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from importlib.metadata import Distribution, distribution
 from pathlib import Path
 
-import httpx
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.test_wheel import IGNORED, build_wheel, clean_env, free_port, run
+from tests.serverproc import turnlog_serve
+from tests.test_wheel import IGNORED, build_wheel, clean_env, run
 
 ROOT = Path(__file__).resolve().parents[1]
-READY_TIMEOUT = 60.0
 pytestmark = pytest.mark.wheel
 
 
@@ -94,32 +91,10 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`turnlog serve` on a free loopback port over the backend's test database."""
-    home = tmp_path_factory.mktemp("server")
-    port = free_port()
-    log = (home / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port), "--database-url", db_url],
-        cwd=home, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        ready = False
-        while not ready and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                ready = httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                time.sleep(0.2)
-        assert ready, (home / "serve.log").read_text(errors="replace")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with turnlog_serve(db_url, log, env=clean_env(), ready_path="/readyz") as server:
+        server.wait_ready_sync()
+        yield server.base_url
 
 
 def test_the_client_venv_holds_only_the_client_and_its_dependencies(client_venv: Path,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.crash.conftest import ServerProcess
+from tests.serverproc import ServerProcess
 
 TIMEOUT_S = 1.0
 LIMITS = {

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.crash.conftest import free_port
 from tests.gateway.conftest import chat, metric, scrape, send_turn
+from tests.serverproc import free_port
 
 
 def _sqlite(tmp_path: Path) -> str:
