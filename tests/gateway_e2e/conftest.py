@@ -1,8 +1,9 @@
 """Fixtures for the gateway's end-to-end tests: real processes on loopback ports.
 
-A fake SGLang (`python -m app.sim.sglang_http`) and the real `turnlog gateway`
-CLI in front of it, each a subprocess started on a free port and stopped at
-teardown; the store is read back through an in-process API app on the same
+A fake SGLang (`python -m app.sim.sglang_http`, one per configuration, shared
+by every test: its replies depend on the request only) and the real `turnlog
+gateway` CLI in front of it (one per test), each a subprocess on a free port,
+stopped at teardown; the store is read back through an in-process API app on the same
 database. (The gateway's own tests, with their fixtures, are in tests/gateway/;
 these drive whole sessions the way miles' session server would.) A missing
 or broken `turnlog gateway` fails these tests (it is never a skip).
@@ -57,24 +58,38 @@ def processes(tmp_path: Path) -> Iterator[list[ServerProcess]]:
         proc.stop()
 
 
-async def started(processes: list[ServerProcess], proc: ServerProcess) -> ServerProcess:
-    """`proc` started (stopped at teardown with the rest) and ready."""
-    processes.append(proc)
-    proc.start()
-    await proc.wait_ready()
-    return proc
+@pytest.fixture(scope="session")
+def sglang_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """The fake SGLangs started so far, one per set of options, shared by every test.
+
+    A fake SGLang's reply is a pure function of the request (no session, no
+    cache; only its request counter moves, and no test here reads it), so one
+    process per configuration serves every test; none of them stops it.
+    """
+    pool: dict[str, ServerProcess] = {}
+    yield pool
+    for proc in pool.values():
+        proc.stop()
 
 
 @pytest.fixture
-async def fake_sglang(processes: list[ServerProcess], tmp_path: Path
-                      ) -> Callable[..., Any]:
-    """`await start(**options) -> ServerProcess`: a fake SGLang, ready."""
+async def fake_sglang(sglang_pool: dict[str, ServerProcess],
+                      tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    """`await start(**options) -> ServerProcess`: a fake SGLang, ready (shared: see
+    `sglang_pool`)."""
 
     async def start(**options: Any) -> ServerProcess:
-        port = free_port()
-        return await started(processes, ServerProcess(
-            fake_sglang_argv(port, **options), tmp_path / f"sglang-{len(processes)}.log",
-            port=port, ready_path="/health"))
+        key = repr(sorted(options.items()))
+        proc = sglang_pool.get(key)
+        if proc is None or not proc.running():
+            port = free_port()
+            proc = ServerProcess(fake_sglang_argv(port, **options),
+                                 tmp_path_factory.mktemp("sglang") / "sglang.log", port=port,
+                                 ready_path="/health")
+            proc.start()
+            sglang_pool[key] = proc
+        await proc.wait_ready()
+        return proc
 
     return start
 
@@ -88,10 +103,13 @@ async def gateway_at(processes: list[ServerProcess], tmp_path: Path) -> Callable
                     spool_dir: Path | None = None) -> ServerProcess:
         port = free_port()
         spool = spool_dir or tmp_path / f"spool-{len(processes)}"
-        return await started(processes, ServerProcess(
-            gateway_argv(port, upstream, database_url, spool, list(options)),
-            tmp_path / f"gateway-{len(processes)}.log", port=port,
-            ready_path="/turnlog/healthz"))
+        proc = ServerProcess(gateway_argv(port, upstream, database_url, spool, list(options)),
+                             tmp_path / f"gateway-{len(processes)}.log", port=port,
+                             ready_path="/turnlog/healthz")
+        processes.append(proc)
+        proc.start()
+        await proc.wait_ready()
+        return proc
 
     return start
 
