@@ -32,9 +32,10 @@ def python_server(argv: list[str], log_path: Path, ready_path: str) -> ServerPro
                          ready_path=ready_path, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fake_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The simulator's SGLang over HTTP (2 layers, top-2 of 16 experts)."""
+    """The simulator's SGLang over HTTP (2 layers, top-2 of 16 experts), one for the run:
+    its replies depend on the request only, and no test stops it."""
     log = tmp_path_factory.mktemp("sglang") / "sglang.log"
     with python_server(["-m", "app.sim.sglang_http"], log, "/health") as process:
         process.wait_ready_sync()
