@@ -153,15 +153,17 @@ async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_proce
         assert json.loads(turn.reply)["type"] == "urn:turnlog:upstream-unavailable"
 
 
-async def test_a_second_gateway_on_the_same_spool_is_refused(tmp_path, gateway_process,
-                                                            fake_sglang):
-    spool = tmp_path / "spool"
-    first = gateway_process(_sqlite(tmp_path), spool=spool)
-    await first.wait_ready()
+def _option(process: ServerProcess, name: str) -> str:
+    return process.argv[process.argv.index(name) + 1]
+
+
+async def test_a_second_gateway_on_the_same_spool_is_refused(forwarder, fake_sglang):
+    # The first gateway is the running forwarder: a second one on its spool is refused.
+    spool, database = _option(forwarder, "--spool-dir"), _option(forwarder, "--database-url")
     second = subprocess.run(
         [sys.executable, "-m", "app", "gateway", "--upstream", fake_sglang.url,
-         "--port", str(free_port()), "--database-url", _sqlite(tmp_path),
-         "--spool-dir", str(spool)], capture_output=True, text=True, timeout=60,
+         "--port", str(free_port()), "--database-url", database,
+         "--spool-dir", spool], capture_output=True, text=True, timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")})
     assert second.returncode == 2, second.stderr
     assert "in use by another gateway" in second.stderr
