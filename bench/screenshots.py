@@ -18,7 +18,7 @@ import httpx
 
 from bench.common import ROOT
 from tests.ui.chromium import ARGS, ensure_chromium
-from tests.ui.server import UiServer
+from tests.ui.server import serve_ui
 from tests.ui.showcase import showcase
 
 RUN_ID = "run7"
@@ -59,14 +59,11 @@ def take(out: Path) -> list[Path]:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite+aiosqlite:///{tmp}/screens.db"
         migrate.upgrade(url)
-        server = UiServer(url, Path(tmp) / "serve.log")
-        try:
-            server.wait_ready()
+        with serve_ui(url, Path(tmp) / "serve.log") as server:
+            server.wait_ready_sync()
             with httpx.Client(base_url=server.base_url, timeout=30) as http:
                 story = showcase(http, RUN_ID)
             return asyncio.run(photograph(server.base_url, out, story.session_id))
-        finally:
-            server.stop()
 
 
 def main() -> None:

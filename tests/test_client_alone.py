@@ -6,33 +6,37 @@ installs it with `--no-deps` into a fresh venv whose only other packages are
 the client's declared dependency closure (`turnlog-client[test,safetensors]`,
 resolved from the package metadata of this venv and linked one distribution
 at a time — so neither the server nor any of its dependencies can be
-imported there), starts `turnlog serve` on a free loopback port over each
-backend's test database (SQLite, PostgreSQL, Citus), and runs client/tests —
+imported there), starts `turnlog serve` on a free loopback port over a SQLite
+test database, and runs client/tests —
 the client's calls and the miles hooks — in that venv against it. A client module
 that imports something it does not declare, or the server, fails here.
+
+One backend is enough: what this proves (the client alone, from its wheel,
+works) does not depend on the server's database, and the client's calls are
+run on SQLite, PostgreSQL and Citus by tests/test_client.py and
+tests/test_client_consumers.py (in-process, the same API).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from importlib.metadata import Distribution, distribution
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.test_wheel import IGNORED, build_wheel, clean_env, free_port, run
+from app.store.engine import migrate
+from tests.serverproc import turnlog_serve
+from tests.test_wheel import IGNORED, build_wheel, clean_env, run
 
 ROOT = Path(__file__).resolve().parents[1]
-READY_TIMEOUT = 60.0
 pytestmark = pytest.mark.wheel
 
 
@@ -92,34 +96,14 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`turnlog serve` on a free loopback port over the backend's test database."""
-    home = tmp_path_factory.mktemp("server")
-    port = free_port()
-    log = (home / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port), "--database-url", db_url],
-        cwd=home, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        ready = False
-        while not ready and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                ready = httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                time.sleep(0.2)
-        assert ready, (home / "serve.log").read_text(errors="replace")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+def server(fresh_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`turnlog serve` on a free loopback port over a migrated SQLite test database."""
+    url = fresh_database("sqlite")
+    migrate.upgrade(url)
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with turnlog_serve(url, log, env=clean_env(), ready_path="/readyz") as server:
+        server.wait_ready_sync()
+        yield server.base_url
 
 
 def test_the_client_venv_holds_only_the_client_and_its_dependencies(client_venv: Path,

@@ -180,38 +180,14 @@ def test_the_image_command_without_tokens_prints_one_line_saying_what_to_set(tmp
 
 
 def test_the_image_command_serves_when_tokens_are_set(tmp_path):
-    import socket
-    import time
+    from tests.serverproc import ServerProcess, any_answer, free_port
 
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     token = "t" * 24
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
     env.update(image_env(), TURNLOG_DATABASE_URL=f"sqlite:///{tmp_path / 't.db'}",
                TURNLOG_PORT=str(port), TURNLOG_API_TOKENS=f"{token}:write")
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(_image_command(), env=env, cwd=tmp_path, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        reply = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                reply = httpx.get(f"http://127.0.0.1:{port}/v1/sessions",
-                                  headers={"Authorization": f"Bearer {token}"}, timeout=2)
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        assert reply is not None, (tmp_path / "serve.log").read_text(errors="replace")
+    with ServerProcess(_image_command(), tmp_path / "serve.log", port=port, env=env) as server:
+        reply = server.wait_ready_sync("/v1/sessions", accept=any_answer,
+                                       headers={"Authorization": f"Bearer {token}"})
         assert reply.status_code == 200, reply.text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()

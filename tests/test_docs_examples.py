@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+
+from tests.serverproc import turnlog_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -112,12 +110,6 @@ def test_the_parser_sees_markers_and_languages(tmp_path: Path) -> None:
     assert found[0].text == "echo a\n"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def clean_env(venv_bin: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("TURNLOG_") and k != "PYTHONPATH"}
@@ -140,32 +132,11 @@ def server(tmp_path: Path) -> Iterator[tuple[str, Path, dict[str, str]]]:
     clone = scratch_clone(tmp_path / "clone")
     venv_bin = Path(sys.executable).parent
     env = clean_env(venv_bin)
-    port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen([str(venv_bin / "turnlog"), "serve", "--port", str(port)],
-                            cwd=clone, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "turnlog serve never became ready"
-            time.sleep(0.2)
-        yield base, clone, env
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    # No --database-url: the pages' examples use the default database, in the clone.
+    with turnlog_serve(None, tmp_path / "serve.log", env=env, cwd=clone,
+                       command=[venv_bin / "turnlog"], ready_path="/readyz") as proc:
+        proc.wait_ready_sync()
+        yield proc.base_url, clone, env
 
 
 def script_of(runnable: list[Block], base: str) -> str:

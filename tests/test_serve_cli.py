@@ -1,7 +1,6 @@
 """`turnlog serve`: no non-loopback bind without API tokens unless `--insecure`; bad token
 settings stop it at startup; JSON logging is configured and uvicorn told to keep it."""
 
-import socket
 from typing import Any
 
 import pytest
@@ -10,6 +9,7 @@ from typer.testing import CliRunner
 import app.logs
 from app.cli import cli
 from app.settings import get_settings
+from tests.serverproc import free_port
 
 TOKEN = "w-0123456789abcdef"
 runner = CliRunner()
@@ -30,9 +30,7 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[dict[str, Any
     monkeypatch.delenv("TURNLOG_API_TOKENS", raising=False)
     monkeypatch.delenv("TURNLOG_HOST", raising=False)
     # serve checks the port is free before it starts: not 8000, which may be taken here.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("TURNLOG_PORT", str(probe.getsockname()[1]))
+    monkeypatch.setenv("TURNLOG_PORT", str(free_port()))
     get_settings.cache_clear()
     yield calls
     get_settings.cache_clear()

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.serverproc import ServerProcess, any_answer, turnlog_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 60.0
@@ -44,12 +42,6 @@ def clean_env() -> dict[str, str]:
     """No TURNLOG_* setting of the developer's, and no path back into the checkout."""
     return {k: v for k, v in os.environ.items()
             if not k.startswith("TURNLOG_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
@@ -127,40 +119,19 @@ def test_the_client_wheel_ships_only_the_client(client_wheel: Path) -> None:
 
 
 @pytest.fixture
-def served(venv: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def served(venv: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     turnlog = str(venv / "bin" / "turnlog")
     migrated = run([turnlog, "migrate", "--database-url", url], cwd=tmp_path, env=clean_env())
     assert "current: 0" in migrated.stdout and "(head: " in migrated.stdout, migrated.stdout
-    port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen([turnlog, "serve", "--port", str(port), "--database-url", url],
-                            cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-    try:
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with turnlog_serve(url, tmp_path / "serve.log", env=clean_env(), command=[turnlog],
+                       ready_path="/readyz") as server:
+        yield server
 
 
-def test_the_installed_wheel_migrates_and_serves_ready(served, tmp_path: Path) -> None:
-    base, proc = served
-    deadline = time.monotonic() + READY_TIMEOUT
-    reply = None
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            reply = httpx.get(f"{base}/readyz", timeout=2)
-            break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    log = (tmp_path / "serve.log").read_text(errors="replace")
-    assert reply is not None, f"turnlog serve never answered (exit {proc.poll()}):\n{log}"
+def test_the_installed_wheel_migrates_and_serves_ready(served: ServerProcess) -> None:
+    # The first answer, whatever it is: /readyz must say 200 as soon as it answers.
+    reply = served.wait_ready_sync(accept=any_answer)
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["status"] == "ready" and body["database"] == "sqlite"

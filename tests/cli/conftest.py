@@ -10,7 +10,8 @@ import pytest
 
 from app.main import create_app
 from app.settings import Settings, get_settings
-from tests.cli.support import TOKEN, free_port
+from tests.cli.support import TOKEN
+from tests.serverproc import free_port
 
 
 @pytest.fixture(autouse=True)

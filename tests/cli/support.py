@@ -4,7 +4,6 @@ example sessions (tests/data) and a free port."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,3 @@ async def two_turns(client: Any, sid: str, run_id: str, close: bool = False) -> 
         assert r.status_code == 200, r.text
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])

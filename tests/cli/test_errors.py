@@ -17,11 +17,11 @@ from tests.cli.support import (
     DATA,
     ROOT,
     UNREACHABLE,
-    free_port,
     one_error_line,
     run,
     sqlite_file,
 )
+from tests.serverproc import free_port
 
 EVERY_DB_COMMAND = [
     ["serve"], ["migrate"], ["migrate", "current"], ["rebuild"], ["replay", "abc"],

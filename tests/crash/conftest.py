@@ -4,21 +4,12 @@ SIGKILLed and restarted on the same port, and simulated sessions played through
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
@@ -26,93 +17,20 @@ from app.domain.body.session import parse_close, parse_open
 from app.domain.projection.samples import build_samples
 from app.domain.wire.jsonio import strict_equal
 from app.sim.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory, route
+from tests.serverproc import ServerProcess, server_env, turnlog_serve
 from turnlog_client import TurnlogClient
-
-ROOT = Path(__file__).resolve().parents[2]
-READY_TIMEOUT = 60.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    """`python -m app serve` on a fixed loopback port, restartable after a SIGKILL."""
-
-    database_url: str
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    env: dict[str, str] = field(default_factory=dict)  # TURNLOG_* settings for the server
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "already running"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.env)
-        with self.log_path.open("ab") as log:
-            log.write(f"--- start {self.starts} ---\n".encode())
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve", "--port", str(self.port),
-                 "--database-url", self.database_url],
-                cwd=self.log_path.parent, env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT,
-            )
-        self.starts += 1
-
-    async def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=2.0) as http:
-            while time.monotonic() < deadline:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"server exited with {self.proc.returncode}:\n"
-                                         f"{self.log_tail()}")
-                with contextlib.suppress(httpx.TransportError):
-                    if (await http.get("/healthz")).status_code == 200:
-                        return
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"server not ready after {timeout}s:\n{self.log_tail()}")
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown hook, no flush, no goodbye to the database."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def log_tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
 
 
 @pytest.fixture
 def server_process(tmp_path: Path) -> Iterator[Any]:
-    """A factory `spawn(database_url) -> ServerProcess` (started, not yet ready);
-    every server it made is stopped at teardown."""
+    """A factory `spawn(database_url, env=None) -> ServerProcess`: `python -m app serve`
+    on a fixed loopback port (restartable after a SIGKILL), started, not yet ready;
+    `env` adds TURNLOG_* settings. Every server it made is stopped at teardown."""
     made: list[ServerProcess] = []
 
     def spawn(database_url: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(database_url, tmp_path / f"server-{len(made)}.log",
-                               env=dict(env or {}))
+        server = turnlog_serve(database_url, tmp_path / f"server-{len(made)}.log",
+                               env=server_env(env))
         made.append(server)
         server.start()
         return server

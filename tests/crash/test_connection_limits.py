@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.crash.conftest import ServerProcess
+from tests.serverproc import ServerProcess, server_env, turnlog_serve
 
 TIMEOUT_S = 1.0
 LIMITS = {
@@ -30,11 +30,14 @@ LIMITS = {
 SECRET = "SECRET-0123456789abcdef"
 
 
-@pytest.fixture
-def server(server_process, fresh_database) -> Iterator[ServerProcess]:
-    proc = server_process(fresh_database("sqlite"), LIMITS)
-    asyncio.run(proc.wait_ready())
-    yield proc
+@pytest.fixture(scope="module")
+def server(fresh_database, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server with LIMITS for the tests that only open, flood and drop their own
+    connections (each closes them; none changes a setting or the database)."""
+    log = tmp_path_factory.mktemp("limits") / "server.log"
+    with turnlog_serve(fresh_database("sqlite"), log, env=server_env(LIMITS)) as proc:
+        proc.wait_ready_sync()
+        yield proc
 
 
 def connect(server: ServerProcess) -> socket.socket:

@@ -11,6 +11,7 @@ from app.domain.errors import InvalidRequest
 from app.domain.projection.assembly import TurnSpan, assemble, plan_r3
 from app.domain.projection.r3_slices import Bounds, parse_bounds, restrict, slice_blocks
 from app.domain.wire.r3 import Patch, narrow
+from tests.fuzz.budget import DERANDOMIZE, examples
 
 
 @st.composite
@@ -36,7 +37,8 @@ def bound_text(a, b):
     return f"{'' if a is None else a}:{'' if b is None else b}"
 
 
-@settings(max_examples=300, deadline=None)
+# Seeded (the same examples every run; TURNLOG_FUZZ_EXAMPLES=N explores afresh).
+@settings(max_examples=examples(120), deadline=None, derandomize=DERANDOMIZE)
 @given(addition_paths(), st.data())
 def test_slices_equal_numpy_slicing_for_any_bounds(path, data):
     plan, patches = path

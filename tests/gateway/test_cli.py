@@ -6,7 +6,8 @@ import socket
 
 import pytest
 
-from tests.cli.support import free_port, one_error_line, run, sqlite_file
+from tests.cli.support import one_error_line, run, sqlite_file
+from tests.serverproc import free_port
 
 
 @pytest.mark.parametrize(("flags", "expected"), [

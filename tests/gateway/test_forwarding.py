@@ -2,7 +2,7 @@
 replies streamed, and an upstream that is down or slow answered 502.
 
 These tests do not depend on the store's backend (they record nothing), so they
-run on one SQLite file.
+run on one SQLite file; those that only forward share one gateway.
 """
 
 from __future__ import annotations
@@ -14,21 +14,35 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.crash.conftest import free_port
-from tests.gateway.conftest import chat, metric, scrape, send_turn
+from tests.gateway.conftest import chat, metric, python_server, scrape, send_turn
+from tests.serverproc import ServerProcess, free_port
 
 
 def _sqlite(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'gateway.db'}"
 
 
-async def test_other_routes_pass_through_intact(tmp_path, gateway_process, fake_sglang):
-    gateway = gateway_process(_sqlite(tmp_path))
-    await gateway.wait_ready()
+@pytest.fixture(scope="module")
+def forwarder(fake_sglang: ServerProcess,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One gateway, ready, for the tests that only send passthrough routes (nothing is
+    recorded, nothing restarted, no test reads a counter another one moves)."""
+    home = tmp_path_factory.mktemp("forwarder")
+    argv = ["-m", "app", "gateway", "--upstream", fake_sglang.url,
+            "--database-url", _sqlite(home), "--spool-dir", str(home / "spool")]
+    with python_server(argv, home / "gateway.log", "/turnlog/healthz") as gateway:
+        gateway.wait_ready_sync()
+        yield gateway
+
+
+async def test_other_routes_pass_through_intact(forwarder, fake_sglang):
+    gateway = forwarder
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
             httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
         body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 3}}).encode()
@@ -76,9 +90,8 @@ def raw_request(port: int, request: bytes) -> bytes:
     return b"".join(chunks)
 
 
-async def test_hop_by_hop_headers_are_dropped(tmp_path, gateway_process):
-    gateway = gateway_process(_sqlite(tmp_path))
-    await gateway.wait_ready()
+async def test_hop_by_hop_headers_are_dropped(forwarder):
+    gateway = forwarder
     body = b"0123456789"
     request = (b"POST /generate HTTP/1.1\r\nHost: gateway.example\r\n"
                b"Connection: close, X-Per-Hop\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
@@ -102,9 +115,8 @@ async def test_hop_by_hop_headers_are_dropped(tmp_path, gateway_process):
     assert json.loads(payload)["body"] == "hello world"
 
 
-async def test_a_chunked_streaming_reply_stays_streamed(tmp_path, gateway_process):
-    gateway = gateway_process(_sqlite(tmp_path))
-    await gateway.wait_ready()
+async def test_a_chunked_streaming_reply_stays_streamed(forwarder):
+    gateway = forwarder
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
             http.stream("GET", "/stream?chunks=4&size=1000&delay=0.3") as reply:
         assert reply.status_code == 200
@@ -141,24 +153,25 @@ async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_proce
         assert json.loads(turn.reply)["type"] == "urn:turnlog:upstream-unavailable"
 
 
-async def test_a_second_gateway_on_the_same_spool_is_refused(tmp_path, gateway_process,
-                                                            fake_sglang):
-    spool = tmp_path / "spool"
-    first = gateway_process(_sqlite(tmp_path), spool=spool)
-    await first.wait_ready()
+def _option(process: ServerProcess, name: str) -> str:
+    return process.argv[process.argv.index(name) + 1]
+
+
+async def test_a_second_gateway_on_the_same_spool_is_refused(forwarder, fake_sglang):
+    # The first gateway is the running forwarder: a second one on its spool is refused.
+    spool, database = _option(forwarder, "--spool-dir"), _option(forwarder, "--database-url")
     second = subprocess.run(
         [sys.executable, "-m", "app", "gateway", "--upstream", fake_sglang.url,
-         "--port", str(free_port()), "--database-url", _sqlite(tmp_path),
-         "--spool-dir", str(spool)], capture_output=True, text=True, timeout=60,
+         "--port", str(free_port()), "--database-url", database,
+         "--spool-dir", spool], capture_output=True, text=True, timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")})
     assert second.returncode == 2, second.stderr
     assert "in use by another gateway" in second.stderr
     assert (second.stderr.count("\n") <= 2), second.stderr  # one line, no traceback
 
 
-async def test_a_caller_that_goes_away_stops_the_relay(tmp_path, gateway_process):
-    gateway = gateway_process(_sqlite(tmp_path))
-    await gateway.wait_ready()
+async def test_a_caller_that_goes_away_stops_the_relay(forwarder):
+    gateway = forwarder
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
             http.stream("GET", "/stream?chunks=200&size=1000&delay=0.05") as reply:
         async for _chunk in reply.aiter_raw():

@@ -17,7 +17,6 @@ import glob
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from sqlalchemy.engine import URL
 
 from tests.pg.binaries import OS_USER, as_postgres_user, ensure_os_user, find_bindir, run
 from tests.pg.common import DB_SUPERUSER, MAINTENANCE_DB, PostgresServer, Unavailable
+from tests.serverproc import free_port as _free_port
 
 TMP_PREFIX = "turnlog-pg-"
 OWNER_FILE = "owner.pid"
@@ -165,12 +165,6 @@ def start_cluster(
 
 def from_binaries() -> PostgresServer:
     return PostgresServer(url=start_cluster().url(), source="binaries")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from tests.ui.chromium import ARGS, ensure_chromium
-from tests.ui.server import UiServer
+from tests.ui.server import UiServer, serve_ui
 
 READ_TOKEN = "ui-read-token-0123456789"
 WRITE_TOKEN = "ui-write-token-0123456789"
@@ -39,12 +39,9 @@ async def browser(chromium: Path) -> AsyncIterator[Any]:
 
 
 def _serve(db_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[UiServer]:
-    server = UiServer(db_url, log, env)
-    try:
-        server.wait_ready()
+    with serve_ui(db_url, log, env) as server:
+        server.wait_ready_sync()
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -214,6 +214,9 @@ async def tok_page(browser: Any, tokenizer_server: UiServer) -> Any:
         await context.close()
 
 
+# On SQLite only: the token ids are read as on every backend (test_pages.py); what this
+# adds, the configured tokenizer rendering them, does not depend on the store.
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 async def test_a_configured_tokenizer_shows_token_text(tok_page: Page, api: httpx.Client,
                                                        run_id: str) -> None:
     told = story(api, f"{run_id}-tok", {"run_id": run_id})

@@ -1,6 +1,9 @@
 """With API tokens configured: a UI page without a valid read token is a 401 login
 form; a token from the form lives in an HttpOnly, SameSite=Strict cookie that the
-UI (and only the UI, only for reading) accepts."""
+UI (and only the UI, only for reading) accepts.
+
+On SQLite only: tokens, cookies and redirects are decided before the store is
+read (the pages themselves run on every backend in test_pages.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import pytest
 from tests.ui.conftest import READ_TOKEN, WRITE_TOKEN
 from tests.ui.server import UiServer
 from tests.ui.showcase import random_session
+
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
 
 @pytest.fixture
