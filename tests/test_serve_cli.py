@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 import app.logs
-from app.api.middleware.serving import GuardedHttpTools
 from app.cli import cli
+from app.served import guarded_protocol
 from app.settings import Settings, get_settings
 
 TOKEN = "w-0123456789abcdef"
@@ -95,12 +95,12 @@ def test_bad_token_setting_stops_startup_without_echoing_it(served, monkeypatch)
 
 def test_uvicorn_keeps_our_logging(served):
     assert serve().exit_code == 0
-    from app.main import create_served_app
+    from app.served import served_app
 
     assert served[0].log_config is None
     assert served[0].factory is True
     # every worker process configures JSON logging itself, in the factory
-    assert served[0].app.func is create_served_app
+    assert served[0].app.func is served_app
 
 
 def test_the_served_factory_configures_logging(monkeypatch):
@@ -120,7 +120,7 @@ def test_serve_bounds_connections_from_the_settings(served, monkeypatch):
     get_settings.cache_clear()
     assert serve("--host", "127.0.0.2").exit_code == 0
     call = served[0]
-    assert call.http.func is GuardedHttpTools
+    assert call.http.func is guarded_protocol
     assert call.http.keywords["bounds"].max_header_bytes == 32768
     assert call.timeout_keep_alive == 3
     assert call.limit_concurrency is None

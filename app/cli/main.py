@@ -143,22 +143,22 @@ def serve(
 
 def uvicorn_config(settings: Settings, workers: int) -> uvicorn.Config:
     """What `turnlog serve` hands uvicorn. The app and the protocol are partials of
-    module-level callables bound to `settings`: uvicorn pickles its configuration to
-    each spawned worker, so every worker serves these settings (not the environment's)."""
+    module-level callables (app.served) bound to `settings`: uvicorn pickles its
+    configuration to each spawned worker, so every worker serves these settings (not
+    the environment's)."""
     import uvicorn
 
-    from app.api.middleware.serving import bounded
-    from app.main import create_served_app
+    from app.served import guarded_protocol, served_app
 
     server = settings.server
     # log_config=None: uvicorn keeps the logging that the factory sets up per worker.
     # The guarded protocol bounds request headers and their time (app.api.middleware.serving);
     # the rest of the connection limits are uvicorn's own (docs/operations.md,
     # "Limits and timeouts").
-    return uvicorn.Config(functools.partial(create_served_app, settings), factory=True,
+    return uvicorn.Config(functools.partial(served_app, settings), factory=True,
                           host=server.host, port=server.port, workers=workers,
                           log_level=settings.log.log_level or "info", log_config=None,
-                          http=bounded(server),  # type: ignore[arg-type]  # a class factory
+                          http=functools.partial(guarded_protocol, bounds=server),  # type: ignore[arg-type]
                           timeout_keep_alive=server.keep_alive_timeout_s,
                           limit_concurrency=server.limit_concurrency or None,
                           h11_max_incomplete_event_size=server.max_header_bytes)

@@ -22,10 +22,12 @@ def free_port() -> int:
 
 
 class UiServer:
-    """`python -m app serve` against `database_url`; `env` adds `TURNLOG_*` settings."""
+    """`python -m app serve` against `database_url`; `env` adds `TURNLOG_*` settings,
+    `args` more `serve` options, `global_args` options of `turnlog` itself."""
 
     def __init__(self, database_url: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 global_args: tuple[str, ...] = (), cwd: Path = ROOT) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -34,9 +36,9 @@ class UiServer:
         clean["PYTHONUNBUFFERED"] = "1"
         with log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve", "--port", str(self.port),
-                 "--database-url", database_url],
-                cwd=ROOT, env=clean, stdin=subprocess.DEVNULL, stdout=log,
+                [sys.executable, "-m", "app", *global_args, "serve", "--port", str(self.port),
+                 "--database-url", database_url, *args],
+                cwd=cwd, env=clean, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT,
             )
 

@@ -7,15 +7,13 @@ passed, before the request reaches the app or its authorization; and it
 closes a connection whose request line and headers do not arrive within
 `TURNLOG_HEADER_TIMEOUT_S` (408). Bodies are timed per read in
 `app.api.middleware.limits.BodyLimit`; idle keep-alive connections by uvicorn's own
-`timeout_keep_alive`. The bounds are the `server` settings `turnlog serve` binds
-to the class (`bounded`), handed to every worker with uvicorn's configuration.
+`timeout_keep_alive`. The bounds are the `server` settings of `turnlog serve`,
+handed to every worker with uvicorn's configuration (`app.served.guarded_protocol`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.flow_control import service_unavailable
@@ -31,12 +29,6 @@ REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 # Cheap and database-free: a liveness probe must not read "dead" because a thousand
 # long-polls hold the concurrency limit (the orchestrator would restart a busy server).
 BYPASS_LIMIT = frozenset({"/healthz"})
-
-
-def bounded(settings: ServerSettings) -> Callable[..., GuardedHttpTools]:
-    """The protocol factory for uvicorn's `http`: the class with these bounds (a
-    partial of a module-level class, so it pickles to spawned workers)."""
-    return functools.partial(GuardedHttpTools, bounds=settings)
 
 
 class GuardedHttpTools(HttpToolsProtocol):
