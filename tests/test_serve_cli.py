@@ -2,6 +2,7 @@
 settings stop it at startup; JSON logging is configured and uvicorn told to keep it; the
 workers get the command's settings in uvicorn's configuration, never via os.environ."""
 
+import os
 import socket
 import sys
 from typing import Any
@@ -127,3 +128,23 @@ def test_serve_bounds_connections_from_the_settings(served, monkeypatch):
     assert call.h11_max_incomplete_event_size == 32768
     # The workers see the bound address as an allowed Host name.
     assert call.app.args[0].server.host == "127.0.0.2"
+
+
+def test_serve_hands_its_options_to_the_workers_not_to_the_environment(served, monkeypatch):
+    import pickle
+
+    url = os.environ["TURNLOG_DATABASE_URL"]
+    monkeypatch.delenv("TURNLOG_DATABASE_URL")
+    before = dict(os.environ)
+    result = runner.invoke(cli, ["--log-format", "console", "--log-level", "DEBUG", "serve",
+                                 "--no-migrate", "--database-url", url, "--host", "127.0.0.3"])
+    assert result.exit_code == 0, result.output
+    assert dict(os.environ) == before
+    # What every spawned worker unpickles: the command line's settings, whole.
+    config = pickle.loads(pickle.dumps(served[0]))
+    settings = config.app.args[0]
+    assert settings.store.database_url == url.replace("sqlite://", "sqlite+aiosqlite://")
+    assert (settings.server.host, settings.log.log_format, settings.log.log_level) == (
+        "127.0.0.3", "console", "debug")
+    assert settings.server.port == served[0].port == int(os.environ["TURNLOG_PORT"])
+    assert config.log_level == served[0].log_level
