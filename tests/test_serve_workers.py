@@ -41,8 +41,9 @@ def test_two_workers_serve_the_database_of_the_command_line(tmp_path: Path) -> N
     finally:
         server.stop()
     log = (tmp_path / "serve.log").read_text(errors="replace")
-    # Two worker processes started; each logs as the command line said (console, where
-    # the default off a terminal is JSON lines): the option reached them too.
+    # At least two worker processes started (one restarted by uvicorn adds a third); each
+    # logs as the command line said (console, where the default off a terminal is JSON
+    # lines): the option reached them too.
     started = [line for line in log.splitlines() if "Started server process" in line]
     assert len({re.search(r"\[(\d+)\]", line)[1] for line in started}) >= 2, log  # type: ignore[index]
     assert not any(line.lstrip().startswith("{") for line in started), log

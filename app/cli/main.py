@@ -154,7 +154,8 @@ def uvicorn_config(settings: Settings, workers: int) -> uvicorn.Config:
     # log_config=None: uvicorn keeps the logging that the factory sets up per worker.
     # The guarded protocol bounds request headers and their time (app.api.middleware.serving);
     # the rest of the connection limits are uvicorn's own (docs/operations.md,
-    # "Limits and timeouts").
+    # "Limits and timeouts"). uvicorn types `http` as a protocol class; it only calls it,
+    # once per connection, so a factory of `GuardedHttpTools` does (hence the ignore).
     return uvicorn.Config(functools.partial(served_app, settings), factory=True,
                           host=server.host, port=server.port, workers=workers,
                           log_level=settings.log.log_level or "info", log_config=None,
