@@ -240,7 +240,7 @@ def parse_labels(items: list[str] | None, option: str = "--label") -> dict[str, 
 # -- one error path ----------------------------------------------------------------------
 
 _debug: list[bool] = [False]
-# `--log-format` / `--log-level` as given (validated by `configure_logging` first).
+# `--log-format` / `--log-level` of this invocation, by their settings' names.
 _log_options: dict[str, str] = {}
 
 
@@ -250,6 +250,11 @@ def set_log_options(log_format: str | None, log_level: str | None) -> None:
         _log_options["log_format"] = log_format
     if log_level:
         _log_options["log_level"] = log_level.lower()
+
+
+def log_options() -> dict[str, str]:
+    """`--log-format` / `--log-level` as settings (`log_format`, `log_level`), if given."""
+    return dict(_log_options)
 
 
 def set_debug(on: bool) -> None:

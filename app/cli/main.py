@@ -63,15 +63,19 @@ def _global(
     import app.logs
 
     common.set_debug(debug)
+    # The settings a command hands on (`common.settings_for`: serve's workers) keep them.
+    common.set_log_options(log_format, log_level)
     settings = get_settings()
-    default_level = "info" if ctx.invoked_subcommand in ("serve", "gateway") else "warning"
+    serving = ctx.invoked_subcommand in ("serve", "gateway")
+    if serving:
+        # Options of the server's settings: checked as such (TURNLOG_LOG_FORMAT …).
+        settings = settings.replace(**common.log_options())
     try:
-        app.logs.configure_logging(log_level or settings.log.log_level or default_level,
+        app.logs.configure_logging(log_level or settings.log.log_level
+                                   or ("info" if serving else "warning"),
                                    log_format or settings.log.log_format)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    # Valid: the settings a command hands on (`common.settings_for`; serve's workers) keep them.
-    common.set_log_options(log_format, log_level)
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
