@@ -68,22 +68,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # A trailing slash answers a problem naming the route, never a bodiless 307
     # that a POST client does not follow.
     app.router.redirect_slashes = False
-    app.state.uploads = Uploads(settings.large_body_bytes, settings.max_large_uploads,
-                                settings.max_body_values, settings.min_upload_rate,
-                                settings.upload_grace_s)
+    limits = settings.limits
+    app.state.uploads = Uploads(limits.large_body_bytes, limits.max_large_uploads,
+                                limits.max_body_values, limits.min_upload_rate,
+                                limits.upload_grace_s)
     problems.install(app)
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
-                       timeout=settings.body_timeout_s)
-    tokens = TokenTable(settings.token_scopes)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout_s)
+    tokens = TokenTable(settings.access.api_tokens)
     app.add_middleware(BearerAuth, tokens=tokens)
     app.add_middleware(UiGuard, tokens=tokens)  # /ui: the same tokens, or the UI's cookie
     if not tokens:
-        app.add_middleware(Loopback, allowed=[settings.host, *settings.extra_hosts])
+        app.add_middleware(Loopback, allowed=[settings.server.host, *settings.access.allowed_hosts])
     app.add_middleware(QueryTokens)
-    app.add_middleware(HeaderBounds, max_bytes=settings.max_header_bytes,
-                       max_count=settings.max_headers)
+    app.add_middleware(HeaderBounds, max_bytes=settings.server.max_header_bytes,
+                       max_count=settings.server.max_headers)
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
     for module in (health, metrics, sessions, samples, feed, analytics, history, gates,
                    docs_ui, consumers, retention):
@@ -95,11 +95,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def create_served_app() -> FastAPI:
-    """The factory `turnlog serve` gives uvicorn: logging set up in every worker process
-    first (TURNLOG_LOG_FORMAT / TURNLOG_LOG_LEVEL, which `turnlog serve` passes on)."""
+def create_served_app(settings: Settings) -> FastAPI:
+    """The factory `turnlog serve` gives uvicorn (bound to the command's settings, which
+    reach every worker process pickled in uvicorn's configuration, never through the
+    environment): logging set up in the worker first, then the application."""
     from app import logs
 
-    settings = get_settings()
-    logs.configure_logging(settings.log_level or "info", settings.log_format)
-    return create_app()
+    logs.configure_logging(settings.log.log_level or "info", settings.log.log_format)
+    return create_app(settings)

@@ -42,20 +42,20 @@ class Services:
 
 
 def build_services(settings: Settings) -> Services:
-    db = Database(settings.database_url, settings)
-    cache = StateCache(settings.state_cache_sessions, settings.state_cache_bytes)
+    db = Database(settings.store.database_url, settings)
+    cache = StateCache(settings.cache.state_cache_sessions, settings.cache.state_cache_bytes)
     reader = Reader(db, cache)
     return Services(
         settings=settings,
         db=db,
         cache=cache,
-        writer=Writer(db, cache, settings.max_nodes),
+        writer=Writer(db, cache, settings.limits.max_nodes),
         reader=reader,
         samples=SampleReader(db, cache),
         analytics=Analytics(db),
-        history=History(db, metric_keys(settings.metric_keys)),
+        history=History(db, metric_keys(settings.history.metric_keys)),
         gates=Gates(db),
-        integrity=IntegrityCheck(db, settings.integrity_check),
+        integrity=IntegrityCheck(db, settings.store.integrity_check),
         # Closes notify the reader; claims waiting for sessions wake on the same event.
         consumers=Consumers(db, wakeup=lambda: reader.new_events),
         retention=Retention(db, cache),

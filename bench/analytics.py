@@ -182,7 +182,7 @@ async def bench(url: str, repeat: int) -> list[tuple[str, float, float]]:
     from app.main import create_app
     from app.settings import Settings
 
-    app = create_app(Settings(database_url=url, migrate_on_start=False))
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False))
     conn = await asyncpg.connect(pg_dsn(url))
     results = []
     try:

@@ -31,7 +31,7 @@ from tests.pgserver import create_database
 
 
 async def close_sessions(url: str, run_id: str, n: int) -> None:
-    svc = build_services(Settings(database_url=url))
+    svc = build_services(Settings.load(database_url=url))
     try:
         sem = asyncio.Semaphore(8)
 

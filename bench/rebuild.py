@@ -31,7 +31,7 @@ async def fill(url: str, sessions: int, turns: int) -> int:
     from app.store.engine.db import Database
     from app.store.fold.loader import StateCache
 
-    db = Database(url, Settings(database_url=url))
+    db = Database(url, Settings.load(database_url=url))
     writer = Writer(db, StateCache(64), 1024)
     written = 0
     try:
@@ -58,7 +58,7 @@ async def measure(url: str, parallel: int = 2) -> tuple[float, bool, int, float]
     from app.store.engine.db import Database
     from app.store.ops.rebuild import checksums, rebuild
 
-    db = Database(url, Settings(database_url=url))
+    db = Database(url, Settings.load(database_url=url))
     try:
         t0 = time.perf_counter()
         await checksums(db)

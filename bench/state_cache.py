@@ -45,7 +45,7 @@ def chain_turn(index: int, prompt: list[int], out: int) -> dict[str, Any]:
 
 async def build_session(url: str, session_id: str, nodes: int, new: int, out: int) -> int:
     """A chain of `nodes` turns, each prompt = the previous tokens + `new` fresh ids."""
-    svc = build_services(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
+    svc = build_services(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
     await svc.writer.open_session({"session_id": session_id, "version": "v2"})
     tokens: list[int] = []
     total = 0
@@ -62,7 +62,7 @@ async def build_session(url: str, session_id: str, nodes: int, new: int, out: in
 
 
 async def cold_load(url: str, session_id: str) -> dict[str, float]:
-    svc = build_services(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
+    svc = build_services(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
     await svc.reader.summary(session_id)  # warm the connection, not the state
     svc.cache.clear()
     gc.collect()

@@ -151,7 +151,7 @@ def _postgres_only(request: pytest.FixtureRequest) -> None:
 @pytest.fixture
 def settings(db_url: str) -> Settings:
     # Tokens from the developer's environment would turn every API test into a 401.
-    return Settings(database_url=db_url, migrate_on_start=False, api_tokens="")
+    return Settings.load(database_url=db_url, migrate_on_start=False, api_tokens="")
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def test_replay_prints_tree_state_and_samples(demo_url):
     from app.store.ops.rebuild import all_session_ids
 
     async def first():
-        db = Database(demo_url, Settings(database_url=demo_url))
+        db = Database(demo_url, Settings.load(database_url=demo_url))
         try:
             return (await all_session_ids(db))[0]
         finally:

@@ -109,7 +109,7 @@ async def test_the_service_name_is_answered_by_the_loopback_guard(tmp_path):
     from app.settings import Settings
 
     url = f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"
-    app = create_app(Settings(database_url=url, host="0.0.0.0", allowed_hosts="app"))
+    app = create_app(Settings.load(database_url=url, host="0.0.0.0", allowed_hosts="app"))
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://app:8000") as http:

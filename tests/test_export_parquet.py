@@ -98,7 +98,7 @@ async def test_parquet_rows_go_out_in_bounded_row_groups(client, db_url, tmp_pat
     from app.settings import Settings
     from app.transfer.parquet import export_parquet
 
-    svc = build_services(Settings(database_url=db_url))
+    svc = build_services(Settings.load(database_url=db_url))
     try:
         report = await export_parquet(svc, {"run_id": run_id}, tmp_path / "x.parquet",
                                       row_group_rows=2)

@@ -25,25 +25,25 @@ CLIENT = ROOT / "client" / "turnlog_client"
 # part → turnlog modules it must never import (prefix match on dotted names)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "app.domain": ("app.store", "app.api", "app.cli", "turnlog_client", "app.transfer",
-                   "app.services", "app.main", "app.settings", "app.metrics", "app.logs",
-                   "app.sim", "app.gateway", "app.ui"),
+                   "app.services", "app.main", "app.served", "app.settings", "app.metrics",
+                   "app.logs", "app.sim", "app.gateway", "app.ui"),
     "app.store": ("app.api", "app.cli", "turnlog_client", "app.transfer", "app.services",
-                  "app.main", "app.sim", "app.gateway", "app.ui"),
-    "app.services": ("app.api", "app.cli", "app.transfer", "app.main", "app.ui"),
-    "app.api": ("app.cli", "app.transfer", "app.main", "turnlog_client", "app.sim",
+                  "app.main", "app.served", "app.sim", "app.gateway", "app.ui"),
+    "app.services": ("app.api", "app.cli", "app.transfer", "app.main", "app.served", "app.ui"),
+    "app.api": ("app.cli", "app.transfer", "app.main", "app.served", "turnlog_client", "app.sim",
                 "app.gateway", "app.ui"),
     # The web UI is a shell beside the API: it reuses the API's guards, dependencies and
     # problem answers and reads through the store; the API never imports it.
-    "app.ui": ("app.cli", "app.transfer", "app.main", "turnlog_client", "app.sim",
+    "app.ui": ("app.cli", "app.transfer", "app.main", "app.served", "turnlog_client", "app.sim",
                "app.gateway"),
-    "app.transfer": ("app.api", "app.cli", "app.main", "turnlog_client", "app.ui"),
+    "app.transfer": ("app.api", "app.cli", "app.main", "app.served", "turnlog_client", "app.ui"),
     # The client is installed without the server: nothing of `app` at all.
     "turnlog_client": ("app",),
     # The demo driver and test oracle: the domain's rules only, never the server around them.
-    "app.sim": ("app.store", "app.api", "app.cli", "app.services", "app.main", "app.gateway",
-                "app.ui"),
-    "app.gateway": ("app.api", "app.cli", "app.transfer", "app.main", "turnlog_client",
-                    "app.ui"),
+    "app.sim": ("app.store", "app.api", "app.cli", "app.services", "app.main", "app.served",
+                "app.gateway", "app.ui"),
+    "app.gateway": ("app.api", "app.cli", "app.transfer", "app.main", "app.served",
+                    "turnlog_client", "app.ui"),
 }
 
 # Folder by folder. The turn pipeline in the order an append moves; a folder imports only

@@ -16,7 +16,7 @@ def open_sessions(url: str, count: int) -> list[str]:
     async def go() -> list[str]:
         from app.store.fold.loader import StateCache
 
-        db = Database(url, Settings(database_url=url))
+        db = Database(url, Settings.load(database_url=url))
         writer = Writer(db, StateCache(4), 1024)
         try:
             sids = [f"rb-{uuid.uuid4().hex}" for _ in range(count)]

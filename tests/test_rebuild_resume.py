@@ -27,7 +27,7 @@ class Interrupted(Exception):
 
 def run(url, coro_fn):
     async def go():
-        db = Database(url, Settings(database_url=url))
+        db = Database(url, Settings.load(database_url=url))
         try:
             return await coro_fn(db)
         finally:

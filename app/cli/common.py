@@ -105,7 +105,7 @@ def resolve_url(database_url: str | None) -> str:
 
     from app.store.engine.db import normalize_url
 
-    raw = database_url or get_settings().database_url
+    raw = database_url or get_settings().store.database_url
     try:
         url = normalize_url(raw)
     except ArgumentError:
@@ -138,8 +138,9 @@ def sqlite_path(url: str) -> Path | None:
 
 
 def settings_for(url: str) -> Settings:
-    """The environment's settings with this URL (keeps metric keys, pool sizes…)."""
-    return get_settings().model_copy(update={"database_url": url})
+    """The environment's settings with this URL and the command line's log options
+    (keeps metric keys, pool sizes…): what a command hands the services it runs."""
+    return get_settings().replace(database_url=url, **_log_options)
 
 
 def check_database(url: str, *, creating: bool = False) -> None:
@@ -239,6 +240,21 @@ def parse_labels(items: list[str] | None, option: str = "--label") -> dict[str, 
 # -- one error path ----------------------------------------------------------------------
 
 _debug: list[bool] = [False]
+# `--log-format` / `--log-level` of this invocation, by their settings' names.
+_log_options: dict[str, str] = {}
+
+
+def set_log_options(log_format: str | None, log_level: str | None) -> None:
+    _log_options.clear()
+    if log_format:
+        _log_options["log_format"] = log_format
+    if log_level:
+        _log_options["log_level"] = log_level.lower()
+
+
+def log_options() -> dict[str, str]:
+    """`--log-format` / `--log-level` as settings (`log_format`, `log_level`), if given."""
+    return dict(_log_options)
 
 
 def set_debug(on: bool) -> None:

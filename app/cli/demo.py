@@ -102,8 +102,7 @@ def demo(
     report: list[dict[str, Any]] = []
 
     async def go() -> None:
-        app = create_app(settings_for(url).model_copy(update={"migrate_on_start": False,
-                                                              "api_tokens": ""}))
+        app = create_app(settings_for(url).replace(migrate_on_start=False, api_tokens={}))
         transport = httpx.ASGITransport(app=app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
@@ -185,7 +184,7 @@ def _show(report: list[dict[str, Any]]) -> None:
                 "prefix of the id is enough); [bold]turnlog replay <session>[/] folds it from "
                 "its events; [bold]turnlog rebuild[/] recomputes every projection.")
     if report:
-        ui = f"http://{get_settings().host}:{get_settings().port}/ui"
+        ui = f"http://{get_settings().server.host}:{get_settings().server.port}/ui"
         err().print(f"In the browser (with `make run` serving this database): "
                     f"[bold]{ui}/sessions/{report[0]['session_id']}[/] (its tree), "
                     f"{ui}?run_id=demo (every demo session and the run view)")

@@ -8,11 +8,11 @@ error path for every command is `TurnlogGroup` in `app.cli.common`.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
-import os
 import socket
 from enum import StrEnum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -27,7 +27,10 @@ from app.cli.gateway import gateway
 from app.cli.retention import retention_cli
 from app.cli.store import rebuild, replay
 from app.cli.transfer import export, import_
-from app.settings import get_settings
+from app.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    import uvicorn
 
 cli = typer.Typer(cls=common.TurnlogGroup, no_args_is_help=True,
                   pretty_exceptions_show_locals=False,  # locals may hold a password
@@ -60,18 +63,17 @@ def _global(
     import app.logs
 
     common.set_debug(debug)
-    if ctx.invoked_subcommand in ("serve", "gateway"):
-        # uvicorn's worker processes read their logging settings from the environment.
-        if log_format:
-            os.environ["TURNLOG_LOG_FORMAT"] = log_format
-        if log_level:
-            os.environ["TURNLOG_LOG_LEVEL"] = log_level.lower()
-        get_settings.cache_clear()
+    # The settings a command hands on (`common.settings_for`: serve's workers) keep them.
+    common.set_log_options(log_format, log_level)
     settings = get_settings()
-    default_level = "info" if ctx.invoked_subcommand in ("serve", "gateway") else "warning"
+    serving = ctx.invoked_subcommand in ("serve", "gateway")
+    if serving:
+        # Options of the server's settings: checked as such (TURNLOG_LOG_FORMAT …).
+        settings = settings.replace(**common.log_options())
     try:
-        app.logs.configure_logging(log_level or settings.log_level or default_level,
-                                   log_format or settings.log_format)
+        app.logs.configure_logging(log_level or settings.log.log_level
+                                   or ("info" if serving else "warning"),
+                                   log_format or settings.log.log_format)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
@@ -111,22 +113,17 @@ def serve(
         help="Allow a non-loopback address without API tokens")] = False,
 ) -> None:
     """Apply migrations to head, then serve the REST API with uvicorn."""
-    import uvicorn
-
     from app.store.engine import migrate as migrations
 
     url = resolve_url(database_url)
-    # uvicorn's worker processes build their settings from the environment.
-    os.environ["TURNLOG_DATABASE_URL"] = url
-    get_settings.cache_clear()
-    settings = get_settings()
-    bind = host or settings.host
-    port = port or settings.port
+    settings = common.settings_for(url)
+    bind = host or settings.server.host
+    port = port or settings.server.port
     try:
         loopback = ipaddress.ip_address(bind).is_loopback
     except ValueError:
         loopback = bind == "localhost"
-    if not loopback and not settings.token_scopes:
+    if not loopback and not settings.access.api_tokens:
         if not insecure:
             raise CliError(f"refusing to serve on non-loopback {bind} without API tokens; "
                            "set TURNLOG_API_TOKENS or pass --insecure")
@@ -136,26 +133,59 @@ def serve(
     problem = _cannot_listen(bind, port)
     if problem is not None:
         raise CliError(problem)
-    # The workers read their settings from the environment: the bound address is one
-    # of the Host names the no-token guard answers (app.api.middleware.guards).
-    os.environ["TURNLOG_HOST"] = bind
-    get_settings.cache_clear()
-    if migrate and settings.migrate_on_start:
+    # The bound address is one of the Host names the no-token guard answers
+    # (app.api.middleware.guards).
+    settings = settings.replace(host=bind, port=port)
+    if migrate and settings.store.migrate_on_start:
         check_database(url, creating=True)
         migrations.upgrade(url)
         err().print(f"schema at head on {mask(url)}")
     else:
         check_database(url)
+    run_server(uvicorn_config(settings, workers))
+
+
+def uvicorn_config(settings: Settings, workers: int) -> uvicorn.Config:
+    """What `turnlog serve` hands uvicorn. The app and the protocol are partials of
+    module-level callables (app.served) bound to `settings`: uvicorn pickles its
+    configuration to each spawned worker, so every worker serves these settings (not
+    the environment's)."""
+    import uvicorn
+
+    from app.served import guarded_protocol, served_app
+
+    server = settings.server
     # log_config=None: uvicorn keeps the logging that the factory sets up per worker.
     # The guarded protocol bounds request headers and their time (app.api.middleware.serving);
     # the rest of the connection limits are uvicorn's own (docs/operations.md,
-    # "Limits and timeouts").
-    uvicorn.run("app.main:create_served_app", factory=True, host=bind, port=port,
-                workers=workers, log_level=settings.log_level or "info", log_config=None,
-                http="app.api.middleware.serving:GuardedHttpTools",
-                timeout_keep_alive=settings.keep_alive_timeout_s,
-                limit_concurrency=settings.limit_concurrency or None,
-                h11_max_incomplete_event_size=settings.max_header_bytes)
+    # "Limits and timeouts"). uvicorn types `http` as a protocol class; it only calls it,
+    # once per connection, so a factory of `GuardedHttpTools` does (hence the ignore).
+    return uvicorn.Config(functools.partial(served_app, settings), factory=True,
+                          host=server.host, port=server.port, workers=workers,
+                          log_level=settings.log.log_level or "info", log_config=None,
+                          http=functools.partial(guarded_protocol, bounds=server),  # type: ignore[arg-type]
+                          timeout_keep_alive=server.keep_alive_timeout_s,
+                          limit_concurrency=server.limit_concurrency or None,
+                          h11_max_incomplete_event_size=server.max_header_bytes)
+
+
+def run_server(config: uvicorn.Config) -> None:
+    """`uvicorn.run` for an app that is not an import string: one server in this process,
+    or a supervisor of `config.workers` spawned processes sharing one bound socket."""
+    import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    server = uvicorn.Server(config)
+    try:
+        if config.workers > 1:
+            Multiprocess(config, sockets=[config.bind_socket()]).run()
+        else:
+            server.run()
+    except KeyboardInterrupt:
+        pass
+    if config.workers == 1 and not server.started:
+        raise SystemExit(STARTUP_FAILURE)
 
 
 class MigrateAction(StrEnum):

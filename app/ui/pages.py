@@ -207,8 +207,8 @@ async def node_lanes(session_id: str, seq: int, svc: ServicesDep) -> JSONText:
     body = token_lanes(state, seq, samples).as_json()
     body.update(turn_messages(await browse.turn_payload(svc.db, session_id, seq)))
     # Token text when TURNLOG_TOKENIZER names a tokenizer.json; ids alone otherwise.
-    body["prompt_text"] = tokens.texts(svc.settings.tokenizer, body["new_prompt"])
-    body["output_text"] = tokens.texts(svc.settings.tokenizer, body["output"])
+    body["prompt_text"] = tokens.texts(svc.settings.ui.tokenizer, body["new_prompt"])
+    body["output_text"] = tokens.texts(svc.settings.ui.tokenizer, body["output"])
     return JSONText(body)
 
 
@@ -236,7 +236,7 @@ def safe_next(target: str) -> str:
 
 @router.get("/login", response_model=None)
 async def login_form(svc: ServicesDep, next: str = "/ui") -> Response:
-    if not svc.settings.token_scopes:
+    if not svc.settings.access.api_tokens:
         return RedirectResponse(safe_next(next), status_code=303)
     return render("login.html", 200, next=safe_next(next), error=False)
 
@@ -256,7 +256,7 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host')}":
         return render("login.html", 403, next=target, error=True)
     token = form.get("token", "").strip()
-    tokens = TokenTable(svc.settings.token_scopes)
+    tokens = TokenTable(svc.settings.access.api_tokens)
     if not tokens:  # nothing to sign in to: every page is open
         return RedirectResponse(target, status_code=303)
     if not token.isascii() or tokens.scope_of(token.encode("ascii")) is None:

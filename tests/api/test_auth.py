@@ -22,8 +22,8 @@ def bearer(token: str) -> dict[str, str]:
 
 @pytest.fixture
 async def guarded(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings.model_copy(update={"api_tokens": f"{WRITE}:write,{READ}:read",
-                                                 "max_body_bytes": 4096}))
+    app = create_app(settings.replace(api_tokens=f"{WRITE}:write,{READ}:read",
+                                      max_body_bytes=4096))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://turnlog") as http:
         yield http
@@ -142,7 +142,7 @@ def test_token_format():
 ])
 def test_bad_token_setting_fails_at_startup_without_echoing_it(value):
     with pytest.raises(ValidationError) as info:
-        Settings(api_tokens=value)
+        Settings.load(api_tokens=value)
     message = str(info.value)
     assert "TURNLOG_API_TOKENS entry" in message
     assert WRITE not in message

@@ -141,7 +141,7 @@ async def test_a_run_is_trusted_only_if_every_submission_says_so(client):
 
 
 async def test_the_whitelist_is_configurable(settings):
-    app = create_app(settings.model_copy(update={"metric_keys": "perf/tokens_per_s, train/x"}))
+    app = create_app(settings.replace(metric_keys="perf/tokens_per_s, train/x"))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://turnlog") as http:
         body = await submit(http, coordinate(), "r", [(KL, 0, 1.0), ("perf/tokens_per_s", 0, 2.0)])

@@ -55,7 +55,7 @@ def requests(sid: str) -> list[tuple[str, str, bytes | None, dict[str, str]]]:
 
 
 async def answers(url: str, bare: bool) -> list[tuple[int, str | None, str | None, bytes]]:
-    app = create_app(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
     routes = app.router.routes
     assert isinstance(routes[0], AppendRoute)
     if not bare:

@@ -16,7 +16,7 @@ LIMIT = 2000
 
 @pytest.fixture
 async def small(settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings.model_copy(update={"max_body_bytes": LIMIT}))
+    app = create_app(settings.replace(max_body_bytes=LIMIT))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as http:
         yield http
@@ -73,7 +73,7 @@ VALUES = 1000
 
 @pytest.fixture
 async def narrow(settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings.model_copy(update={"max_body_values": VALUES}))
+    app = create_app(settings.replace(max_body_values=VALUES))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as http:
         yield http
@@ -143,9 +143,9 @@ def big_turn() -> bytes:
 
 
 async def test_a_trickling_slot_holder_is_408_and_frees_its_slot(settings, sid):
-    app = create_app(settings.model_copy(update={
-        "large_body_bytes": 1000, "max_large_uploads": 1,
-        "min_upload_rate": 1_000_000, "upload_grace_s": 0.05}))
+    app = create_app(settings.replace(
+        large_body_bytes=1000, max_large_uploads=1,
+        min_upload_rate=1_000_000, upload_grace_s=0.05))
     raw = big_turn()
 
     async def trickle():
@@ -170,8 +170,8 @@ async def test_a_trickling_slot_holder_is_408_and_frees_its_slot(settings, sid):
 async def test_a_chunked_turn_waits_for_an_upload_slot(settings, sid):
     # Issue 21: a body without Content-Length never took a slot, so any number of
     # 49 MB chunked turns were read and decoded at once.
-    app = create_app(settings.model_copy(update={"large_body_bytes": 1000,
-                                                 "max_large_uploads": 1}))
+    app = create_app(settings.replace(large_body_bytes=1000,
+                                      max_large_uploads=1))
     raw = big_turn()
     holding, release = asyncio.Event(), asyncio.Event()
     second_started = asyncio.Event()

@@ -114,7 +114,7 @@ async def test_an_unreachable_database_is_still_503(tmp_path):
     from app.settings import Settings
 
     missing = tmp_path / "no" / "such" / "dir" / "db.sqlite"
-    app = create_app(Settings(database_url=f"sqlite+aiosqlite:///{missing}",
+    app = create_app(Settings.load(database_url=f"sqlite+aiosqlite:///{missing}",
                               migrate_on_start=False, api_tokens=""))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as http:

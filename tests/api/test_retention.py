@@ -180,7 +180,7 @@ async def test_bad_requests(client):
 async def test_rebuild_after_pruning_reproduces_every_projection(client, settings, sid):
     name, sids = await acked(client, {"run_id": sid}, count=2)
     await prune(client, name)
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         for session_id in sids:
             report = await rebuild(db, session_id)
@@ -231,7 +231,7 @@ async def test_postgres_space_is_reused_after_vacuum(client, settings, backend, 
         pytest.skip("PostgreSQL storage (SQLite reuses its free pages by itself)")
     size_sql = ("SELECT citus_total_relation_size('r3_patches')" if backend == "citus"
                 else "SELECT pg_total_relation_size('r3_patches')")
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
 
     async def size() -> int:
         async with db.read() as conn:

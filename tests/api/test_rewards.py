@@ -292,7 +292,7 @@ async def test_a_rebuild_reproduces_the_rewarded_projections(client, settings, s
     await reward(client, sid, reward=2.0, source="wide")
     await reward(client, sid, reward=3.0, response_id="same")
     before = await shown(client, sid)
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         report = await rebuild(db, sid)
         assert report.equal, report.mismatched

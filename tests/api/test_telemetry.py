@@ -81,7 +81,7 @@ async def test_fence_lag_is_zero_on_sqlite_and_the_oldest_transaction_on_postgre
         samples = await scrape(client)
         assert value(samples, "turnlog_feed_fence_lag_seconds") == 0.0
         return
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         async with db.write() as conn:
             await conn.execute(sa.text("SELECT pg_current_xact_id()"))  # takes a transaction id
@@ -135,7 +135,7 @@ async def test_a_rejected_append_logs_a_warning_with_the_problem_type(client, si
 async def test_rebuild_progress_gauges(client, settings, sid):
     await client.post("/v1/sessions", json=open_body(sid))
     progress = RebuildProgress()
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         await rebuild(db, sid, progress)
     finally:
@@ -148,7 +148,7 @@ async def test_metrics_answer_when_the_database_does_not(tmp_path):
     from app.settings import Settings
 
     url = f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/x.db"
-    app = create_app(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://localhost") as http:

@@ -142,7 +142,7 @@ async def test_node_cap_is_409(client, sid, settings):
 
     from app.main import create_app
 
-    settings.max_nodes = 2
+    settings.limits.max_nodes = 2
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as capped:
@@ -310,7 +310,7 @@ async def test_body_over_limit_is_413(client, sid, settings):
 
     from app.main import create_app
 
-    settings.max_body_bytes = 1000
+    settings.limits.max_body_bytes = 1000
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as small:

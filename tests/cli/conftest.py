@@ -31,7 +31,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def secured_server(db_url: str) -> Iterator[str]:
     import uvicorn
 
-    app = create_app(Settings(database_url=db_url, migrate_on_start=False,
+    app = create_app(Settings.load(database_url=db_url, migrate_on_start=False,
                               api_tokens=f"{TOKEN}:write"))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
                                            log_config=None, lifespan="on"))

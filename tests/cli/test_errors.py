@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import sqlite3
 import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -75,27 +76,25 @@ def test_an_unmigrated_postgres_database_says_run_migrate(fresh_database):
 
 def test_postgres_scheme_is_accepted_and_the_password_is_masked(fresh_database, monkeypatch):
     """`postgres://` (Heroku style) works; `serve` prints where it migrated, masked."""
-    import uvicorn
-
     url = make_url(fresh_database("postgres"))
     password = url.password or "not-needed-with-trust-auth"
     plain = url.set(drivername="postgres", password=password).render_as_string(
         hide_password=False)
     assert plain.startswith("postgres://")
     calls: list[Any] = []
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append(kw))
+    # What `serve` would hand uvicorn is recorded, not run (`app.cli.main` the module).
+    monkeypatch.setattr(sys.modules["app.cli.main"], "run_server", calls.append)
     result = run("serve", "--port", str(free_port()), "--database-url", plain)
     assert result.exit_code == 0, result.output
     assert "schema at head on postgresql+asyncpg://" in result.stderr
     assert ":***@" in result.stderr
     assert password not in result.output
-    assert calls and calls[0]["log_config"] is None
+    assert calls and calls[0].log_config is None
 
 
 def test_a_port_in_use_is_found_before_anything_is_created(tmp_path, monkeypatch):
-    import uvicorn
-
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: pytest.fail("uvicorn started"))
+    monkeypatch.setattr(sys.modules["app.cli.main"], "run_server",
+                        lambda config: pytest.fail("uvicorn started"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

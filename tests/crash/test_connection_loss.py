@@ -52,7 +52,7 @@ async def test_terminated_connections_answer_503_and_retries_land_each_turn_once
 ):
     url = fresh_database("postgres")
     await migrate.upgrade_async(url)
-    app = create_app(Settings(database_url=url, migrate_on_start=False))
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False))
     transport = RecordingTransport(httpx.ASGITransport(app=app, raise_app_exceptions=False))
     client = TurnlogClient("http://turnlog", transport=transport, retries=100,
                            retry_deadline=30, backoff=0.01, max_backoff=0.1)

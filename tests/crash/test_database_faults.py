@@ -39,7 +39,7 @@ from tests.pg.stoppable import stoppable_cluster
 
 
 def app_client(url: str) -> tuple[Any, httpx.AsyncClient]:
-    app = create_app(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                              base_url="http://localhost")
     return app, http
@@ -178,7 +178,7 @@ async def test_a_damaged_sqlite_file_is_not_ready_and_reads_are_503(tmp_path):
     assert (await http.get("/readyz")).status_code == 200
     await http.aclose()
     await app.state.services.db.dispose()
-    skip = create_app(Settings(database_url=url, migrate_on_start=False, api_tokens="",
+    skip = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens="",
                                integrity_check=False))
     assert await skip.state.services.integrity.problems() == []
     await skip.state.services.db.dispose()

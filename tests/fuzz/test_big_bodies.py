@@ -22,8 +22,8 @@ from tests.factory import open_body, turn
 
 
 async def test_large_turns_are_parsed_off_the_loop_a_few_at_a_time(settings, monkeypatch):
-    app = create_app(settings.model_copy(update={"large_body_bytes": 2000,
-                                                 "max_large_uploads": 1}))
+    app = create_app(settings.replace(large_body_bytes=2000,
+                                      max_large_uploads=1))
     loop_thread = threading.get_ident()
     lock = threading.Lock()
     seen: list[tuple[int, int]] = []  # (thread, body size class) per parse

@@ -114,7 +114,7 @@ def test_a_token_with_a_trailing_newline_is_not_a_valid_setting():
 @pytest.fixture
 async def local(settings) -> Any:
     """The app with the shipped defaults: no tokens, no extra allowed hosts."""
-    app = create_app(settings.model_copy(update={"allowed_hosts": ""}))
+    app = create_app(settings.replace(allowed_hosts=""))
     clients: list[httpx.AsyncClient] = []
 
     def make(host: str) -> httpx.AsyncClient:
@@ -165,14 +165,14 @@ async def test_a_cross_site_simple_write_is_refused(local, sid, content_type):
 
 
 async def test_allowed_hosts_widen_the_guard_and_tokens_lift_it(settings, sid):
-    named = create_app(settings.model_copy(update={"allowed_hosts": "turnlog.lab, other"}))
+    named = create_app(settings.replace(allowed_hosts="turnlog.lab, other"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=named),
                                  base_url="http://turnlog.lab:8000") as http:
         assert (await http.get("/v1/sessions")).status_code == 200
     await named.state.services.db.dispose()
     token = "t" * 24
-    guarded = create_app(settings.model_copy(update={"allowed_hosts": "",
-                                                     "api_tokens": f"{token}:write"}))
+    guarded = create_app(settings.replace(allowed_hosts="",
+                                          api_tokens=f"{token}:write"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded),
                                  base_url="http://turnlog.example",
                                  headers={"authorization": f"Bearer {token}"}) as http:
@@ -184,7 +184,7 @@ async def test_allowed_hosts_widen_the_guard_and_tokens_lift_it(settings, sid):
 
 async def test_readyz_does_not_echo_the_database_error(tmp_path):
     missing = tmp_path / "no" / "such" / "dir" / "db.sqlite"
-    app = create_app(Settings(database_url=f"sqlite+aiosqlite:///{missing}",
+    app = create_app(Settings.load(database_url=f"sqlite+aiosqlite:///{missing}",
                               migrate_on_start=False, api_tokens="", allowed_hosts=""))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as http:
@@ -277,9 +277,9 @@ async def test_a_client_hang_up_mid_body_is_not_a_server_error(settings, sid):
 
 async def test_too_many_or_too_large_headers_are_431_before_auth(settings):
     token = "t" * 24
-    app = create_app(settings.model_copy(update={"api_tokens": f"{token}:read",
-                                                 "max_headers": 20,
-                                                 "max_header_bytes": 4096}))
+    app = create_app(settings.replace(api_tokens=f"{token}:read",
+                                      max_headers=20,
+                                      max_header_bytes=4096))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost") as http:
         many = {f"x-h{i}": "1" for i in range(30)}

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.not_citus
 MAX_EXAMPLES = examples(25)
 PROBLEM_KEYS = ("type", "title", "status", "detail")
 
-SCHEMA = schemathesis.openapi.from_dict(create_app(Settings(
+SCHEMA = schemathesis.openapi.from_dict(create_app(Settings.load(
     database_url="sqlite+aiosqlite:///:memory:", migrate_on_start=False, api_tokens="")
 ).openapi())
 OPERATIONS = [result.ok() for result in SCHEMA.get_all_operations()]

@@ -36,7 +36,7 @@ STORE_TIMEOUT = "1"
 @contextlib.asynccontextmanager
 async def api(url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The REST API over the same database, in process (to read back what was stored)."""
-    app = create_app(Settings(database_url=url, migrate_on_start=False, api_tokens=""))
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://turnlog") as http:
         yield http

@@ -127,7 +127,7 @@ async def gateway(gateway_at: Callable[..., Any], db_url: str) -> Callable[..., 
 @contextlib.asynccontextmanager
 async def store_at(database_url: str) -> AsyncIterator[TurnlogClient]:
     """An in-process API client on `database_url`."""
-    settings = Settings(database_url=database_url, migrate_on_start=False, api_tokens="")
+    settings = Settings.load(database_url=database_url, migrate_on_start=False, api_tokens="")
     app = create_app(settings)
     client = TurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app))
     try:

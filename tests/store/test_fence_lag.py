@@ -51,8 +51,8 @@ def unprivileged_url(fresh_database):
 async def test_lag_counts_another_roles_transaction_without_pg_read_all_stats(
         unprivileged_url):
     admin_url, url = unprivileged_url
-    admin = build_services(Settings(database_url=admin_url, api_tokens=""))
-    app = build_services(Settings(database_url=url, api_tokens=""))
+    admin = build_services(Settings.load(database_url=admin_url, api_tokens=""))
+    app = build_services(Settings.load(database_url=url, api_tokens=""))
     try:
         async with app.db.read() as conn:
             assert not (await conn.execute(sa.text(

@@ -54,7 +54,7 @@ def plain_postgres(backend: str) -> None:
 
 @pytest.fixture
 async def pool(settings: Settings) -> AsyncIterator[asyncpg.Pool]:
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         yield await db.driver_pool()
     finally:
@@ -129,8 +129,7 @@ async def test_concurrent_sessions_store_exactly_the_rows_of_serial_appends(
     client sends them): the projections equal a rebuild from the log, the samples
     equal the in-memory fold of the same bodies, and groups of several sessions did
     commit together."""
-    grouped = settings.model_copy(update={"group_commit_window_us": 20_000,
-                                          "group_commit_max_appends": 8})
+    grouped = settings.replace(group_commit_window_us=20_000, group_commit_max_appends=8)
     app = create_app(grouped)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://turnlog")
     sims = []
@@ -165,7 +164,7 @@ async def test_concurrent_sessions_store_exactly_the_rows_of_serial_appends(
             got = (await client.get(f"/v1/sessions/{sid}/samples",
                                     params={"arrays": "true"})).json()
             assert strict_equal(got, expected), sid
-        db = Database(settings.database_url, settings)
+        db = Database(settings.store.database_url, settings)
         try:
             async with db.read() as conn:
                 for sim in sims:
@@ -266,7 +265,7 @@ async def test_two_appends_of_a_session_never_share_a_group(client, pool, plain_
 async def test_order_and_repeats_hold_through_the_api(settings, plain_postgres):
     """Concurrent appends of one session (and of others around it) keep seq dense and
     every parent existing; each repeat answers 200 with the first reply."""
-    app = create_app(settings.model_copy(update={"group_commit_window_us": 20_000}))
+    app = create_app(settings.replace(group_commit_window_us=20_000))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://turnlog")
     try:
         sids = [f"go-{i}-{uuid.uuid4().hex}" for i in range(8)]

@@ -62,7 +62,7 @@ async def test_simulated_sessions_append_in_one_call_and_equal_a_rebuild(
         sids.append(config.session_id)
     # Every append found its state cached (the first one after a fold of the open).
     assert calls == {"calls": turns, "written": turns}
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         async with db.read() as conn:
             for sid in sids:
@@ -137,7 +137,7 @@ async def test_the_function_refuses_a_stale_count_and_a_closed_session(client, s
     await client.post("/v1/sessions", json=open_body(sid))
     assert (await client.post(f"/v1/sessions/{sid}/turns",
                               json=turn([1], [2]))).status_code == 201
-    dsn = Database(settings.database_url, settings)
+    dsn = Database(settings.store.database_url, settings)
     pool = await dsn.driver_pool()
     try:
         head = {"active_leaf": 1, "topk": None, "spec_correct": 0, "spec_proposed": 0,
@@ -167,7 +167,7 @@ async def test_the_function_refuses_a_stale_count_and_a_closed_session(client, s
 async def test_rows_carry_the_coordinators_transaction_id(client, settings, sid, backend):
     """The feed fence compares event xids with the coordinator's horizon (dialect.py):
     the function runs on the coordinator (not delegated to a worker) on Citus."""
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     pool = await db.driver_pool()
     try:
         await client.post("/v1/sessions", json=open_body(sid))
@@ -190,7 +190,7 @@ async def test_on_citus_the_call_is_a_one_worker_transaction(client, settings, s
     sessions on both workers add none (each call stays on its session's worker)."""
     if backend != "citus":
         pytest.skip("Citus only")
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     pool = await db.driver_pool()
     try:
         async with pool.acquire() as conn:

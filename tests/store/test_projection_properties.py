@@ -104,7 +104,7 @@ async def test_rebuild_equals_incremental(client, settings):
                                             "labels": {"k": [1, 2]}})
     sids.append(open_only)
 
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         async with db.read() as conn:
             for sid in sids:
@@ -149,7 +149,7 @@ async def test_a_rebuild_beside_a_live_writer_says_it_needs_a_quiet_store(
             assert r.status_code == 200, r.text
         return await real(db, session_ids)
 
-    db = Database(settings.database_url, settings)
+    db = Database(settings.store.database_url, settings)
     try:
         monkeypatch.setattr(rebuild_module, "checksums", checksums_with_a_writer)
         report = await rebuild(db, sid)

@@ -57,7 +57,7 @@ async def play(url: str, one_call: bool, monkeypatch) -> None:
     clock = itertools.count(1_700_000_000_000_000, 1000)
     monkeypatch.setattr(writes, "now_us", lambda: next(clock))
     monkeypatch.setattr(Database, "one_trip_appends", property(lambda self: one_call))
-    db = Database(url, Settings(database_url=url))
+    db = Database(url, Settings.load(database_url=url))
     writer = Writer(db, StateCache(64), 1024)
     try:
         for seed in range(4):
@@ -85,7 +85,7 @@ async def play(url: str, one_call: bool, monkeypatch) -> None:
 
 
 async def table_rows(url: str) -> dict[str, list[tuple]]:
-    db = Database(url, Settings(database_url=url))
+    db = Database(url, Settings.load(database_url=url))
     try:
         async with db.read() as conn:
             return {table.name: sorted((await conn.execute(sa.select(table))).all(), key=repr)
@@ -110,7 +110,7 @@ async def test_one_call_writes_the_rows_the_general_path_writes(
 
 
 async def test_a_stale_cache_writes_nothing_and_the_general_path_decides(sqlite_db, calls):
-    dbs = [Database(sqlite_db, Settings(database_url=sqlite_db)) for _ in range(2)]
+    dbs = [Database(sqlite_db, Settings.load(database_url=sqlite_db)) for _ in range(2)]
     writers = [Writer(db, StateCache(8), 1024) for db in dbs]  # two processes' caches
     sid = "stale"
     try:
@@ -132,7 +132,7 @@ async def test_a_stale_cache_writes_nothing_and_the_general_path_decides(sqlite_
 
 
 async def test_a_failure_inside_the_transaction_leaves_nothing(sqlite_db, monkeypatch):
-    db = Database(sqlite_db, Settings(database_url=sqlite_db))
+    db = Database(sqlite_db, Settings.load(database_url=sqlite_db))
     writer = Writer(db, StateCache(8), 1024)
     sid = "fails"
     try:

@@ -119,7 +119,7 @@ async def test_the_cache_keeps_only_what_the_fold_needs_and_counts_it(settings, 
     # whole request body) and the byte count ignored them and the message text, so
     # a 10 MB budget grew ~10 MB per turn.
     budget = 200_000
-    app = create_app(settings.model_copy(update={"state_cache_bytes": budget}))
+    app = create_app(settings.replace(state_cache_bytes=budget))
     svc = app.state.services
     layers, topk, rows, text = 8, 8, 1_500, 60_000
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),

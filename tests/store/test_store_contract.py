@@ -45,7 +45,7 @@ async def stores(db_url: str) -> AsyncIterator[StoreFactory]:
     made: list[Services] = []
 
     async def make() -> Services:
-        made.append(build_services(Settings(database_url=db_url, migrate_on_start=False,
+        made.append(build_services(Settings.load(database_url=db_url, migrate_on_start=False,
                                             api_tokens="")))
         return made[-1]
 

@@ -15,7 +15,7 @@ TOKEN = "a-login-origin-token-0123456789"
     ("https://turnlog", 403), ("http://turnlog:80", 403), ("http://evil", 403),
     ("null", 403)])
 async def test_login_accepts_only_its_own_origin(settings, origin, status):
-    app = create_app(settings.model_copy(update={"api_tokens": f"{TOKEN}:read"}))
+    app = create_app(settings.replace(api_tokens=f"{TOKEN}:read"))
     headers = {"content-type": "application/x-www-form-urlencoded"}
     if origin is not None:
         headers["origin"] = origin

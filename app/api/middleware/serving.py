@@ -7,8 +7,8 @@ passed, before the request reaches the app or its authorization; and it
 closes a connection whose request line and headers do not arrive within
 `TURNLOG_HEADER_TIMEOUT_S` (408). Bodies are timed per read in
 `app.api.middleware.limits.BodyLimit`; idle keep-alive connections by uvicorn's own
-`timeout_keep_alive`. Settings are read from the environment of the worker
-process, as `turnlog serve` set it.
+`timeout_keep_alive`. The bounds are the `server` settings of `turnlog serve`,
+handed to every worker with uvicorn's configuration (`app.served.guarded_protocol`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from app.api.http_errors import Overloaded, RequestTimeout
 from app.api.middleware.guards import headers_too_large
 from app.domain.errors import DomainError
 from app.domain.wire import jsonio
-from app.settings import get_settings
+from app.settings import ServerSettings
 
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 # Cheap and database-free: a liveness probe must not read "dead" because a thousand
@@ -32,12 +32,11 @@ BYPASS_LIMIT = frozenset({"/healthz"})
 
 
 class GuardedHttpTools(HttpToolsProtocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, bounds: ServerSettings, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        settings = get_settings()
-        self.max_header_bytes = settings.max_header_bytes
-        self.max_headers = settings.max_headers
-        self.header_timeout = settings.header_timeout_s
+        self.max_header_bytes = bounds.max_header_bytes
+        self.max_headers = bounds.max_headers
+        self.header_timeout = bounds.header_timeout_s
         self._header_bytes = 0
         self._header_count = 0
         self._refusal: DomainError | None = None

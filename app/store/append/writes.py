@@ -147,13 +147,13 @@ class Writer:
             if self._via is None or self._via[0] is not pool:
                 settings = self.db.settings
                 via: asyncpg.Pool | GroupCommit = pool
-                if settings.group_commit_window_us > 0:
+                if settings.store.group_commit_window_us > 0:
                     async with pool.acquire() as conn:
                         citus = await conn.fetchval(CITUS_DETECT) is not None
                     if not citus:
-                        via = GroupCommit(pool, settings.group_commit_window_us / 1e6,
-                                          settings.group_commit_max_appends,
-                                          settings.group_commit_max_bytes)
+                        via = GroupCommit(pool, settings.store.group_commit_window_us / 1e6,
+                                          settings.store.group_commit_max_appends,
+                                          settings.store.group_commit_max_bytes)
                 self._via = (pool, via)
             return self._via[1]
 

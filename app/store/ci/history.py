@@ -42,10 +42,10 @@ from app.store.engine.schema import metric_points, metric_submissions
 from app.store.read.analytics import Analytics
 
 
-def metric_keys(configured: str) -> frozenset[str]:
-    """The whitelist from the comma-separated setting; empty means the default list."""
-    keys = frozenset(key.strip() for key in configured.split(",") if key.strip())
-    return keys or DEFAULT_METRIC_KEYS
+def metric_keys(configured: Iterable[str]) -> frozenset[str]:
+    """The whitelist from the setting (a list, parsed by app.settings); empty means the
+    default list."""
+    return frozenset(configured) or DEFAULT_METRIC_KEYS
 
 
 def run_key(coordinate: RunCoordinate, run_id: str) -> str:

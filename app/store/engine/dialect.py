@@ -105,8 +105,8 @@ def _server_settings(settings: Settings) -> dict[str, str]:
         "application_name": "turnlog",
         "idle_in_transaction_session_timeout": "30000",
     }
-    if settings.statement_timeout_ms:
-        server_settings["statement_timeout"] = str(settings.statement_timeout_ms)
+    if settings.store.statement_timeout_ms:
+        server_settings["statement_timeout"] = str(settings.store.statement_timeout_ms)
     return server_settings
 
 
@@ -114,8 +114,8 @@ def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
     server_settings = _server_settings(settings)
     return create_async_engine(
         url,
-        pool_size=settings.pool_size,
-        max_overflow=settings.max_overflow,
+        pool_size=settings.store.pool_size,
+        max_overflow=settings.store.max_overflow,
         pool_pre_ping=True,
         pool_recycle=1800,
         isolation_level="READ COMMITTED",
@@ -158,7 +158,7 @@ async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | Non
         return None
     dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     return await asyncpg.create_pool(
-        dsn, min_size=0, max_size=settings.pool_size, command_timeout=120,
+        dsn, min_size=0, max_size=settings.store.pool_size, command_timeout=120,
         server_settings=_server_settings(settings))
 
 

@@ -48,13 +48,13 @@ def run_migrations_online() -> None:
     if connection is not None:
         do_run_migrations(connection)
         return
-    url = config.attributes.get("url") or get_settings().database_url
+    url = config.attributes.get("url") or get_settings().store.database_url
     asyncio.run(run_async_migrations(url))
 
 
 if context.is_offline_mode():
     context.configure(
-        url=config.attributes.get("url") or get_settings().database_url,
+        url=config.attributes.get("url") or get_settings().store.database_url,
         target_metadata=target_metadata,
         literal_binds=True,
     )
