@@ -16,7 +16,14 @@ from app.domain.body.session import parse_close
 from app.domain.projection.samples import build_samples
 from app.domain.wire.jsonio import canonical
 from app.sim.simulator import SessionSimulator, SimConfig, SimRates, fold_in_memory, route
-from app.store.ops.rebuild import PROJECTIONS, checksums, computed_rows, projection_rows, rebuild
+from app.store.ops.rebuild import (
+    PROJECTIONS,
+    checksums,
+    computed_rows,
+    projection_rows,
+    rebuild,
+    rebuild_batch,
+)
 
 configs = st.builds(
     lambda version, mode, spec, trim: (version, mode, spec, trim),
@@ -118,11 +125,13 @@ async def test_rebuild_equals_incremental(client, settings):
             report = await rebuild(db, sid)
             assert report.equal, report.mismatched
         assert await checksums(db, sids) == before
-        # The whole store (every earlier test's sessions too) in batches of several
-        # sessions: on PostgreSQL and Citus their locks pipelined and their rows COPYed.
-        report = await rebuild(db, batch_sessions=3, parallel=2)
-        assert report.equal, report.mismatched
-        assert report.sessions >= len(sids)
+        # This test's sessions in batches of several, as a whole-store rebuild takes
+        # them (on PostgreSQL and Citus their locks pipelined and their rows COPYed); not
+        # the whole store, which holds rows other tests forged on purpose (a session row
+        # without its open event, test_session_list_api).
+        for start in range(0, len(sids), 3):
+            await rebuild_batch(db, sids[start:start + 3])
+        assert await checksums(db, sids) == before
     finally:
         await db.dispose()
 
