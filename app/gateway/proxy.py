@@ -40,6 +40,7 @@ from app.domain.body.gateway import (
     Unrecorded,
     build_record,
     classify_reply,
+    classify_reply_head,
     classify_request,
     is_hop_by_hop,
     open_body,
@@ -289,10 +290,22 @@ class Gateway:
             await self._passthrough(scope, receive, send, body)
             return
         try:
-            status, raw_headers, raw = await self._exchange(scope, body)
+            response = await self._open(scope, body)
         except UpstreamUnavailable as exc:
             await _problem(send, exc)
             return
+        head = classify_reply_head(response.status, response.headers.get("content-type", ""))
+        if head is not None:
+            # Whatever its body, it completes no turn: relayed as it comes, not held.
+            self.metrics.unrecorded.labels(head.reason).inc()
+            await _relay(scope, receive, send, response)
+            return
+        try:
+            raw = await self._read(response)
+        except UpstreamUnavailable as exc:
+            await _problem(send, exc)
+            return
+        status, raw_headers = response.status, response.raw_headers
         timestamp = time.time()
         headers = _buffered_headers(raw_headers, len(raw))
         reply = classify_reply(status, _decoded(raw_headers, raw))
@@ -312,14 +325,13 @@ class Gateway:
         await _send_raw(send, status, headers, raw)
         self.metrics.added.observe(time.time() - timestamp)
 
-    async def _exchange(self, scope: dict[str, Any], body: bytes
-                        ) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes | bytearray]:
-        """Send a buffered request upstream and read its whole reply: (status, raw
-        headers, raw body). UpstreamUnavailable when it does not answer or breaks off."""
+    async def _open(self, scope: dict[str, Any], body: bytes) -> aiohttp.ClientResponse:
+        """Send a buffered request upstream: its reply with the head read, the body not
+        yet. UpstreamUnavailable when it does not answer."""
         assert self.buffered is not None
         url, headers = self._target(scope)
         try:
-            response = await self.buffered.request(
+            return await self.buffered.request(
                 scope["method"], URL(str(url), encoded=True), data=body,
                 headers=[(name.decode("latin-1"), value.decode("latin-1"))
                          for name, value in headers],
@@ -329,6 +341,9 @@ class Gateway:
                 f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
                 + (f" ({exc})" if str(exc) else ""),
                 extra={"upstream": str(self.upstream)}) from exc
+
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes | bytearray:
+        """The whole reply body; UpstreamUnavailable when it breaks off."""
         try:
             raw = await _read_reply(response)
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -336,7 +351,7 @@ class Gateway:
             raise UpstreamUnavailable(
                 f"the upstream reply broke off: {type(exc).__name__}") from exc
         response.release()
-        return response.status, response.raw_headers, raw
+        return raw
 
     async def _record(self, scope: dict[str, Any], decision: Candidate, reply: Any,
                       request_timestamp: float, timestamp: float, size: int) -> str:
@@ -396,6 +411,32 @@ async def _watch_disconnect(receive: Any, gone: asyncio.Event) -> None:
 
 async def _read_body(receive: Any) -> bytes:
     return b"".join([chunk async for chunk in _stream_body(receive)])
+
+
+async def _relay(scope: dict[str, Any], receive: Any, send: Any,
+                 response: aiohttp.ClientResponse) -> None:
+    """Stream an upstream reply back as it comes (status and headers less hop-by-hop
+    ones, the raw body chunks); a caller that goes away stops it."""
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+    try:
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": [(name.lower(), value) for name, value in response.raw_headers
+                                if not is_hop_by_hop(name.decode("latin-1"))]})
+        async for chunk in response.content.iter_any():
+            if gone.is_set():
+                log.info("caller went away mid-reply", path=scope["path"])
+                break
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # Headers are gone already: all that is left is to cut the connection.
+        log.warning("upstream reply broke off", path=scope["path"], error=type(exc).__name__)
+        raise
+    finally:
+        watcher.cancel()
+        response.close()
 
 
 async def _read_reply(response: aiohttp.ClientResponse) -> bytes | bytearray:

@@ -22,7 +22,8 @@ Routes:
   Test knobs (request headers): `X-Sim-Status: N` answers N with a JSON error;
   `X-Sim-Reply: not-json | no-logprobs` answers text / JSON without the log-prob
   list; `X-Sim-Delay: S` waits S seconds first; `X-Sim-Pad: N` adds an N-byte
-  `sim_padding` string to the reply (big replies).
+  `sim_padding` string to the reply (big replies); `X-Sim-Chunks: N` streams N
+  chunks 0.3 s apart (status `X-Sim-Status`, type `X-Sim-Content-Type`).
 - `GET /health` (200 "OK"), `GET /metrics` (Prometheus text), `GET /workers`.
 - `GET /stream?chunks=N&size=B&delay=S`: N chunks of B bytes, chunked, spaced S s.
 - Everything else (`/generate`, `/add_worker`, …): an echo — JSON of the method,
@@ -197,6 +198,19 @@ class FakeSGLang:
     async def _chat(self, headers: dict[str, str], body: bytes, send: Any) -> None:
         if "x-sim-delay" in headers:
             await asyncio.sleep(float(headers["x-sim-delay"]))
+        if "x-sim-chunks" in headers:
+            # A reply streamed in N chunks 0.3 s apart, whatever the request: status and
+            # content type from x-sim-status / x-sim-content-type.
+            await send({"type": "http.response.start",
+                        "status": int(headers.get("x-sim-status", "200")),
+                        "headers": [(b"content-type", headers.get(
+                            "x-sim-content-type", "application/json").encode("latin-1"))]})
+            for i in range(int(headers["x-sim-chunks"])):
+                await asyncio.sleep(0.3)
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": f"chunk {i}\n".encode()})
+            await send({"type": "http.response.body", "body": b""})
+            return
         if "x-sim-status" in headers:
             status = int(headers["x-sim-status"])
             await _reply(send, status, json.dumps({"error": f"simulated {status}"}).encode())

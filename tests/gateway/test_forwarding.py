@@ -131,6 +131,39 @@ async def test_a_chunked_streaming_reply_stays_streamed(forwarder):
     assert len(arrivals) >= 2 and arrivals[-1] - arrivals[0] > 0.3
 
 
+@pytest.mark.parametrize(("status", "content_type", "reason"), [
+    ("503", "application/json", "upstream-status"),
+    ("200", "text/event-stream", "not-json"),
+])
+async def test_a_turn_whose_reply_cannot_be_recorded_is_streamed(forwarder, status,
+                                                                  content_type, reason):
+    """A turn-shaped request whose reply completes no turn whatever its body (not 200,
+    an event stream) gets that reply as it comes, not held until its end."""
+    gateway = forwarder
+    sid = f"s-stream-{reason}"
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        before = metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                        f'reason="{reason}"')
+        headers = {"X-SMG-Routing-Key": sid, "X-Sim-Chunks": "4", "X-Sim-Status": status,
+                   "X-Sim-Content-Type": content_type}
+        async with http.stream("POST", "/v1/chat/completions", json=chat([1, 2, 3]),
+                               headers=headers) as reply:
+            assert reply.status_code == int(status)
+            assert reply.headers["content-type"] == content_type
+            assert "content-length" not in reply.headers
+            arrivals, data = [], b""
+            async for chunk in reply.aiter_raw():
+                arrivals.append(time.monotonic())
+                data += chunk
+        assert data == b"".join(f"chunk {i}\n".encode() for i in range(4))
+        # The first chunk came while the upstream was still sending (0.3 s apart).
+        assert len(arrivals) >= 2 and arrivals[-1] - arrivals[0] > 0.3
+        after = metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                       f'reason="{reason}"')
+        assert after == before + 1
+        assert (await http.get("/turnlog/healthz")).status_code == 200
+
+
 async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_process):
     closed_port = free_port()  # nothing listens there
     down = gateway_process(_sqlite(tmp_path), upstream=f"http://127.0.0.1:{closed_port}")

@@ -24,6 +24,7 @@ from app.domain.body.gateway import (
     GatewayDefaults,
     Unrecorded,
     classify_reply,
+    classify_reply_head,
     classify_request,
     forwarded_headers,
     open_body,
@@ -89,6 +90,16 @@ def test_reply_classification() -> None:
     for bad in ({}, {"choices": []}, {"choices": [{"meta_info": {}}]},
                 {"choices": [{"meta_info": {"output_token_logprobs": None}}]}, [1]):
         assert classify_reply(200, json.dumps(bad).encode()) == Unrecorded(NOT_TITO), bad
+
+
+def test_reply_head_classification() -> None:
+    """Decided on the status and content type alone: relayed streaming, never held."""
+    assert classify_reply_head(200, "application/json") is None
+    assert classify_reply_head(200, "") is None  # no type: read it and look
+    assert classify_reply_head(500, "application/json") == Unrecorded(UPSTREAM_STATUS)
+    assert classify_reply_head(204, "") == Unrecorded(UPSTREAM_STATUS)
+    for event_stream in ("text/event-stream", "Text/Event-Stream; charset=utf-8"):
+        assert classify_reply_head(200, event_stream) == Unrecorded(NOT_JSON)
 
 
 def test_hop_by_hop_headers() -> None:

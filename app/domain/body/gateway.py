@@ -93,6 +93,17 @@ def classify_request(session_header_value: str | None, body: bytes) -> Candidate
     return Candidate(session_header_value, request)
 
 
+def classify_reply_head(status: int, content_type: str) -> Unrecorded | None:
+    """Step two, before the body: a reply that cannot complete a turn whatever its body
+    holds (not 200, or a server-sent event stream) is relayed as it comes, streamed,
+    not buffered; None: read the whole body and classify it (`classify_reply`)."""
+    if status != 200:
+        return Unrecorded(UPSTREAM_STATUS)
+    if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
+        return Unrecorded(NOT_JSON)
+    return None
+
+
 def classify_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
     """Step two: the upstream's reply as parsed JSON if it completes a turn."""
     if status != 200:
