@@ -101,7 +101,7 @@ async def main() -> None:
         if backend == "sqlite":
             url = f"sqlite+aiosqlite:////tmp/turnlog-bench-rebuild-{uuid.uuid4().hex[:6]}.db"
         else:
-            url = create_database(postgres(args.postgres_url),
+            url = create_database(postgres(args.postgres_url, durable=True),
                                   f"bench_rebuild_{uuid.uuid4().hex[:6]}")
         await migrate.upgrade_async(url)
         t0 = time.perf_counter()
