@@ -3,7 +3,7 @@
 #   make run  [HOST=0.0.0.0] [PORT=9000]   migrate ./turnlog.db to head and serve the API
 #   make install-serve                     install what serving needs (the server and ./client)
 #   make install                           the same plus the test extras (pytest, linters, ...)
-#   make test [PYTEST_ARGS='-k foo -x']    pytest, then ruff and mypy (any failure fails)
+#   make test [PYTEST_ARGS='-k foo -x'] [JOBS=2]  pytest in JOBS processes, then ruff and mypy
 #   make lint                              ruff + mypy only
 #   make clean                             remove the venv and install stamp (never data)
 #   make delete-local-db CONFIRM=yes       delete ./turnlog.db* — the event log itself
@@ -18,6 +18,9 @@ SERVE_STAMP := $(VENV)/.turnlog-serve-installed
 SOURCES := pyproject.toml client/pyproject.toml
 
 PYTEST_ARGS ?=
+# pytest-xdist processes for `make test` (each starts its own PostgreSQL and Citus);
+# JOBS=0 runs in this process.
+JOBS ?= 2
 RUN_ARGS := $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -50,7 +53,7 @@ run: $(SERVE_STAMP)
 	$(BIN)/turnlog serve $(RUN_ARGS)
 
 test: $(STAMP)
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(JOBS) $(PYTEST_ARGS)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
