@@ -260,25 +260,11 @@ class Gateway:
             return
         # The request body is up by now: a caller that goes away stops the relay (and
         # closes the upstream connection) instead of reading a long reply to the end.
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(_watch_disconnect(receive, gone))
         try:
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": _reply_headers(response)})
-            async for chunk in response.aiter_raw():
-                if gone.is_set():
-                    log.info("caller went away mid-reply", path=scope["path"])
-                    break
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        except httpx.TransportError as exc:
-            # Headers are gone already: all that is left is to cut the connection.
-            log.warning("upstream reply broke off", path=scope["path"],
-                        error=type(exc).__name__)
-            raise
+            await _stream_back(scope, receive, send, response.status_code,
+                               _reply_headers(response), response.aiter_raw(),
+                               httpx.TransportError)
         finally:
-            watcher.cancel()
             await response.aclose()
 
     async def _recorded_path(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -415,28 +401,38 @@ async def _read_body(receive: Any) -> bytes:
 
 async def _relay(scope: dict[str, Any], receive: Any, send: Any,
                  response: aiohttp.ClientResponse) -> None:
-    """Stream an upstream reply back as it comes (status and headers less hop-by-hop
-    ones, the raw body chunks); a caller that goes away stops it."""
+    """Stream an upstream reply of the buffered client back as it comes."""
+    headers = [(name.lower(), value) for name, value in response.raw_headers
+               if not is_hop_by_hop(name.decode("latin-1"))]
+    try:
+        await _stream_back(scope, receive, send, response.status, headers,
+                           response.content.iter_any(), (aiohttp.ClientError, TimeoutError))
+    finally:
+        response.close()
+
+
+async def _stream_back(scope: dict[str, Any], receive: Any, send: Any, status: int,
+                       headers: list[Any], chunks: AsyncIterator[bytes],
+                       broke: type[BaseException] | tuple[type[BaseException], ...]) -> None:
+    """Send status and headers, then each chunk as the upstream gives it; a caller that
+    goes away stops it. `broke`: the client's errors for a reply cut off mid-way."""
     gone = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, gone))
     try:
-        await send({"type": "http.response.start", "status": response.status,
-                    "headers": [(name.lower(), value) for name, value in response.raw_headers
-                                if not is_hop_by_hop(name.decode("latin-1"))]})
-        async for chunk in response.content.iter_any():
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        async for chunk in chunks:
             if gone.is_set():
                 log.info("caller went away mid-reply", path=scope["path"])
                 break
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except broke as exc:
         # Headers are gone already: all that is left is to cut the connection.
         log.warning("upstream reply broke off", path=scope["path"], error=type(exc).__name__)
         raise
     finally:
         watcher.cancel()
-        response.close()
 
 
 async def _read_reply(response: aiohttp.ClientResponse) -> bytes | bytearray:
