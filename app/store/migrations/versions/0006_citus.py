@@ -2,7 +2,7 @@
 
 Only on a database with the Citus extension (`CREATE EXTENSION citus` before
 migrating, on a coordinator with its workers registered); everywhere else
-this revision does nothing. See `app/store/citus.py` for what changes and
+this revision does nothing. See `app/store/engine/citus.py` for what changes and
 why (primary keys of `sessions` and `events` gain `session_id`; the
 immutability triggers land on every shard). A migration added after this
 one that creates a session table on Citus calls `citus.distribute` with it.

@@ -13,10 +13,10 @@ On Citus the function is deliberately *not* distributed (no
 are each routed to the one worker holding the session's colocated shards, so
 the call is still a single-worker transaction (one-phase commit) and the
 `xid` and `position` defaults are the coordinator's, as the feed fence needs
-(`app/store/dialect.py`). A function delegated to the worker would stamp the
+(`app/store/engine/dialect.py`). A function delegated to the worker would stamp the
 worker's transaction ids.
 
-The argument order is the one `app/store/fastpath.py` binds. SQLite has no
+The argument order is the one `app/store/append/fastpath.py` binds. SQLite has no
 functions; its append stays a `BEGIN IMMEDIATE` transaction.
 
 Revision ID: 0008
