@@ -105,8 +105,14 @@ def reset_peak(pid: int) -> bool:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (all its threads)."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` so far (all its threads)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    hz = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / hz, int(fields[12]) / hz
 
 
 def start_py_spy(out: str, pid: int) -> subprocess.Popen[bytes]:
@@ -210,7 +216,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway: str,
-                  out: list[tuple[float, float, int]]) -> None:
+                  out: list[tuple[float, float, int]], recorded: bool = True) -> None:
+    """One session's turns, each sent straight and through the gateway; `recorded`
+    False leaves the routing header out, so the gateway relays the turns unrecorded."""
     sid = f"bench-{uuid.uuid4().hex[:8]}-{index}"
     tokens: list[int] = []
     async with Conn(direct) as to_direct, Conn(gateway) as to_gateway:
@@ -219,7 +227,7 @@ async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway
                    for i in range(turn_tokens - OUTPUT_TOKENS)]
             input_ids = tokens + new
             body = chat_body(input_ids, max(len(tokens) - 1, 0))
-            headers = {HEADER: sid}
+            headers = {HEADER: sid} if recorded else {}
             timed: dict[str, tuple[float, int, bytes]] = {}
             order = [("direct", to_direct), ("gateway", to_gateway)]
             for name, conn in order if turn % 2 == 0 else order[::-1]:
@@ -280,6 +288,31 @@ async def big_reply(gateway: str, pid: int, mb: int) -> list[tuple[str, int, int
     return results
 
 
+async def latency(args: argparse.Namespace, direct: str, gateway: str, pid: int,
+                  recorded: bool) -> None:
+    """Part 1: the turns straight and through the gateway; added latency and CPU."""
+    pairs: list[tuple[float, float, int]] = []
+    user0, system0 = cpu_split(pid)
+    await asyncio.gather(*(session(i, args.turns, args.turn_tokens, direct, gateway, pairs,
+                                   recorded) for i in range(args.sessions)))
+    user1, system1 = cpu_split(pid)
+    added = [g - d for d, g, _ in pairs]
+    size = statistics.mean(n for _, _, n in pairs)
+    kind = "recorded" if recorded else "relayed unrecorded (no routing header)"
+    print(f"-- turns {kind}; reply size: mean {size / 1e6:.2f} MB")
+    print(f"direct:   p50 {percentile([d for d, _, _ in pairs], .5) * 1000:7.1f} ms  "
+          f"p99 {percentile([d for d, _, _ in pairs], .99) * 1000:7.1f} ms")
+    print(f"gateway:  p50 {percentile([g for _, g, _ in pairs], .5) * 1000:7.1f} ms  "
+          f"p99 {percentile([g for _, g, _ in pairs], .99) * 1000:7.1f} ms")
+    targets = (" (target <= 20)", " (target <= 60)") if recorded else ("", "")
+    print(f"added per turn ({len(added)} turns): p50 {percentile(added, .5) * 1000:.1f} ms"
+          f"{targets[0]}, p99 {percentile(added, .99) * 1000:.1f} ms{targets[1]}")
+    # CPU is the figure a loaded machine disturbs least (wall time queues).
+    turns = len(pairs) + args.sessions
+    print(f"gateway process CPU per turn: {(user1 - user0) / turns * 1000:.1f} ms user + "
+          f"{(system1 - system0) / turns * 1000:.1f} ms system (all its threads)", flush=True)
+
+
 def added_histogram(metrics: str) -> str:
     count = total = None
     for line in metrics.splitlines():
@@ -303,6 +336,9 @@ async def main() -> None:
                         help="new tokens (and R3 rows) per turn")
     parser.add_argument("--passthrough", type=int, default=500,
                         help="GET /health pairs for the passthrough figure")
+    parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
+                        help="also send the same turns without the routing header "
+                             "(relayed, not recorded) for the relay's own cost")
     parser.add_argument("--big-reply-mb", type=int, default=100, help="0 = skip")
     parser.add_argument("--py-spy", metavar="FILE",
                         help="record a py-spy profile (raw format) of the gateway during "
@@ -337,31 +373,18 @@ async def main() -> None:
             print(f"{args.sessions} sessions x {args.turns} turns of {args.turn_tokens} "
                   f"tokens, R3 {LAYERS} layers x top-{TOPK}, PostgreSQL, addition mode",
                   flush=True)
-            pairs: list[tuple[float, float, int]] = []
             spy = start_py_spy(args.py_spy, proxy.pid) if args.py_spy else None
-            cpu_before = cpu_seconds(proxy.pid)
-            await asyncio.gather(*(session(i, args.turns, args.turn_tokens, direct, gateway,
-                                           pairs) for i in range(args.sessions)))
-            cpu = cpu_seconds(proxy.pid) - cpu_before
+            await latency(args, direct, gateway, proxy.pid, recorded=True)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                 spy.wait(30)
-            added = [g - d for d, g, _ in pairs]
-            size = statistics.mean(n for _, _, n in pairs)
-            print(f"reply size: mean {size / 1e6:.2f} MB")
-            print(f"direct:   p50 {percentile([d for d, _, _ in pairs], .5) * 1000:7.1f} ms  "
-                  f"p99 {percentile([d for d, _, _ in pairs], .99) * 1000:7.1f} ms")
-            print(f"gateway:  p50 {percentile([g for _, g, _ in pairs], .5) * 1000:7.1f} ms  "
-                  f"p99 {percentile([g for _, g, _ in pairs], .99) * 1000:7.1f} ms")
-            print(f"added per turn ({len(added)} turns): p50 {percentile(added, .5) * 1000:.1f} ms "
-                  f"(target <= 20), p99 {percentile(added, .99) * 1000:.1f} ms (target <= 60)")
             async with httpx.AsyncClient(timeout=30) as http:
                 metrics = (await http.get(gateway + "/turnlog/metrics")).text
             print(f"gateway's own turnlog_gateway_added_seconds: {added_histogram(metrics)}")
-            # CPU is the figure a loaded machine disturbs least (wall time queues).
-            print(f"gateway process CPU per recorded turn: "
-                  f"{cpu / (len(pairs) + args.sessions) * 1000:.1f} ms "
-                  f"(user+system, all its threads)")
+            if args.relay:
+                # The same turns without the routing header: what relaying a reply of
+                # this size costs before anything is recorded.
+                await latency(args, direct, gateway, proxy.pid, recorded=False)
 
             cpu_before = cpu_seconds(proxy.pid)
             through = await passthrough(direct, gateway, args.passthrough)
