@@ -33,20 +33,12 @@ import uuid
 
 import asyncpg
 import numpy as np
+from sqlalchemy.engine import make_url
 
-from bench.common import pg_dsn
+from bench.common import pg_dsn, postgres, show_durability
 from bench.ingest import LAYERS, TOPK, TURNLOG_TABLES, bench_turnlog, make_session
-from tests.citusserver import create_citus_database, start_citus
-from tests.pgserver import create_database, start_postgres
-
-
-async def durable(urls: list[str]) -> None:
-    for url in urls:
-        conn = await asyncpg.connect(pg_dsn(url))
-        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
-            await conn.execute(f"ALTER SYSTEM SET {setting} = on")
-        await conn.execute("SELECT pg_reload_conf()")
-        await conn.close()
+from tests.citusserver import create_citus_database, start_citus, start_durable_citus
+from tests.pgserver import create_database
 
 
 async def stored(url: str, citus: bool) -> int:
@@ -130,10 +122,13 @@ async def main() -> None:
 
     from app.store.engine import migrate
 
-    pg = start_postgres()
-    cluster = start_citus()
-    if not args.fast_unsafe:
-        await durable([pg.url, *cluster.nodes])
+    # Durability is set on each server's command line: `ALTER SYSTEM` cannot
+    # override the test clusters' `-c fsync=off`.
+    pg = postgres(None, durable=not args.fast_unsafe)
+    cluster = start_citus() if args.fast_unsafe else start_durable_citus()
+    print(f"PostgreSQL: {await show_durability(pg.url)}")
+    for node in cluster.nodes:
+        print(f"Citus node {make_url(node).port}: {await show_durability(node)}", flush=True)
     rng = np.random.default_rng(7)
     results: dict[str, list[float]] = {"postgres": [], "citus": [], "citus-nofence": []}
     sizes: dict[str, int] = {}
@@ -152,12 +147,13 @@ async def main() -> None:
             await migrate.upgrade_async(url)
             if name == "citus-nofence":
                 await no_fence(url)
-            elapsed = await bench_turnlog(url, plans, args.clients, 1)
+            elapsed, cpu = await bench_turnlog(url, plans, args.clients, 1)
             results[name].append(elapsed)
             sizes[name] = await stored(url, name != "postgres")
             print(f"  round {round_}: {name:14s} {turns / elapsed:7.2f} turns/s "
                   f"({elapsed * 1000 * args.clients / turns:7.1f} ms per append at "
-                  f"{args.clients} clients)", flush=True)
+                  f"{args.clients} clients; server CPU {cpu * 1000 / turns:.1f} ms/turn)",
+                  flush=True)
     raw = rows * LAYERS * TOPK * 4
     if args.rounds:
         _report(results, sizes, turns, raw, args.clients)

@@ -132,7 +132,15 @@ def ensure_installed() -> None:
         raise RuntimeError(f"{INSTALLER} failed with exit {proc.returncode}{hint}: {reason}")
 
 
-def _start() -> CitusCluster:
+def start_durable_citus() -> CitusCluster:
+    """A Citus cluster of its own with production durability (fsync, synchronous
+    commit and full-page writes on), for benchmarks: the test cluster's `-c fsync=off`
+    on the command line outranks any `ALTER SYSTEM`. Not cached; stopped at exit."""
+    ensure_installed()
+    return _start(durable=True)
+
+
+def _start(durable: bool = False) -> CitusCluster:
     initdb, pg_ctl = str(BINDIR / "initdb"), str(BINDIR / "pg_ctl")
     if os.geteuid() == 0:
         _ensure_os_user()
@@ -158,19 +166,21 @@ def _start() -> CitusCluster:
             if proc.returncode != 0:
                 raise RuntimeError(f"copying the Citus {role}'s data failed: {proc.stderr}")
         clusters.append((role, cluster))
-    urls = [_pg_start(pg_ctl, cluster, role) for role, cluster in clusters]
+    urls = [_pg_start(pg_ctl, cluster, role, durable) for role, cluster in clusters]
     return CitusCluster(coordinator=urls[0], workers=tuple(urls[1:]))
 
 
-def _pg_start(pg_ctl: str, cluster: _Cluster, role: str) -> str:
+def _pg_start(pg_ctl: str, cluster: _Cluster, role: str, durable: bool = False) -> str:
     data, log = cluster.base / "data", cluster.base / "postgres.log"
+    durability = "on" if durable else "off"
     errors: list[str] = []
     for _attempt in range(3):  # a free port can be taken by someone else in between
         port = _free_port()
         options = (
             f"-p {port} -k {shlex.quote(str(cluster.base))} -c listen_addresses=127.0.0.1 "
-            "-c shared_preload_libraries=citus -c fsync=off -c synchronous_commit=off "
-            "-c full_page_writes=off -c max_connections=300 -c max_prepared_transactions=300 "
+            f"-c shared_preload_libraries=citus -c fsync={durability} "
+            f"-c synchronous_commit={durability} -c full_page_writes={durability} "
+            "-c max_connections=300 -c max_prepared_transactions=300 "
             f"-c citus.shard_count={SHARD_COUNT} -c citus.log_distributed_deadlock_detection=off "
             # Two-phase commit records stay in pg_dist_transaction (recovery would clean
             # them up every minute): tests count them to prove an append needs none.
