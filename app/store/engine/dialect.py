@@ -159,7 +159,16 @@ async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | Non
     dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     return await asyncpg.create_pool(
         dsn, min_size=0, max_size=settings.store.pool_size, command_timeout=120,
-        server_settings=_server_settings(settings))
+        server_settings=_server_settings(settings), reset=_nothing_to_reset)
+
+
+async def _nothing_to_reset(_conn: asyncpg.Connection) -> None:
+    """The driver pool's release step, in place of asyncpg's default reset query
+    (`pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL`): one more round
+    trip after every append's commit, before its caller is answered. The pool's
+    connections only ever call `turnlog_append` / `turnlog_try_append` in their own
+    transactions — no session locks, cursors, LISTENs or SETs to undo; asyncpg still
+    rolls back a transaction left open before this runs."""
 
 
 # -- SQL --------------------------------------------------------------------------
