@@ -2,7 +2,8 @@
 
 Parses the flags (each has a `TURNLOG_GATEWAY_*` environment variable),
 checks the port before anything starts, migrates the store when it can
-(a store that is down at start is not fatal: turns go to the spool), then
+(a store that is down at start is not fatal: turns go to the spool), sets
+the allocator up for turn-sized buffers (app.gateway.allocator), then
 serves `app.gateway.proxy.Gateway` with uvicorn.
 
 Refuses: forwarding and recording (app.gateway) and their rules (app.domain.body.gateway).
@@ -129,6 +130,9 @@ def gateway(
     if len(spool):
         err().print(f"{len(spool)} spooled turns ({spool.bytes} bytes) are appended as soon "
                     "as the store answers")
+    from app.gateway.allocator import keep_turn_buffers_resident
+
+    keep_turn_buffers_resident()
     # Date and Server are the upstream's: the caller sees its headers, not ours.
     uvicorn.run(Gateway(config, common.settings_for(url), spool), host=host, port=port,
                 log_config=None, lifespan="on", server_header=False, date_header=False,

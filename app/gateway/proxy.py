@@ -2,15 +2,15 @@
 
 Every request is forwarded to the upstream as it came: method, raw path,
 query, headers less the hop-by-hop ones and `Host` (the upstream's), plus
-`X-Forwarded-For`. Passthrough requests go through one pooled httpx client,
-streamed both ways (the request body up as it arrives, the reply back chunk
-by chunk, so a 100 MB reply never sits in memory). A turn that may be
-recorded has its request body buffered (it must be parsed) and its reply
-buffered too, since it goes back only once the turn is durable
-(app.gateway.recorder); that exchange goes through a pooled aiohttp client,
-whose C parser reads a 4 MB reply for a fifth of httpx's CPU on the one event
-loop every session shares (no decompression, no cookies, no default headers:
-the bytes are the caller's and the upstream's). The gateway's own routes live under `/turnlog/`.
+`X-Forwarded-For`, through one pooled aiohttp client, whose C parser reads a
+4 MB reply for a fifth of httpx's CPU on the one event loop every session
+shares (no decompression, no cookies, no default headers: the bytes are the
+caller's and the upstream's). Passthrough requests are streamed both ways
+(the request body up as it arrives, the reply back chunk by chunk, so a
+100 MB reply never sits in memory). A turn that may be recorded has its
+request body buffered (it must be parsed) and its reply buffered too, since
+it goes back only once the turn is durable (app.gateway.recorder). The
+gateway's own routes live under `/turnlog/`.
 Upstream unreachable or timed out → 502 problem+json `upstream-unavailable`.
 
 Refuses: the rules of what is recorded (app.domain.body.gateway) and storage
@@ -61,7 +61,7 @@ log = structlog.get_logger("turnlog.gateway")
 
 PROBLEM = b"application/problem+json"
 OWN_PREFIX = "/turnlog/"
-# Request headers never sent on: hop-by-hop ones, and Host (httpx sets the upstream's).
+# Request headers never sent on: hop-by-hop ones, and Host (aiohttp sets the upstream's).
 DROP_REQUEST = frozenset({b"host"})
 
 
@@ -97,25 +97,14 @@ class Gateway:
         self.session_header = config.session_header.lower().encode("latin-1")
         self.upstream = httpx.URL(config.upstream)
         self.base_path = self.upstream.raw_path.rstrip(b"/")
-        self.client: httpx.AsyncClient | None = None
-        self.buffered: aiohttp.ClientSession | None = None
+        self.client: aiohttp.ClientSession | None = None
         self.services: Services | None = None
         self.recorder: Recorder | None = None
 
     # -- lifespan --------------------------------------------------------------------
 
     async def startup(self) -> None:
-        timeout = httpx.Timeout(self.config.upstream_timeout)
-        limits = httpx.Limits(max_connections=self.config.max_connections,
-                              max_keepalive_connections=self.config.max_connections)
-        client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False,
-                                   trust_env=False)
-        # The caller's headers go up as they are: none of httpx's own defaults
-        # (an Accept-Encoding the caller did not send would change the reply's bytes).
-        for name in list(client.headers.keys()):
-            del client.headers[name]
-        self.client = client
-        self.buffered = aiohttp.ClientSession(
+        self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.config.max_connections),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.upstream_timeout,
                                           sock_read=self.config.upstream_timeout),
@@ -140,9 +129,7 @@ class Gateway:
             await self.recorder.stop()
             self.recorder.spool.close()
         if self.client is not None:
-            await self.client.aclose()
-        if self.buffered is not None:
-            await self.buffered.close()
+            await self.client.close()
         if self.services is not None:
             await self.services.db.dispose()
 
@@ -206,12 +193,6 @@ class Gateway:
 
     # -- forwarding ------------------------------------------------------------------------
 
-    def _request(self, scope: dict[str, Any], content: Any) -> httpx.Request:
-        assert self.client is not None
-        url, headers = self._target(scope)
-        return self.client.build_request(scope["method"], url, headers=headers,
-                                         content=content)
-
     def _target(self, scope: dict[str, Any]) -> tuple[httpx.URL, list[tuple[bytes, bytes]]]:
         """The upstream URL and the headers to send it (InvalidRequest: not forwardable)."""
         raw_path = self.base_path + (scope.get("raw_path") or scope["path"].encode())
@@ -233,39 +214,19 @@ class Gateway:
                                  actual=repr(raw_path[:80])) from exc
         return url, headers
 
-    async def _upstream(self, request: httpx.Request) -> httpx.Response:
-        assert self.client is not None
-        try:
-            return await self.client.send(request, stream=True)
-        except (httpx.TransportError, httpx.InvalidURL) as exc:
-            raise UpstreamUnavailable(
-                f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
-                + (f" ({exc})" if str(exc) else ""),
-                extra={"upstream": str(self.upstream)}) from exc
-
     async def _passthrough(self, scope: dict[str, Any], receive: Any, send: Any,
                            body: bytes | None = None) -> None:
         """Forward one request and stream its reply back as it comes."""
-        content: Any
-        if body is not None:
-            content = body
-        elif _has_body(scope):
-            content = _stream_body(receive)
-        else:
-            content = None
+        upload: _Upload | None = None
+        content: Any = body
+        if body is None and _has_body(scope):
+            upload = content = _Upload(receive)
         try:
-            response = await self._upstream(self._request(scope, content))
+            response = await self._open(scope, content)
         except UpstreamUnavailable as exc:
             await _problem(send, exc)
             return
-        # The request body is up by now: a caller that goes away stops the relay (and
-        # closes the upstream connection) instead of reading a long reply to the end.
-        try:
-            await _stream_back(scope, receive, send, response.status_code,
-                               _reply_headers(response), response.aiter_raw(),
-                               httpx.TransportError)
-        finally:
-            await response.aclose()
+        await _relay(scope, receive, send, response, upload)
 
     async def _recorded_path(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         request_timestamp = time.time()
@@ -311,18 +272,21 @@ class Gateway:
         await _send_raw(send, status, headers, raw)
         self.metrics.added.observe(time.time() - timestamp)
 
-    async def _open(self, scope: dict[str, Any], body: bytes) -> aiohttp.ClientResponse:
-        """Send a buffered request upstream: its reply with the head read, the body not
-        yet. UpstreamUnavailable when it does not answer."""
-        assert self.buffered is not None
+    async def _open(self, scope: dict[str, Any], body: Any) -> aiohttp.ClientResponse:
+        """Send a request upstream (`body`: bytes, an `_Upload` or None): its reply with
+        the head read, the body not yet. UpstreamUnavailable when it does not answer;
+        ClientGone when the caller went away while its body was going up."""
+        assert self.client is not None
         url, headers = self._target(scope)
         try:
-            return await self.buffered.request(
+            return await self.client.request(
                 scope["method"], URL(str(url), encoded=True), data=body,
                 headers=[(name.decode("latin-1"), value.decode("latin-1"))
                          for name, value in headers],
                 allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if isinstance(exc.__cause__, ClientGone):  # aiohttp wraps the upload's error
+                raise ClientGone() from exc
             raise UpstreamUnavailable(
                 f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
                 + (f" ({exc})" if str(exc) else ""),
@@ -389,7 +353,31 @@ async def _stream_body(receive: Any) -> AsyncIterator[bytes]:
             return
 
 
-async def _watch_disconnect(receive: Any, gone: asyncio.Event) -> None:
+class _Upload:
+    """A request body sent up as it comes from the caller (ClientGone when the caller
+    goes away). `done` is set once nothing more is read from it: aiohttp may still be
+    sending it when the reply's head is in, and until then the caller's `receive`
+    is the upload's, not the disconnect watcher's."""
+
+    def __init__(self, receive: Any) -> None:
+        self.receive = receive
+        self.done = asyncio.Event()
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in _stream_body(self.receive):
+                yield chunk
+        finally:
+            self.done.set()
+
+
+async def _watch_disconnect(receive: Any, gone: asyncio.Event,
+                            upload: _Upload | None) -> None:
+    if upload is not None:
+        await upload.done.wait()
     while (await receive())["type"] != "http.disconnect":
         pass
     gone.set()
@@ -400,39 +388,32 @@ async def _read_body(receive: Any) -> bytes:
 
 
 async def _relay(scope: dict[str, Any], receive: Any, send: Any,
-                 response: aiohttp.ClientResponse) -> None:
-    """Stream an upstream reply of the buffered client back as it comes."""
+                 response: aiohttp.ClientResponse, upload: _Upload | None = None) -> None:
+    """Send status and headers, then each chunk as the upstream gives it; a caller that
+    goes away stops it (and closes the upstream connection instead of reading a long
+    reply to its end). A reply read to its end has given its connection back to the
+    pool already."""
     headers = [(name.lower(), value) for name, value in response.raw_headers
                if not is_hop_by_hop(name.decode("latin-1"))]
-    try:
-        await _stream_back(scope, receive, send, response.status, headers,
-                           response.content.iter_any(), (aiohttp.ClientError, TimeoutError))
-    finally:
-        response.close()
-
-
-async def _stream_back(scope: dict[str, Any], receive: Any, send: Any, status: int,
-                       headers: list[Any], chunks: AsyncIterator[bytes],
-                       broke: type[BaseException] | tuple[type[BaseException], ...]) -> None:
-    """Send status and headers, then each chunk as the upstream gives it; a caller that
-    goes away stops it. `broke`: the client's errors for a reply cut off mid-way."""
     gone = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+    watcher = asyncio.create_task(_watch_disconnect(receive, gone, upload))
     try:
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        async for chunk in chunks:
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": headers})
+        async for chunk in response.content.iter_any():
             if gone.is_set():
                 log.info("caller went away mid-reply", path=scope["path"])
                 break
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
-    except broke as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         # Headers are gone already: all that is left is to cut the connection.
         log.warning("upstream reply broke off", path=scope["path"], error=type(exc).__name__)
         raise
     finally:
         watcher.cancel()
+        response.close()
 
 
 async def _read_reply(response: aiohttp.ClientResponse) -> bytes | bytearray:
@@ -461,11 +442,6 @@ async def _read_reply(response: aiohttp.ClientResponse) -> bytes | bytearray:
         return b"".join(extra)
     del buffer[filled:]
     return buffer
-
-
-def _reply_headers(response: httpx.Response) -> list[Any]:
-    return [(name.lower(), value) for name, value in response.headers.raw
-            if not is_hop_by_hop(name.decode("latin-1"))]
 
 
 def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list[Any]:

@@ -47,7 +47,11 @@ log = structlog.get_logger("turnlog.gateway")
 RECORDED = "recorded"
 SPOOLED = "spooled"
 SPOOL_FULL = "spool-full"
-OFFLOAD_BYTES = 1 << 20  # parse larger turns on a worker thread
+# Parse and encode larger turns on a worker thread. A 4 MB turn's ~4 ms of it is
+# cheaper inline: the two thread hand-offs cost ~1.5 ms of CPU and the loop waits on
+# the worker's GIL anyway (bench.gateway, 1 and 8 sessions); a 100 MB one would hold
+# every other session's relay for ~100 ms.
+OFFLOAD_BYTES = 16 << 20
 DRAIN_RETRY_S = 0.5  # wait between drain attempts while the store cannot answer
 PROBE_TIMEOUT_S = 2.0
 T = TypeVar("T")
