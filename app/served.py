@@ -22,8 +22,13 @@ if TYPE_CHECKING:
 
 
 def served_app(settings: Settings) -> FastAPI:
-    """uvicorn's app factory (bound with `functools.partial`): `app.main.create_served_app`."""
+    """uvicorn's app factory (bound with `functools.partial`): `app.main.create_served_app`,
+    in a process whose allocator keeps a turn's large buffers resident (`app.allocator`;
+    uvicorn calls the factory once in each worker)."""
+    from app.allocator import keep_turn_buffers_resident
     from app.main import create_served_app
+
+    keep_turn_buffers_resident()
 
     return create_served_app(settings)
 

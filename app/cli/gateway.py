@@ -3,7 +3,7 @@
 Parses the flags (each has a `TURNLOG_GATEWAY_*` environment variable),
 checks the port before anything starts, migrates the store when it can
 (a store that is down at start is not fatal: turns go to the spool), sets
-the allocator up for turn-sized buffers (app.gateway.allocator), then
+the allocator up for turn-sized buffers (app.allocator), then
 serves `app.gateway.proxy.Gateway` with uvicorn.
 
 Refuses: forwarding and recording (app.gateway) and their rules (app.domain.body.gateway).
@@ -130,7 +130,7 @@ def gateway(
     if len(spool):
         err().print(f"{len(spool)} spooled turns ({spool.bytes} bytes) are appended as soon "
                     "as the store answers")
-    from app.gateway.allocator import keep_turn_buffers_resident
+    from app.allocator import keep_turn_buffers_resident
 
     keep_turn_buffers_resident()
     # Date and Server are the upstream's: the caller sees its headers, not ours.

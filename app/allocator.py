@@ -1,7 +1,10 @@
-"""The gateway process's malloc settings: a turn's large buffers reuse resident memory.
+"""A serving process's malloc settings: a turn's large buffers reuse resident memory.
 
-A recorded 4 MB turn allocates ~15 MB of short-lived blocks (the reply buffer,
-the parsed base64 text, the decoded R3, the aiohttp chunks). glibc serves
+Set once at start by `turnlog gateway` and by each `turnlog serve` worker
+(`app.served`). A recorded 4 MB turn allocates ~15 MB of short-lived blocks
+(in the gateway: the reply buffer, the parsed base64 text, the decoded R3,
+the aiohttp chunks; in the server: the body buffer, the decoded bin, the
+narrowed patch). glibc serves
 blocks that large with fresh `mmap`s, or gives its heap's top back to the
 system as soon as they are freed, so every turn faulted its pages in again:
 ~2,800 page faults, ~5 ms of system CPU a turn on the event loop every
