@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette._utils import get_route_path
@@ -31,11 +30,11 @@ from starlette.types import Receive, Scope, Send
 
 from app.api.deps import (
     BodyBuffer,
+    Pace,
     Uploads,
     declared_length,
     decode_turn,
     media_type_of,
-    paced,
     turn_decoder,
 )
 from app.api.routes.append_log import turn_appended, turn_rejected
@@ -49,27 +48,24 @@ _PATTERN = re.compile(r"/v1/sessions/([^/]+)/turns")
 _JSON_HEADER = (b"content-type", b"application/json")
 
 
-async def _messages(receive: Receive) -> AsyncIterator[bytes]:
-    """The body's chunks from ASGI messages."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.request":
-            yield message.get("body", b"")
-            if not message.get("more_body", False):
-                return
-        elif message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-
-
 async def receive_body(receive: Receive, declared: int | None,
                        uploads: Uploads | None = None) -> bytearray:
     """The whole body from ASGI messages, into one buffer (`BodyBuffer`); with
-    `uploads` (the body holds an upload slot) at the slot holders' minimum pace."""
+    `uploads` (the body holds an upload slot) at the slot holders' minimum pace.
+    One loop over `receive`, no generators between: ~50 reads for a 3 MB turn."""
     buffer = BodyBuffer(declared)
-    chunks = _messages(receive) if uploads is None else paced(_messages(receive), uploads)
-    async for chunk in chunks:
-        buffer.add(chunk)
-    return buffer.result()
+    pace = Pace(uploads) if uploads is not None and uploads.min_rate else None
+    while True:
+        message = await (receive() if pace is None else pace.read(receive()))
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            buffer.add(chunk)
+            if not message.get("more_body", False):
+                return buffer.result()
+            if pace is not None:
+                pace.seen += len(chunk)
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
 
 
 class AppendRoute(BaseRoute):
