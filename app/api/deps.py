@@ -146,8 +146,9 @@ class Pace:
     Byte n must arrive within `grace + n / min_rate` seconds of the first read,
     else 408: a client that declares 50 MB and trickles 64 bytes every 20 s
     (each read inside the body timeout) no longer keeps a slot for minutes.
-    Each read is bounded by a timeout scope, not `wait_for`: no task per chunk
-    (a 3 MB body arrives in ~50 reads).
+    Each read is bounded by a timeout scope (`read`), not `wait_for`: no task per
+    chunk (a 3 MB body arrives in ~50 reads); a caller that owns the read loop
+    keeps one scope and moves its `deadline` instead.
     """
 
     def __init__(self, uploads: Uploads) -> None:
@@ -155,19 +156,24 @@ class Pace:
         self.min_rate, self.grace = uploads.min_rate, uploads.grace
         self.start, self.seen = self.loop.time(), 0  # `seen`: bytes read so far
 
+    def deadline(self) -> float:
+        """When byte `seen + 1` is due (loop time)."""
+        return self.start + self.grace + (self.seen + 1) / self.min_rate
+
     async def read(self, pending: Awaitable[T]) -> T:
         """`pending` (the next read), if it completes in time for byte `seen + 1`."""
-        deadline = self.start + self.grace + (self.seen + 1) / self.min_rate
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(self.deadline()):
                 return await pending
         except TimeoutError:
-            raise RequestTimeout(
-                f"request body arrives slower than {self.min_rate} bytes/s",
-                field="body",
-                expected=f"at least {self.min_rate} bytes/s after {self.grace:g} s",
-                actual=f"{self.seen} bytes in {self.loop.time() - self.start:.1f} s",
-            ) from None
+            raise self.too_slow() from None
+
+    def too_slow(self) -> RequestTimeout:
+        return RequestTimeout(
+            f"request body arrives slower than {self.min_rate} bytes/s",
+            field="body",
+            expected=f"at least {self.min_rate} bytes/s after {self.grace:g} s",
+            actual=f"{self.seen} bytes in {self.loop.time() - self.start:.1f} s")
 
 
 async def json_body(request: Request) -> Any:
