@@ -8,9 +8,9 @@ buffer. The decoding rules themselves are the domain's (`jsonio`, `msgpackio`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -22,6 +22,7 @@ from app.domain.wire.width import MAX_VALUES
 from app.services import Services
 
 JSON = "application/json"
+T = TypeVar("T")
 
 
 def services(request: Request) -> Services:
@@ -124,32 +125,55 @@ async def _chunks(request: Request) -> AsyncIterator[bytes]:
 
 
 async def paced(stream: AsyncIterator[bytes], uploads: Uploads) -> AsyncIterator[bytes]:
-    """`stream` at the minimum pace of an upload-slot holder.
-
-    Byte n must arrive within `grace + n / min_rate` seconds of the first read,
-    else 408: a client that declares 50 MB and trickles 64 bytes every 20 s
-    (each read inside the body timeout) no longer keeps a slot for minutes.
-    """
+    """`stream` at the minimum pace of an upload-slot holder (`Pace`)."""
     if not uploads.min_rate:
         async for chunk in stream:
             yield chunk
         return
-    loop = asyncio.get_running_loop()
-    start, seen = loop.time(), 0
+    pace = Pace(uploads)
     while True:
-        deadline = start + uploads.grace + (seen + 1) / uploads.min_rate
         try:
-            chunk = await asyncio.wait_for(anext(stream), max(deadline - loop.time(), 0))
+            chunk = await pace.read(anext(stream))
         except StopAsyncIteration:
             return
-        except TimeoutError:
-            raise RequestTimeout(
-                f"request body arrives slower than {uploads.min_rate} bytes/s",
-                field="body",
-                expected=f"at least {uploads.min_rate} bytes/s after {uploads.grace:g} s",
-                actual=f"{seen} bytes in {loop.time() - start:.1f} s") from None
-        seen += len(chunk)
+        pace.seen += len(chunk)
         yield chunk
+
+
+class Pace:
+    """The minimum pace of an upload-slot holder's body.
+
+    Byte n must arrive within `grace + n / min_rate` seconds of the first read,
+    else 408: a client that declares 50 MB and trickles 64 bytes every 20 s
+    (each read inside the body timeout) no longer keeps a slot for minutes.
+    Each read is bounded by a timeout scope (`read`), not `wait_for`: no task per
+    chunk (a 3 MB body arrives in ~50 reads); a caller that owns the read loop
+    keeps one scope and moves its `deadline` instead.
+    """
+
+    def __init__(self, uploads: Uploads) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.min_rate, self.grace = uploads.min_rate, uploads.grace
+        self.start, self.seen = self.loop.time(), 0  # `seen`: bytes read so far
+
+    def deadline(self) -> float:
+        """When byte `seen + 1` is due (loop time)."""
+        return self.start + self.grace + (self.seen + 1) / self.min_rate
+
+    async def read(self, pending: Awaitable[T]) -> T:
+        """`pending` (the next read), if it completes in time for byte `seen + 1`."""
+        try:
+            async with asyncio.timeout_at(self.deadline()):
+                return await pending
+        except TimeoutError:
+            raise self.too_slow() from None
+
+    def too_slow(self) -> RequestTimeout:
+        return RequestTimeout(
+            f"request body arrives slower than {self.min_rate} bytes/s",
+            field="body",
+            expected=f"at least {self.min_rate} bytes/s after {self.grace:g} s",
+            actual=f"{self.seen} bytes in {self.loop.time() - self.start:.1f} s")
 
 
 async def json_body(request: Request) -> Any:

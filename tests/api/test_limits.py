@@ -167,6 +167,60 @@ async def test_a_trickling_slot_holder_is_408_and_frees_its_slot(settings, sid):
     await app.state.services.db.dispose()
 
 
+async def test_a_slot_holder_keeping_its_pace_is_served_past_the_first_deadline(settings,
+                                                                                sid):
+    # The hot path keeps one timeout scope per body and moves it as bytes arrive: a
+    # body sent at twice the minimum rate outlives the first byte's deadline by far.
+    app = create_app(settings.replace(
+        large_body_bytes=1000, max_large_uploads=1,
+        min_upload_rate=2000, upload_grace_s=0.2))
+    raw = json.dumps(turn(list(range(1, 300)), [7, 8])).encode()
+    assert len(raw) > 1000
+
+    async def steady():
+        for i in range(0, len(raw), 200):
+            yield raw[i:i + 200]
+            await asyncio.sleep(0.05)  # 4000 bytes/s: twice the minimum
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        r = await http.post(f"/v1/sessions/{sid}/turns", content=steady(), headers={
+            "content-type": "application/json", "content-length": str(len(raw))})
+        assert r.status_code == 201, r.text
+    await app.state.services.db.dispose()
+
+
+@pytest.mark.parametrize("gap", [0.08, 1.0])
+async def test_each_read_of_a_turn_body_is_timed_not_the_whole_body(settings, sid, gap):
+    # One timer per request (limits.ReadWatch), re-armed for the read in progress:
+    # reads 0.08 s apart outlive a 0.4 s timeout by far; one gap of 1 s is a 408.
+    app = create_app(settings.replace(body_timeout_s=0.4))
+    raw = json.dumps(turn(list(range(1, 300)), [7, 8])).encode()
+    gaps = [0.08] * 12 if gap < 0.4 else [0.0, gap]
+
+    async def paced_body():
+        step = -(-len(raw) // len(gaps))
+        for i, pause in enumerate(gaps):
+            await asyncio.sleep(pause)
+            yield raw[i * step:(i + 1) * step]
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        r = await http.post(f"/v1/sessions/{sid}/turns", content=paced_body(), headers={
+            "content-type": "application/json", "content-length": str(len(raw))})
+        if gap < 0.4:
+            assert r.status_code == 201, r.text
+        else:
+            assert r.status_code == 408, r.text
+            assert r.json()["field"] == "body"
+            assert "no data" in r.json()["detail"]
+        # The connection's next request is served as usual.
+        assert (await http.get(f"/v1/sessions/{sid}")).status_code == 200
+    await app.state.services.db.dispose()
+
+
 async def test_a_chunked_turn_waits_for_an_upload_slot(settings, sid):
     # Issue 21: a body without Content-Length never took a slot, so any number of
     # 49 MB chunked turns were read and decoded at once.

@@ -4,12 +4,14 @@ Each read of a body that is still arriving must deliver within `timeout`
 seconds, or the request is answered 408 and its connection closed: a client
 that declares 1,000 bytes and sends 10 no longer holds a connection forever.
 Once the body is complete, reads pass through untimed (a streaming reply
-listens for the disconnect for as long as it runs).
+listens for the disconnect for as long as it runs). One timer per request
+keeps the time (`ReadWatch`), not a timeout scope per read.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,19 +36,17 @@ class BodyLimit:
             await send_problem(send, self._error(int(declared)))
             return
         seen, complete = 0, False
+        watch = ReadWatch(self.timeout) if self.timeout is not None else None
 
         async def counted() -> Message:
             # A chunked body without Content-Length is counted as it streams in; the
             # domain error reaches the problem+json handler before anything is parsed.
             nonlocal seen, complete
-            if complete or self.timeout is None:
+            if complete or watch is None:
                 message = await receive()
             else:
                 try:
-                    # A timeout scope, not `wait_for`: no task per chunk (a 3 MB body
-                    # arrives in ~50 reads).
-                    async with asyncio.timeout(self.timeout):
-                        message = await receive()
+                    message = await watch.read(receive)
                 except TimeoutError:
                     raise RequestTimeout(
                         f"request body not received: no data for {self.timeout} s",
@@ -61,10 +61,65 @@ class BodyLimit:
                 complete = True
             return message
 
-        await self.app(scope, counted, send)
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            if watch is not None:
+                watch.close()
 
     def _error(self, size: int) -> TooLarge:
         return TooLarge(
             f"request body exceeds the limit of {self.max_bytes} bytes",
             field="body", expected=f"at most {self.max_bytes} bytes", actual=size,
         )
+
+
+class ReadWatch:
+    """Each read of one request's body bounded by `timeout` seconds, with one timer
+    for the request instead of a timeout scope per read (a 3 MB body arrives in ~50).
+
+    The timer is armed by the first read and, when it fires, re-armed for the read
+    then in progress (or left unarmed between reads, until the next one); a read
+    that has waited `timeout` seconds is cancelled and raises `TimeoutError`, as
+    `asyncio.timeout` would (its task's other cancellations pass through).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.timeout = timeout
+        self.since: float | None = None  # when the read in progress began
+        self.task: asyncio.Task[Any] | None = None
+        self.handle: asyncio.TimerHandle | None = None
+        self.expired = False
+
+    async def read(self, receive: Receive) -> Message:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task, self.since, self.expired = task, self.loop.time(), False
+        cancelling = task.cancelling()
+        if self.handle is None:
+            self.handle = self.loop.call_at(self.since + self.timeout, self._due)
+        try:
+            return await receive()
+        except asyncio.CancelledError:
+            if self.expired and task.uncancel() <= cancelling:
+                raise TimeoutError from None
+            raise
+        finally:
+            self.since = None
+
+    def _due(self) -> None:
+        self.handle = None
+        if self.since is None or self.task is None:
+            return  # between reads: the next one arms the timer again
+        due = self.since + self.timeout
+        if self.loop.time() < due:
+            self.handle = self.loop.call_at(due, self._due)
+            return
+        self.expired = True
+        self.task.cancel()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from app.domain.errors import InvalidRequest
-from app.domain.wire.jsonio import MAX_DEPTH, children_of, containers_in, gc_paused
+from app.domain.wire.jsonio import MAX_DEPTH, containers_in, gc_paused, level_of
 from app.domain.wire.width import MAX_VALUES, check_msgpack
 
 MEDIA_TYPES = frozenset({"application/msgpack", "application/vnd.msgpack",
@@ -61,10 +61,59 @@ def _r3_holder(value: Any) -> dict[str, Any] | None:
     return None
 
 
+class _Meta(msgspec.Struct):
+    routed_experts: msgspec.Raw = msgspec.Raw()
+
+
+class _Choice(msgspec.Struct):
+    meta_info: _Meta | None = None
+
+
+class _Response(msgspec.Struct):
+    choices: tuple[_Choice] | None = None
+
+
+class _Record(msgspec.Struct):
+    response: _Response | None = None
+
+
+class _Turn(msgspec.Struct):
+    record: _Record | None = None
+
+
+# Reads only the keys along `R3_PATH`; every other value is stepped over unallocated.
+_R3_SPAN = msgspec.msgpack.Decoder(_Turn)
+# The first byte of a str or bin (str 8/16/32, bin 8/16/32; fixstr never holds R3).
+_STR_OR_BIN = frozenset({0xd9, 0xda, 0xdb, 0xc4, 0xc5, 0xc6})
+
+
+def r3_span(raw: bytes | bytearray | memoryview) -> int:
+    """The bytes of the str or bin at `R3_PATH` of a MessagePack body, header included
+    (0: none found, or the body is not shaped so that the typed pass can tell).
+
+    A typed decode that allocates a few objects whatever the body (one choice only:
+    `choices` of another length is "not found"); what it cannot read, the full
+    decode refuses later.
+    """
+    try:
+        turn = _R3_SPAN.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+    record = turn.record
+    response = record.response if record is not None else None
+    choices = response.choices if response is not None else None
+    meta = choices[0].meta_info if choices else None
+    if meta is None or not meta.routed_experts:
+        return 0
+    with memoryview(meta.routed_experts) as span:
+        return len(span) if span[0] in _STR_OR_BIN else 0
+
+
 def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> Any:
     """Decode a request body strictly; the R3 payload may be a bin, nothing else may.
-    A body of more than `max_values` values is a 413 before it is decoded (`width`)."""
-    check_msgpack(raw, max_values)
+    A body of more than `max_values` values is a 413 before it is decoded (`width`):
+    the header walk is skipped when the R3 bin leaves too few other bytes for that."""
+    check_msgpack(raw, max_values, r3_span(raw) if len(raw) > max_values else 0)
     try:
         with gc_paused():
             value = _DECODER.decode(raw)
@@ -103,6 +152,8 @@ def _check(value: Any) -> None:
     if type(value) not in _VALUES:
         name = "bin" if type(value) is bytes else type(value).__name__
         raise _invalid(f"{name} is not allowed here", name)
+    if type(value) is float and not math.isfinite(value):  # a bare NaN document
+        raise _invalid("non-finite float", "NaN or Infinity")
     containers = [value] if type(value) is dict or type(value) is list else []
     level = 0
     while containers:
@@ -115,13 +166,12 @@ def _check(value: Any) -> None:
             if keys and keys != {str}:
                 bad = next(k for k in chain.from_iterable(dicts) if type(k) is not str)
                 raise _invalid("map keys must be strings", f"{type(bad).__name__} key")
-        children = children_of(containers)
-        kinds = set(map(type, children))
+        children, kinds, leaves = level_of(containers)
         if not kinds <= _VALUES:
             kind = next(iter(kinds - _VALUES))
             name = "bin" if kind is bytes else kind.__name__
             raise _invalid(f"{name} is not allowed here", name)
-        if float in kinds and not all(map(math.isfinite, (c for c in children
+        if float in kinds and not all(map(math.isfinite, (c for c in chain(children, *leaves)
                                                           if type(c) is float))):
             raise _invalid("non-finite float", "NaN or Infinity")
         if dict not in kinds and list not in kinds:

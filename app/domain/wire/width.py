@@ -13,7 +13,9 @@ colons and opening brackets (separators inside strings included;
 `count_bytes`); for MessagePack a walk over
 the value headers (a string or bin payload is stepped over, never read). A
 body shorter than the limit is never counted: every value takes at least one
-byte. Refuses to decode or validate: malformed input is left to the decoder. Pure: no I/O.
+byte; nor is a MessagePack body whose bytes outside one str or bin the caller
+located (a turn's R3 payload) are fewer than the limit. Refuses to decode or
+validate: malformed input is left to the decoder. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -119,7 +121,16 @@ def msgpack_values(raw: bytes | bytearray | memoryview, stop: int) -> int:
     return count
 
 
-def check_msgpack(raw: bytes | bytearray | memoryview, limit: int = MAX_VALUES) -> None:
-    """Refuse (413) a MessagePack body that decodes into more than `limit` values."""
-    if len(raw) > limit and msgpack_values(raw, limit) > limit:
+def check_msgpack(raw: bytes | bytearray | memoryview, limit: int = MAX_VALUES,
+                  scalar: int = 0) -> None:
+    """Refuse (413) a MessagePack body that decodes into more than `limit` values.
+
+    `scalar`: the bytes (header included) of one str or bin value the caller
+    found in `raw`, e.g. a turn's R3 bin: it is one value however long, and
+    every other value takes at least one byte outside it, so when the rest is
+    at most `limit - 1` bytes the walk cannot reach the limit and is skipped.
+    """
+    # Every value takes at least one byte (the `scalar` one all of its bytes).
+    bound = len(raw) - scalar + 1 if scalar else len(raw)
+    if bound > limit and msgpack_values(raw, limit) > limit:
         raise too_many_values(limit)
