@@ -29,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anyio.to_thread
 import httpx
 import structlog
 from yarl import URL
 
 from app.domain.body.gateway import (
     LABELS_HEADER,
+    NO_SESSION,
     Candidate,
     GatewayDefaults,
     Unrecorded,
@@ -43,6 +45,7 @@ from app.domain.body.gateway import (
     classify_reply_head,
     classify_request,
     is_hop_by_hop,
+    names_session,
     open_body,
     parse_labels_header,
     r3_as_bin,
@@ -61,6 +64,9 @@ log = structlog.get_logger("turnlog.gateway")
 
 PROBLEM = b"application/problem+json"
 OWN_PREFIX = "/turnlog/"
+# A recorded path's request body this large is parsed on a worker thread, beside the
+# upstream call (a 40k-token prompt takes ~2 ms to parse and validate).
+PARSE_ASIDE_BYTES = 64 << 10
 # Request headers never sent on: hop-by-hop ones, and Host (aiohttp sets the upstream's).
 DROP_REQUEST = frozenset({b"host"})
 
@@ -231,15 +237,24 @@ class Gateway:
     async def _recorded_path(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         request_timestamp = time.time()
         body = await _read_body(receive)
-        decision = classify_request(_header(scope, self.session_header), body)
-        if isinstance(decision, Unrecorded):
-            self.metrics.unrecorded.labels(decision.reason).inc()
+        session_id = _header(scope, self.session_header)
+        if not names_session(session_id):
+            self.metrics.unrecorded.labels(NO_SESSION).inc()
             await self._passthrough(scope, receive, send, body)
             return
+        # A large request is parsed on a worker thread while the upstream generates
+        # its reply, not before it is sent: its parse is then off the turn's latency.
+        deciding = asyncio.ensure_future(_parse_aside(session_id, body))
         try:
             response = await self._open(scope, body)
         except UpstreamUnavailable as exc:
             await _problem(send, exc)
+            return
+        finally:
+            decision = await deciding
+        if isinstance(decision, Unrecorded):
+            self.metrics.unrecorded.labels(decision.reason).inc()
+            await _relay(scope, receive, send, response)
             return
         head = classify_reply_head(response.status, response.headers.get("content-type", ""))
         if head is not None:
@@ -318,7 +333,8 @@ class Gateway:
                             session_id=decision.session_id, detail=exc.detail)
         opening = open_body(decision.session_id, self.config.defaults, header_labels)
         return await self.recorder.record(decision.session_id,
-                                          turn_body(uuid.uuid4().hex, record), opening, size)
+                                          turn_body(uuid.uuid4().hex, record), opening, size,
+                                          decision.prompt)
 
 
 # -- ASGI helpers ------------------------------------------------------------------------
@@ -381,6 +397,15 @@ async def _watch_disconnect(receive: Any, gone: asyncio.Event,
     while (await receive())["type"] != "http.disconnect":
         pass
     gone.set()
+
+
+async def _parse_aside(session_id: str | None, body: bytes) -> Candidate | Unrecorded:
+    """`classify_request`, on a worker thread for a body of `PARSE_ASIDE_BYTES` or more
+    (run as a task beside the upstream call, it parses while the upstream generates;
+    a small body is parsed at once, cheaper than a thread hand-off)."""
+    if len(body) < PARSE_ASIDE_BYTES:
+        return classify_request(session_id, body)
+    return await anyio.to_thread.run_sync(classify_request, session_id, body)
 
 
 async def _read_body(receive: Any) -> bytes:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import numpy as np
 import sqlalchemy as sa
 import structlog
 
@@ -119,11 +120,14 @@ class Recorder:
     # -- one turn -------------------------------------------------------------------
 
     async def record(self, session_id: str, body: dict[str, Any],
-                     open_body: dict[str, Any], size: int = 0) -> str:
+                     open_body: dict[str, Any], size: int = 0,
+                     prompt: np.ndarray | None = None) -> str:
+        """`prompt`: the turn's `input_ids` already validated (`Candidate.prompt`)."""
         if self.spool.holds(session_id):
             return self._spool(session_id, body, open_body)  # behind its earlier turns
         try:
-            await bounded(self._store(session_id, body, open_body, size), self.store_timeout)
+            await bounded(self._store(session_id, body, open_body, size, prompt),
+                          self.store_timeout)
         except DomainError as exc:
             if exc.http_status < 500:
                 return self._verdict(session_id, exc)
@@ -134,11 +138,11 @@ class Recorder:
         return RECORDED
 
     async def _store(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any],
-                     size: int = 0) -> None:
+                     size: int = 0, prompt: np.ndarray | None = None) -> None:
         writer = self.services.writer
         offload = size > OFFLOAD_BYTES
         try:
-            await writer.append_turn(session_id, body, offload=offload)
+            await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         except UnknownSession:
             # No session is opened for a turn the store would refuse: the turn is
             # checked against the definition it would open with first (pure rules).
@@ -146,7 +150,7 @@ class Recorder:
             with contextlib.suppress(SessionConflict):  # opened meanwhile with other labels
                 await writer.open_session(open_body)
                 log.info("session opened", session_id=session_id, labels=open_body["labels"])
-            await writer.append_turn(session_id, body, offload=offload)
+            await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         await self._touch(session_id)
 
     def _verdict(self, session_id: str, exc: DomainError) -> str:

@@ -79,6 +79,14 @@ def test_request_classification() -> None:
     assert classify_request("s1", streamed) == Unrecorded(STREAM)
     not_streamed = json.dumps({"input_ids": [1], "stream": False}).encode()
     assert isinstance(classify_request("s1", not_streamed), Candidate)
+    # The validated prompt goes on with the candidate; ids out of range leave it to
+    # the store, which refuses the turn and names the id.
+    candidate = classify_request("s1", body)
+    assert isinstance(candidate, Candidate) and candidate.prompt is not None
+    assert candidate.prompt.tolist() == [1, 2] and candidate.prompt.dtype == np.int64
+    for ids in ([1, -1], [1, 2**31], [1, 2**64]):
+        out_of_range = classify_request("s1", json.dumps({"input_ids": ids}).encode())
+        assert isinstance(out_of_range, Candidate) and out_of_range.prompt is None, ids
 
 
 def test_reply_classification() -> None:

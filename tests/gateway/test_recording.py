@@ -15,7 +15,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 
+from app.gateway.proxy import PARSE_ASIDE_BYTES
 from app.sim.simulator import route
 from tests.gateway.conftest import Sent, chat, metric, scrape, send_turn, wait_for
 
@@ -127,6 +129,33 @@ async def test_every_unrecorded_reason_is_counted_and_answered(db_url, client, g
     # A streamed request's reply came back as the upstream's event stream.
     stream = next(answer for reason, _, answer in cases if reason == "stream")
     assert stream.reply.startswith(b"data: ") and stream.reply.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("tokens", [50, 20_000], ids=["small", "parsed-aside"])
+async def test_a_request_is_classified_alike_whatever_its_size(db_url, client, gateway_process,
+                                                              tokens):
+    """A request body of `PARSE_ASIDE_BYTES` or more is parsed on a worker thread while
+    the upstream generates; the decisions and the stored turn are the same as inline."""
+    gateway = gateway_process(db_url)
+    await gateway.wait_ready()
+    prompt = [int(t) for t in np.random.default_rng(tokens).integers(0, 150_000, tokens)]
+    assert (len(json.dumps(chat(prompt))) >= PARSE_ASIDE_BYTES) == (tokens > 50)
+    good, out_of_range, booleans = sid(), sid(), sid()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        recorded = await send_turn(http, good, chat(prompt))
+        rejected = await send_turn(http, out_of_range, chat([*prompt[:-1], 2**31]))
+        not_tito = await send_turn(http, booleans, chat([*prompt[:-1], True]))
+        streamed = await send_turn(http, good, chat(prompt, stream=True))
+        metrics = await scrape(http)
+    assert [t.status for t in (recorded, rejected, not_tito, streamed)] == [200] * 4
+    assert metric(metrics, "turnlog_gateway_recorded_total") == 1
+    for reason in ("rejected", "not-tito", "stream"):
+        assert metric(metrics, "turnlog_gateway_unrecorded_total", f'reason="{reason}"') == 1
+    assert streamed.reply.startswith(b"data: ")
+    turns = [e for e in await events(client, good) if e["type"] == "turn_recorded"]
+    assert [t["record"]["request"] for t in turns] == [recorded.request]
+    assert (await client.get(f"/v1/sessions/{out_of_range}")).status_code == 404
+    assert (await client.get(f"/v1/sessions/{booleans}")).status_code == 404
 
 
 async def test_a_session_opened_beforehand_is_used_as_is(db_url, client, gateway_process):

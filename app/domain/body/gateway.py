@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
+
+import numpy as np
 
 from app.domain.body.labels import parse_labels
+from app.domain.body.turn import PROMPT_FIELD, token_array
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import payload_bytes
@@ -66,6 +69,10 @@ class Candidate:
 
     session_id: str
     request: Any  # the JSON body as forwarded
+    # Its `input_ids` as validated token ids, handed to the store so the turn's
+    # validation does not convert them again (None: some id is out of range — the
+    # store then refuses the turn and names it).
+    prompt: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -73,9 +80,14 @@ class Unrecorded:
     reason: str
 
 
+def names_session(session_header_value: str | None) -> TypeGuard[str]:
+    """The session header holds a session id (without it no request is a turn)."""
+    return session_header_value is not None and SESSION_ID.matches(session_header_value)
+
+
 def classify_request(session_header_value: str | None, body: bytes) -> Candidate | Unrecorded:
     """Step one, for a POST to a recorded path: may this request become a turn?"""
-    if session_header_value is None or not SESSION_ID.matches(session_header_value):
+    if not names_session(session_header_value):
         return Unrecorded(NO_SESSION)
     try:
         request = jsonio.loads(body)
@@ -84,13 +96,19 @@ def classify_request(session_header_value: str | None, body: bytes) -> Candidate
     if not isinstance(request, dict):
         return Unrecorded(NOT_TITO)
     ids = request.get("input_ids")
-    # One C-level type scan (parsed JSON holds exact ints; a boolean's type is bool),
-    # not a Python step per token of a 40k-token prompt.
-    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int}:
+    if not isinstance(ids, list) or not ids:
         return Unrecorded(NOT_TITO)
+    try:
+        prompt: np.ndarray | None = token_array(ids, PROMPT_FIELD)
+    except DomainError:
+        # Token ids out of range still make a turn the store refuses (and counts); a
+        # list that is not all integers (a boolean's type is bool) is no TITO request.
+        if set(map(type, ids)) != {int}:
+            return Unrecorded(NOT_TITO)
+        prompt = None
     if request.get("stream") is True:
         return Unrecorded(STREAM)
-    return Candidate(session_header_value, request)
+    return Candidate(session_header_value, request, prompt)
 
 
 def classify_reply_head(status: int, content_type: str) -> Unrecorded | None:

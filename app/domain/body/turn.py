@@ -44,6 +44,7 @@ TIMESTAMP_MAX = 253402300800  # 10000-01-01T00:00:00Z
 OMITTED: Any = object()
 
 META = "record.response.choices[0].meta_info"
+PROMPT_FIELD = "record.request.input_ids"
 
 
 @dataclass(frozen=True)
@@ -383,10 +384,10 @@ def _prompt_output(envelope: _Envelope, stored_prompt: np.ndarray | None,
                    ) -> tuple[np.ndarray, np.ndarray, list[float]]:
     """Step 2: the prompt's and the output's token ids, the log-probs, `completion_tokens`."""
     prompt = stored_prompt if stored_prompt is not None else \
-        token_array(envelope.request.get("input_ids"), "record.request.input_ids")
+        token_array(envelope.request.get("input_ids"), PROMPT_FIELD)
     if prompt.size == 0:
         raise _invalid("prompt (record.request.input_ids) must not be empty",
-                       "record.request.input_ids", "at least one token id", [])
+                       PROMPT_FIELD, "at least one token id", [])
     output, logprobs = _output(envelope.meta)
 
     completion = envelope.meta.get("completion_tokens")
@@ -430,8 +431,9 @@ def parse_turn(raw: Any, definition: SessionDefinition,
     `stored_r3` = `(start, topk)` when re-reading a stored turn whose payload was
     moved to a patch row: the geometry is taken as already validated.
     `stored_prompt` = the prompt of a stored turn, restored from the log (it was
-    validated when appended): `input_ids` is then not read at all, which spares
-    folding a long session a list round trip per turn.
+    validated when appended), or `input_ids` already validated by `token_array`
+    (the gateway's `classify_request`): `input_ids` is then not read at all, which
+    spares folding a long session a list round trip per turn.
     """
     envelope = _envelope(raw)
     prompt, output, logprobs = _prompt_output(envelope, stored_prompt)

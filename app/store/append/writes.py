@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 import asyncpg
+import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -213,11 +214,14 @@ class Writer:
             row = await session_row(conn, session_id)
             return (await load_state(conn, self.cache, row)).definition
 
-    async def append_turn(self, session_id: str, raw: Any, offload: bool = False) -> Written:
+    async def append_turn(self, session_id: str, raw: Any, offload: bool = False,
+                          prompt: np.ndarray | None = None) -> Written:
         """Validate, attach and record one turn. With `offload` (a large body) the
-        CPU-heavy steps, parsing and encoding, run on a worker thread."""
+        CPU-heavy steps, parsing and encoding, run on a worker thread. `prompt`: the
+        record's `input_ids` as `token_array` already validated them (the gateway
+        does so while the upstream generates), not converted again."""
         definition = await self._definition(session_id)
-        body = await run(offload, parse_turn, raw, definition)
+        body = await run(offload, parse_turn, raw, definition, None, prompt)
         if self.db.one_trip_appends:
             written = await self._append_one_trip(session_id, body, offload)
             if written is not None:
