@@ -25,7 +25,8 @@ Routes:
   `sim_padding` string to the reply (big replies); `X-Sim-Chunks: N` streams N
   chunks 0.3 s apart (status `X-Sim-Status`, type `X-Sim-Content-Type`).
 - `GET /health` (200 "OK"), `GET /metrics` (Prometheus text), `GET /workers`.
-- `GET /stream?chunks=N&size=B&delay=S`: N chunks of B bytes, chunked, spaced S s.
+- `GET /stream?chunks=N&size=B&delay=S`: N chunks of B bytes, chunked, spaced S s;
+  a caller that hangs up stops it (counted: `sim_streams_abandoned_total` in `/metrics`).
 - Everything else (`/generate`, `/add_worker`, …): an echo — JSON of the method,
   raw path, query, headers and body as received.
 
@@ -82,6 +83,7 @@ class FakeSGLang:
         self.speculative = speculative
         self.r3 = r3
         self.requests = 0
+        self.abandoned = 0  # `/stream` replies whose caller hung up before the end
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -107,12 +109,13 @@ class FakeSGLang:
         elif path == "/health":
             await _reply(send, 200, b"OK", b"text/plain")
         elif path == "/metrics":
-            text = f"sglang_num_requests_total {self.requests}\n".encode()
+            text = (f"sglang_num_requests_total {self.requests}\n"
+                    f"sim_streams_abandoned_total {self.abandoned}\n").encode()
             await _reply(send, 200, text, b"text/plain; version=0.0.4")
         elif path == "/workers":
             await _reply(send, 200, b'{"workers":[]}')
         elif path == "/stream":
-            await self._stream(scope, send)
+            await self._stream(scope, receive, send)
         else:
             await _reply(send, 200, json.dumps({
                 "method": method,
@@ -123,19 +126,28 @@ class FakeSGLang:
                 "body": body.decode("latin-1"),
             }).encode())
 
-    async def _stream(self, scope: dict[str, Any], send: Any) -> None:
+    async def _stream(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """`chunks` pieces of `size` bytes, `delay` s apart; stops (and counts it) when
+        the caller hangs up, as SGLang aborts a request whose client went away."""
         query = parse_qs(scope.get("query_string", b"").decode())
         chunks = int(query.get("chunks", ["3"])[0])
         size = int(query.get("size", ["16"])[0])
         delay = float(query.get("delay", ["0"])[0])
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/octet-stream")]})
-        for i in range(chunks):
-            if delay:
-                await asyncio.sleep(delay)
-            piece = bytes([65 + i % 26]) * size
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+        gone = asyncio.create_task(_disconnected(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/octet-stream")]})
+            for i in range(chunks):
+                if delay:
+                    await asyncio.wait({gone}, timeout=delay)
+                if gone.done():
+                    self.abandoned += 1
+                    return
+                piece = bytes([65 + i % 26]) * size
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            gone.cancel()
 
     def completion(self, request: dict[str, Any], pad: int = 0) -> dict[str, Any]:
         """The reply SGLang would give this request (what the gateway must record)."""
@@ -237,6 +249,12 @@ class FakeSGLang:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             return
         await _reply(send, 200, json.dumps(reply).encode())
+
+
+async def _disconnected(receive: Any) -> None:
+    """Returns once the caller has gone (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _reply(send: Any, status: int, body: bytes,

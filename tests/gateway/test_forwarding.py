@@ -203,8 +203,14 @@ async def test_a_second_gateway_on_the_same_spool_is_refused(forwarder, fake_sgl
     assert (second.stderr.count("\n") <= 2), second.stderr  # one line, no traceback
 
 
-async def test_a_caller_that_goes_away_stops_the_relay(forwarder):
+async def test_a_caller_that_goes_away_stops_the_relay(forwarder, fake_sglang):
     gateway = forwarder
+
+    async def abandoned() -> float:
+        async with httpx.AsyncClient(base_url=fake_sglang.url) as direct:
+            return metric((await direct.get("/metrics")).text, "sim_streams_abandoned_total")
+
+    before = await abandoned()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \
             http.stream("GET", "/stream?chunks=200&size=1000&delay=0.05") as reply:
         async for _chunk in reply.aiter_raw():
@@ -212,6 +218,11 @@ async def test_a_caller_that_goes_away_stops_the_relay(forwarder):
     deadline = time.monotonic() + 20
     while "caller went away mid-reply" not in gateway.log_tail(200):
         assert time.monotonic() < deadline, gateway.log_tail()
+        await asyncio.sleep(0.1)
+    # The gateway closed its upstream connection too: the upstream stopped streaming
+    # long before its 200 chunks (10 s) were out.
+    while await abandoned() == before:
+        assert time.monotonic() < deadline, "the upstream never saw the caller go"
         await asyncio.sleep(0.1)
     async with httpx.AsyncClient(base_url=gateway.url) as http:  # it goes on serving
         assert (await http.get("/health")).status_code == 200
