@@ -3,6 +3,7 @@
 import base64
 import dataclasses
 import random
+from typing import Any
 
 import numpy as np
 from hypothesis import given, settings
@@ -60,6 +61,23 @@ def body_for(draw, definition, topk, prompt, output, start):
 # Seeded (the same examples every run; TURNLOG_FUZZ_EXAMPLES=N explores afresh): 60
 # two-turn sessions cover both R3 modes, 1-3 layers and top-k, narrowing and extras.
 @settings(max_examples=examples(60), deadline=None, derandomize=DERANDOMIZE)
+
+def stored_and_read_back(state: SessionState, turn: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """Encode `turn` as the log stores it and read it back: (attachment, stored turn,
+    payload, restored prompt, facts), the trusted read's facts checked equal to the
+    validated read's."""
+    definition = state.definition
+    attachment = state.attach(turn, 1024)
+    stored = encode_turn(turn, attachment, definition.num_layers)
+    payload = jsonio.loads(stored.payload)
+    parent = payload["parent"]
+    parent_tokens = None if parent is None else state.nodes[parent].tokens
+    prompt = restore_prompt(parent_tokens, stored.prompt_lcp, stored.prompt_delta)
+    geometry = None if stored.patch is None else (stored.patch.start, stored.patch.topk)
+    facts = stored_facts(definition, payload, prompt, geometry)
+    assert_same_facts(stored_facts(definition, payload, prompt, geometry, trusted=True), facts)
+    return attachment, stored, payload, prompt, facts
+
 @given(st.data(), sessions(), tokens, tokens, st.lists(st.integers(0, 2**31 - 1), max_size=6))
 def test_two_turn_records_round_trip(data, session, prompt0, out1, extra):
     definition, topk = session
@@ -75,19 +93,10 @@ def test_two_turn_records_round_trip(data, session, prompt0, out1, extra):
     for i, raw in enumerate((body0, body1)):
         sent = jsonio.loads(jsonio.dumps(raw))  # what the server receives
         turn = parse_turn(sent, definition)
-        attachment = state.attach(turn, 1024)
-        stored = encode_turn(turn, attachment, definition.num_layers)
-        payload = jsonio.loads(stored.payload)
-        parent = payload["parent"]
-        ptoks = None if parent is None else state.nodes[parent].tokens
-        prompt = restore_prompt(ptoks, stored.prompt_lcp, stored.prompt_delta)
+        attachment, stored, payload, prompt, facts = stored_and_read_back(state, turn)
         b64 = None if stored.patch is None else stored.patch.base64()
         assert restore_record(payload, prompt, b64) == sent["record"]
-        geometry = None if stored.patch is None else (stored.patch.start, stored.patch.topk)
-        facts = stored_facts(definition, payload, prompt, geometry)
         assert np.array_equal(facts.tokens, turn.facts.tokens)
-        assert_same_facts(stored_facts(definition, payload, prompt, geometry, trusted=True),
-                          facts)
         state.apply_turn(i, attachment.parent, turn.event_id, facts)
     # the TITO delta keeps the second prompt's shared prefix out of the log
     assert stored.prompt_lcp == len(parent_tokens)
@@ -151,14 +160,5 @@ def test_a_trusted_fold_derives_the_facts_a_validated_one_does(
         if metadata is not None:
             varied["metadata"] = metadata
         turn = parse_turn(varied, definition)
-        attachment = state.attach(turn, 1024)
-        stored = encode_turn(turn, attachment, definition.num_layers)
-        payload = jsonio.loads(stored.payload)
-        parent = payload["parent"]
-        ptoks = None if parent is None else state.nodes[parent].tokens
-        prompt = restore_prompt(ptoks, stored.prompt_lcp, stored.prompt_delta)
-        geometry = None if stored.patch is None else (stored.patch.start, stored.patch.topk)
-        checked = stored_facts(definition, payload, prompt, geometry)
-        assert_same_facts(stored_facts(definition, payload, prompt, geometry, trusted=True),
-                          checked)
+        attachment, _stored, _payload, _prompt, checked = stored_and_read_back(state, turn)
         state.apply_turn(attachment.seq, attachment.parent, turn.event_id, checked)

@@ -13,6 +13,7 @@ SQLite has one writer and no group commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -112,6 +113,23 @@ async def waiting_on_lock(pool: asyncpg.Pool, count: int) -> list[int]:
     raise AssertionError(f"{count} calls never blocked on the held row locks")
 
 
+@contextlib.asynccontextmanager
+async def a_group_in_flight(pool: asyncpg.Pool, blocked: str, *held: str, max_appends: int
+                            ) -> AsyncIterator[tuple[GroupCommit, asyncio.Task[int | None]]]:
+    """A group commit whose first call (an append of `blocked`) is in flight, waiting on
+    the row lock a transaction of the test holds on `blocked` (and on `held`): calls
+    made inside the block form the next group. The locks go when the block is left."""
+    group = GroupCommit(pool, window_s=5.0, max_appends=max_appends, max_bytes=1 << 30)
+    blocker = Blocker(pool)
+    await blocker.lock(blocked, *held)
+    try:
+        first = asyncio.create_task(group.append(call_args(blocked, 1)))
+        await waiting_on_lock(pool, 1)
+        yield group, first
+    finally:
+        await blocker.release()
+
+
 async def turn_counts(pool: asyncpg.Pool, sids: list[str]) -> dict[str, int]:
     async with pool.acquire() as conn:
         rows = await conn.fetch(
@@ -186,17 +204,10 @@ async def test_a_failing_member_falls_back_alone(client, pool, plain_postgres):
     it answers None (the general path decides it alone); the others are committed."""
     blocked, *sids = [f"gf-{i}-{uuid.uuid4().hex}" for i in range(5)]
     await opened(client, blocked, *sids)
-    group = GroupCommit(pool, window_s=5.0, max_appends=4, max_bytes=1 << 30)
-    blocker = Blocker(pool)
-    await blocker.lock(blocked)
-    try:
-        first = asyncio.create_task(group.append(call_args(blocked, 1)))  # in flight
-        await waiting_on_lock(pool, 1)
+    async with a_group_in_flight(pool, blocked, max_appends=4) as (group, first):
         calls = [call_args(s, 1) for s in sids[:3]] + [call_args(sids[3], 1, seq=0)]
         answers = await asyncio.wait_for(
             asyncio.gather(*(group.append(a) for a in calls)), 30)
-    finally:
-        await blocker.release()
     assert isinstance(await first, int)
     assert all(isinstance(p, int) for p in answers[:3]) and answers[3] is None, answers
     assert group.stats.groups == 1 and group.stats.largest == 4
@@ -212,12 +223,7 @@ async def test_a_killed_connection_answers_every_member_an_error_and_stores_none
     blocked, held, *sids = [f"gk-{i}-{uuid.uuid4().hex}" for i in range(5)]
     held = f"zz-{held}"  # last in session_id order: the others are written before it
     await opened(client, blocked, held, *sids)
-    group = GroupCommit(pool, window_s=5.0, max_appends=4, max_bytes=1 << 30)
-    blocker = Blocker(pool)
-    await blocker.lock(blocked, held)
-    try:
-        first = asyncio.create_task(group.append(call_args(blocked, 1)))
-        await waiting_on_lock(pool, 1)
+    async with a_group_in_flight(pool, blocked, held, max_appends=4) as (group, first):
         members = [asyncio.create_task(group.append(call_args(s, 1))) for s in [*sids, held]]
         pids = await waiting_on_lock(pool, 2)
         async with pool.acquire() as conn:
@@ -227,8 +233,6 @@ async def test_a_killed_connection_answers_every_member_an_error_and_stores_none
             assert await conn.fetchval("SELECT pg_terminate_backend($1)", batch)
         answers = await asyncio.wait_for(
             asyncio.gather(*members, return_exceptions=True), 30)
-    finally:
-        await blocker.release()
     assert isinstance(await first, int)
     assert all(isinstance(a, Exception) and database_unavailable(a) for a in answers), answers
     assert group.stats.failed == 1
@@ -241,17 +245,10 @@ async def test_two_appends_of_a_session_never_share_a_group(client, pool, plain_
     never share a transaction, and only one of them writes."""
     blocked, sid, other = [f"gs-{i}-{uuid.uuid4().hex}" for i in range(3)]
     await opened(client, blocked, sid, other)
-    group = GroupCommit(pool, window_s=5.0, max_appends=8, max_bytes=1 << 30)
-    blocker = Blocker(pool)
-    await blocker.lock(blocked)
-    try:
-        first = asyncio.create_task(group.append(call_args(blocked, 1)))
-        await waiting_on_lock(pool, 1)
+    async with a_group_in_flight(pool, blocked, max_appends=8) as (group, first):
         answers = await asyncio.wait_for(asyncio.gather(
             group.append(call_args(sid, 1)), group.append(call_args(other, 1)),
             group.append(call_args(sid, 1)), group.drain()), 30)
-    finally:
-        await blocker.release()
     await first
     # The two calls of `sid` were sent together (attached against the same count), so
     # either may take the row lock first, as two single calls would: one writes, the
@@ -306,20 +303,13 @@ async def test_the_feed_fence_holds_back_commits_behind_an_open_group(
         page = (await client.get("/v1/events", params={"limit": 1000, **(
             {"after": page["next"]} if page["next"] else {})})).json()
     cursor = page["next"]
-    group = GroupCommit(pool, window_s=5.0, max_appends=3, max_bytes=1 << 30)
-    blocker = Blocker(pool)
-    await blocker.lock(blocked, held)
-    try:
-        first = asyncio.create_task(group.append(call_args(blocked, 1)))
-        await waiting_on_lock(pool, 1)
+    async with a_group_in_flight(pool, blocked, held, max_appends=3) as (group, first):
         members = [asyncio.create_task(group.append(call_args(s, 1))) for s in [*sids, held]]
         await waiting_on_lock(pool, 2)
         r = await client.post(f"/v1/sessions/{later}/turns", json=turn([1, 2, 3], [4]))
         assert r.status_code == 201, r.text
         page = (await client.get("/v1/events", params={"after": cursor})).json()
         assert page == {"events": [], "next": cursor}  # held back by the open group
-    finally:
-        await blocker.release()
     await first
     positions = await asyncio.gather(*members)
     seen = []
