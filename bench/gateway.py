@@ -35,7 +35,9 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +47,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import msgspec
 
 from bench.common import ROOT, free_port, postgres, show_durability
 from tests.pg import create_database
@@ -133,7 +136,8 @@ def gateway_argv(upstream: str, port: int, url: str, spool: Path) -> list[str]:
 
 
 class Conn:
-    """One keep-alive connection; bodies read by Content-Length or chunked.
+    """One keep-alive connection on a bare socket; bodies read by Content-Length
+    (straight into one buffer) or chunked.
 
     uvicorn closes a connection idle for 5 s; `ready()` (called outside the
     timed part) reconnects one idle for over 2 s, so no request races a close.
@@ -144,8 +148,8 @@ class Conn:
     def __init__(self, base: str) -> None:
         host, port = base.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.sock: socket.socket | None = None
+        self.rest = b""  # bytes received past the end of the last reply
         self.used = 0.0
 
     async def __aenter__(self) -> Conn:
@@ -153,51 +157,104 @@ class Conn:
         return self
 
     async def ready(self) -> None:
-        if self.writer is not None and time.monotonic() - self.used < self.IDLE:
+        if self.sock is not None and time.monotonic() - self.used < self.IDLE:
             return
-        if self.writer is not None:
-            self.writer.close()
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
-                                                                 limit=1 << 22)
-        self.used = time.monotonic()
+        if self.sock is not None:
+            self.sock.close()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await asyncio.get_running_loop().sock_connect(sock, (self.host, self.port))
+        self.sock, self.rest, self.used = sock, b"", time.monotonic()
 
     async def __aexit__(self, *_exc: object) -> None:
-        assert self.writer is not None
-        self.writer.close()
+        assert self.sock is not None
+        self.sock.close()
+
+    async def _until(self, buf: bytes, mark: bytes) -> tuple[bytes, int]:
+        """`buf` extended until it holds `mark`; and where the mark starts."""
+        while (at := buf.find(mark)) < 0:
+            buf += await self._recv()
+        return buf, at
+
+    async def _recv(self) -> bytes:
+        assert self.sock is not None
+        data = await asyncio.get_running_loop().sock_recv(self.sock, 1 << 20)
+        if not data:
+            raise ConnectionError(f"{self.host}:{self.port} closed the connection")
+        return data
+
+    async def _exactly(self, buf: bytes, length: int) -> tuple[bytearray, bytes]:
+        """`length` bytes (the first ones from `buf`, the rest received into one
+        buffer), and what `buf` held beyond them."""
+        assert self.sock is not None
+        body = bytearray(length)
+        view = memoryview(body)
+        have = min(len(buf), length)
+        view[:have] = buf[:have]
+        loop = asyncio.get_running_loop()
+        while have < length:
+            got = await loop.sock_recv_into(self.sock, view[have:])
+            if not got:
+                raise ConnectionError(f"{self.host}:{self.port} closed mid-body")
+            have += got
+        return body, buf[length:]
 
     async def request(self, method: str, path: str, body: bytes = b"",
-                      headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        assert self.reader is not None and self.writer is not None
+                      headers: dict[str, str] | None = None) -> tuple[int, bytes | bytearray]:
+        assert self.sock is not None
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
         if body:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         for name, value in (headers or {}).items():
             head += f"{name}: {value}\r\n"
-        self.writer.write(head.encode("latin-1") + b"\r\n" + body)
-        await self.writer.drain()
-        status = int((await self.reader.readuntil(b"\r\n")).split()[1])
+        await asyncio.get_running_loop().sock_sendall(
+            self.sock, head.encode("latin-1") + b"\r\n" + body)
+        buf, at = await self._until(self.rest, b"\r\n\r\n")
+        lines = buf[:at].decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
         length, chunked = 0, False
-        while (line := await self.reader.readuntil(b"\r\n")) != b"\r\n":
-            name, _, value = line.decode("latin-1").partition(":")
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
             name = name.strip().lower()
             if name == "content-length":
                 length = int(value)
             elif name == "transfer-encoding" and "chunked" in value.lower():
                 chunked = True
+        buf = buf[at + 4:]
         self.used = time.monotonic()
         if not chunked:
-            return status, await self.reader.readexactly(length)
-        parts: list[bytes] = []
+            reply, self.rest = await self._exactly(buf, length)
+            return status, reply
+        parts: list[bytes | bytearray] = []
         while True:
-            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            buf, at = await self._until(buf, b"\r\n")
+            size = int(buf[:at].split(b";")[0], 16)
+            chunk, buf = await self._exactly(buf[at + 2:], size + 2)
             if size == 0:
-                await self.reader.readuntil(b"\r\n")
+                self.rest = buf
                 return status, b"".join(parts)
-            parts.append(await self.reader.readexactly(size))
-            await self.reader.readexactly(2)
+            parts.append(chunk[:size])
 
 
 # -- the workload ----------------------------------------------------------------
+
+
+class _Meta(msgspec.Struct):
+    output_token_logprobs: list[tuple[float, int]]
+
+
+class _Choice(msgspec.Struct):
+    meta_info: _Meta
+
+
+class _Reply(msgspec.Struct):
+    choices: list[_Choice]
+
+
+# The load generator's reading of a reply: only the output tokens, the rest skipped
+# (json.loads of a 4 MB reply costs the load generator ~4 ms a turn of shared CPU).
+_read_reply = msgspec.json.Decoder(_Reply).decode
 
 
 def chat_body(input_ids: list[int], start: int) -> bytes:
@@ -216,11 +273,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway: str,
-                  out: list[tuple[float, float, int]], recorded: bool = True) -> None:
+                  out: list[tuple[float, float, int]], recorded: bool = True,
+                  think_s: float = 0.0) -> None:
     """One session's turns, each sent straight and through the gateway; `recorded`
-    False leaves the routing header out, so the gateway relays the turns unrecorded."""
+    False leaves the routing header out, so the gateway relays the turns unrecorded.
+    `think_s` > 0: the fake SGLang takes about that long to answer each turn
+    (`X-Sim-Delay`, uniform in 0.5-1.5 x, the same both ways), as a real engine's
+    generation does: turns of different lengths, so sessions that start together
+    drift apart."""
     sid = f"bench-{uuid.uuid4().hex[:8]}-{index}"
     tokens: list[int] = []
+    jitter = random.Random(index)
     async with Conn(direct) as to_direct, Conn(gateway) as to_gateway:
         for turn in range(turns + 1):
             new = [1 + (index * 7919 + turn * 104729 + i) % 997
@@ -228,7 +291,9 @@ async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway
             input_ids = tokens + new
             body = chat_body(input_ids, max(len(tokens) - 1, 0))
             headers = {HEADER: sid} if recorded else {}
-            timed: dict[str, tuple[float, int, bytes]] = {}
+            if think_s > 0:
+                headers["X-Sim-Delay"] = f"{think_s * (0.5 + jitter.random()):.6f}"
+            timed: dict[str, tuple[float, int, bytes | bytearray]] = {}
             order = [("direct", to_direct), ("gateway", to_gateway)]
             for name, conn in order if turn % 2 == 0 else order[::-1]:
                 await conn.ready()
@@ -241,8 +306,8 @@ async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway
             if s_direct != 200 or s_gateway != 200 or r_direct != r_gateway:
                 raise RuntimeError(f"{sid} turn {turn}: {s_direct}/{s_gateway}, "
                                    f"bytes equal: {r_direct == r_gateway}: {r_gateway[:300]!r}")
-            meta = json.loads(r_direct)["choices"][0]["meta_info"]
-            tokens = input_ids + [entry[1] for entry in meta["output_token_logprobs"]]
+            meta = _read_reply(r_direct).choices[0].meta_info
+            tokens = input_ids + [entry[1] for entry in meta.output_token_logprobs]
             if turn > 0:  # the first turn warms connections and the session's open
                 out.append((t_direct, t_gateway, len(r_direct)))
 
@@ -289,13 +354,16 @@ async def big_reply(gateway: str, pid: int, mb: int) -> list[tuple[str, int, int
 
 
 async def latency(args: argparse.Namespace, direct: str, gateway: str, pid: int,
-                  recorded: bool) -> None:
+                  recorded: bool, upstream_pid: int) -> None:
     """Part 1: the turns straight and through the gateway; added latency and CPU."""
     pairs: list[tuple[float, float, int]] = []
     user0, system0 = cpu_split(pid)
+    upstream0, load0 = cpu_seconds(upstream_pid), time.process_time()
     await asyncio.gather(*(session(i, args.turns, args.turn_tokens, direct, gateway, pairs,
-                                   recorded) for i in range(args.sessions)))
+                                   recorded, args.think_ms / 1000)
+                           for i in range(args.sessions)))
     user1, system1 = cpu_split(pid)
+    upstream1, load1 = cpu_seconds(upstream_pid), time.process_time()
     added = [g - d for d, g, _ in pairs]
     size = statistics.mean(n for _, _, n in pairs)
     kind = "recorded" if recorded else "relayed unrecorded (no routing header)"
@@ -310,7 +378,11 @@ async def latency(args: argparse.Namespace, direct: str, gateway: str, pid: int,
     # CPU is the figure a loaded machine disturbs least (wall time queues).
     turns = len(pairs) + args.sessions
     print(f"gateway process CPU per turn: {(user1 - user0) / turns * 1000:.1f} ms user + "
-          f"{(system1 - system0) / turns * 1000:.1f} ms system (all its threads)", flush=True)
+          f"{(system1 - system0) / turns * 1000:.1f} ms system (all its threads)")
+    # The harness shares the cores: what the fake SGLang (two replies a turn) and the
+    # load generator cost beside the gateway.
+    print(f"harness CPU per turn: fake SGLang {(upstream1 - upstream0) / turns * 1000:.1f} ms "
+          f"(two replies), load generator {(load1 - load0) / turns * 1000:.1f} ms", flush=True)
 
 
 def added_histogram(metrics: str) -> str:
@@ -339,11 +411,18 @@ async def main() -> None:
     parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
                         help="also send the same turns without the routing header "
                              "(relayed, not recorded) for the relay's own cost")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="the fake SGLang's mean time to answer a turn (X-Sim-Delay, "
+                             "0.5-1.5 x), both ways: an engine's generation time, which "
+                             "spaces a session's turns (0: at once, sessions back to back)")
     parser.add_argument("--big-reply-mb", type=int, default=100, help="0 = skip")
     parser.add_argument("--py-spy", metavar="FILE",
                         help="record a py-spy profile (raw format) of the gateway during "
                              "the latency part into FILE (py-spy on PATH or next to Python)")
     args = parser.parse_args()
+    from app.allocator import keep_turn_buffers_resident
+
+    keep_turn_buffers_resident()  # the load generator's 4 MB reads: no brk churn per turn
     if not TURNLOG.exists():
         raise SystemExit(f"no turnlog console script at {TURNLOG} (run `make install`)")
 
@@ -371,10 +450,10 @@ async def main() -> None:
             print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
                   "(the figures are only comparable on a quiet machine)")
             print(f"{args.sessions} sessions x {args.turns} turns of {args.turn_tokens} "
-                  f"tokens, R3 {LAYERS} layers x top-{TOPK}, PostgreSQL, addition mode",
-                  flush=True)
+                  f"tokens, R3 {LAYERS} layers x top-{TOPK}, PostgreSQL, addition mode, "
+                  f"upstream answers after {args.think_ms:g} ms", flush=True)
             spy = start_py_spy(args.py_spy, proxy.pid) if args.py_spy else None
-            await latency(args, direct, gateway, proxy.pid, recorded=True)
+            await latency(args, direct, gateway, proxy.pid, True, sglang.pid)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                 spy.wait(30)
@@ -384,7 +463,7 @@ async def main() -> None:
             if args.relay:
                 # The same turns without the routing header: what relaying a reply of
                 # this size costs before anything is recorded.
-                await latency(args, direct, gateway, proxy.pid, recorded=False)
+                await latency(args, direct, gateway, proxy.pid, False, sglang.pid)
 
             cpu_before = cpu_seconds(proxy.pid)
             through = await passthrough(direct, gateway, args.passthrough)

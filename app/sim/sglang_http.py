@@ -40,6 +40,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import math
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -49,6 +50,7 @@ from app.domain.wire.r3 import WIRE_DTYPE
 from app.sim.simulator import OUTPUT_BASE, VOCAB, route
 
 MAX_TOKENS = 4096
+_R3_MARK = "\u0000sim-r3\u0000"  # a string no reply holds otherwise
 
 
 def output_for(prompt: list[int], count: int, sampling_seed: int = 0) -> list[int]:
@@ -68,6 +70,21 @@ def filler_rows(start: int, end: int, num_layers: int, topk: int,
     per_row = num_layers * topk
     values = np.arange(start * per_row, end * per_row, dtype=np.int64) % num_experts
     return values.astype(WIRE_DTYPE).reshape(end - start, num_layers, topk)
+
+
+def filler_base64(start: int, end: int, num_layers: int, topk: int,
+                  num_experts: int) -> bytes:
+    """`base64(filler_rows(...).tobytes())`, built from one period: the rows are the
+    sequence 0..num_experts-1 repeated, so the bytes repeat every `4 * num_experts`
+    and their base64 every `lcm(4 * num_experts, 3)` bytes. A benchmark's fake must
+    cost little beside the gateway it measures (base64 of 3 MB alone is ~5 ms)."""
+    per_row = num_layers * topk
+    first, count = start * per_row, max(end - start, 0) * per_row
+    period = num_experts * 3 // math.gcd(num_experts, 3)  # values in lcm(4E, 3) bytes
+    block = ((np.arange(period, dtype=np.int64) + first) % num_experts).astype(WIRE_DTYPE)
+    whole, rest = divmod(count, period)
+    tail = block[:rest].tobytes()
+    return base64.b64encode(block.tobytes()) * whole + base64.b64encode(tail)
 
 
 class FakeSGLang:
@@ -96,12 +113,13 @@ class FakeSGLang:
         if scope["type"] != "http":
             return
         self.requests += 1
-        body = b""
+        parts = []
         while True:
             message = await receive()
-            body += message.get("body", b"")
+            parts.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
+        body = b"".join(parts)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         path, method = scope["path"], scope["method"]
         if path == "/v1/chat/completions" and method == "POST":
@@ -151,11 +169,36 @@ class FakeSGLang:
 
     def completion(self, request: dict[str, Any], pad: int = 0) -> dict[str, Any]:
         """The reply SGLang would give this request (what the gateway must record)."""
+        reply, routed = self._completion(request, pad)
+        if routed is not None:
+            reply["choices"][0]["meta_info"]["routed_experts"] = routed.decode("ascii")
+        return reply
+
+    def reply_bytes(self, request: dict[str, Any], pad: int = 0,
+                    logprobs: bool = True) -> bytes:
+        """`json.dumps(self.completion(request, pad)).encode()`, the same bytes, with the
+        base64 R3 spliced in rather than scanned by the JSON encoder (base64 needs no
+        escaping; a 4 MB string costs `json.dumps` ~10 ms)."""
+        reply, routed = self._completion(request, pad)
+        meta = reply["choices"][0]["meta_info"]
+        if not logprobs:
+            del meta["output_token_logprobs"]
+        if routed is None:
+            return json.dumps(reply).encode()
+        meta["routed_experts"] = _R3_MARK
+        head, mark, tail = json.dumps(reply).encode().partition(json.dumps(_R3_MARK).encode())
+        assert mark, "the R3 mark is in the encoded reply"
+        return b"".join((head, b'"', routed, b'"', tail))
+
+    def _completion(self, request: dict[str, Any],
+                    pad: int) -> tuple[dict[str, Any], bytes | None]:
+        """The reply without its base64 R3, and that R3 (None when not asked for)."""
         prompt = [int(t) for t in request["input_ids"]]
         count = max(0, min(int(request.get("max_tokens") or 4), MAX_TOKENS))
         sampling_seed = int(request.get("seed") or request.get("sampling_seed") or 0)
         out = output_for(prompt, count, sampling_seed)
         tokens = prompt + out
+        digest = hashlib.sha256(repr(tokens).encode()).hexdigest()
         finish = "stop"
         message: dict[str, Any] = {"role": "assistant",
                                    "content": " ".join(f"t{t}" for t in out)}
@@ -166,7 +209,7 @@ class FakeSGLang:
             function = tools[0].get("function", {}) if isinstance(tools[0], dict) else {}
             finish = "tool_calls"
             message["tool_calls"] = [{
-                "id": "call_" + hashlib.sha256(repr(tokens).encode()).hexdigest()[:12],
+                "id": "call_" + digest[:12],
                 "type": "function", "index": 0,
                 "function": {"name": function.get("name", "tool"),
                              "arguments": json.dumps({"q": out[0] if out else 0})}}]
@@ -185,18 +228,19 @@ class FakeSGLang:
             meta.update({"spec_verify_ct": verify,
                          "spec_num_correct_drafts": sum(t % 3 == 0 for t in out) % (proposed + 1),
                          "spec_num_proposed_drafts": proposed})
+        routed = None
         if request.get("return_routed_experts"):
             start = int(request.get("routed_experts_start_len") or 0)
             if self.r3 == "filler":
-                rows = filler_rows(start, max(len(tokens) - 1, start), self.num_layers,
-                                   self.topk, self.num_experts)
+                routed = filler_base64(start, max(len(tokens) - 1, start), self.num_layers,
+                                       self.topk, self.num_experts)
             else:
                 rows = route(np.asarray(tokens, dtype=np.int64), self.num_layers, self.topk,
                              self.num_experts, self.router_seed)[start:]
-            meta["routed_experts"] = base64.b64encode(
-                rows.astype(WIRE_DTYPE).tobytes()).decode("ascii")
+                routed = base64.b64encode(rows.astype(WIRE_DTYPE).tobytes())
+            meta["routed_experts"] = None  # its place in the reply's key order
         reply: dict[str, Any] = {
-            "id": "chatcmpl-" + hashlib.sha256(repr(tokens).encode()).hexdigest()[:16],
+            "id": "chatcmpl-" + digest[:16],
             "object": "chat.completion",
             "model": request.get("model", "default"),
             "choices": [{"index": 0, "finish_reason": finish, "message": message,
@@ -205,7 +249,7 @@ class FakeSGLang:
         }
         if pad:
             reply["sim_padding"] = "x" * pad
-        return reply
+        return reply, routed
 
     async def _chat(self, headers: dict[str, str], body: bytes, send: Any) -> None:
         if "x-sim-delay" in headers:
@@ -236,10 +280,9 @@ class FakeSGLang:
         except (ValueError, KeyError, TypeError):
             await _reply(send, 400, b'{"error":"expected a JSON body with input_ids"}')
             return
-        reply = self.completion(request, int(headers.get("x-sim-pad", "0")))
-        if headers.get("x-sim-reply") == "no-logprobs":
-            del reply["choices"][0]["meta_info"]["output_token_logprobs"]
+        pad = int(headers.get("x-sim-pad", "0"))
         if request.get("stream") is True:
+            reply = self.completion(request, pad)
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
             for piece in (reply["choices"][0]["message"]["content"], ""):
@@ -248,7 +291,8 @@ class FakeSGLang:
                             "body": b"data: " + json.dumps(event).encode() + b"\n\n"})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             return
-        await _reply(send, 200, json.dumps(reply).encode())
+        logprobs = headers.get("x-sim-reply") != "no-logprobs"
+        await _reply(send, 200, self.reply_bytes(request, pad, logprobs))
 
 
 async def _disconnected(receive: Any) -> None:
@@ -280,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--r3", choices=("oracle", "filler"), default="oracle",
                         help="oracle: a full forward's rows; filler: cheap rows (benchmarks)")
     args = parser.parse_args(argv)
+    from app.allocator import keep_turn_buffers_resident
+
+    keep_turn_buffers_resident()  # as the gateway does: a reply's buffers stay mapped
     app = FakeSGLang(args.num_layers, args.topk, args.num_experts, args.router_seed,
                      args.speculative, args.r3)
     uvicorn.run(app, host=args.host,
