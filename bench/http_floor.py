@@ -1,8 +1,9 @@
 """The HTTP floor: uvicorn receiving a body and answering 201, nothing else.
 
 A reference for `bench.ingest` (the same server stack as `turnlog serve`:
-uvicorn with httptools and uvloop): what receiving the request bodies alone
-costs a Python server process, before any parsing or storing. Not a turnlog
+uvicorn with httptools and uvloop, and the same allocator settings): what
+receiving the request bodies alone costs a Python server process, before any
+parsing or storing. Not a turnlog
 component; run by the benchmark as `uvicorn bench.http_floor:app`.
 """
 
@@ -10,7 +11,14 @@ from __future__ import annotations
 
 from starlette.types import Receive, Scope, Send
 
+from app.allocator import keep_turn_buffers_resident
+
 REPLY = b'{"ok":true}'
+
+# As each `turnlog serve` worker does (app.served): without it glibc unmaps a large
+# body's heap after each request and faults it back in on the next (~30 brk calls
+# and ~3 ms of system CPU per 3 MB body here), a cost the server does not pay.
+keep_turn_buffers_resident()
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
