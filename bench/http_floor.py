@@ -3,8 +3,8 @@
 A reference for `bench.ingest` (the same server stack as `turnlog serve`:
 uvicorn with httptools and uvloop, and the same allocator settings): what
 receiving the request bodies alone costs a Python server process, before any
-parsing or storing. Not a turnlog
-component; run by the benchmark as `uvicorn bench.http_floor:app`.
+parsing or storing. Not a turnlog component; run by the benchmark as
+`uvicorn bench.http_floor:app`.
 """
 
 from __future__ import annotations
