@@ -41,14 +41,13 @@ from app.domain.body.gateway import (
     GatewayDefaults,
     Unrecorded,
     build_record,
-    classify_reply,
     classify_reply_head,
     classify_request,
     is_hop_by_hop,
     names_session,
     open_body,
     parse_labels_header,
-    r3_as_bin,
+    parse_reply,
     turn_body,
 )
 from app.domain.errors import DomainError, InvalidRequest
@@ -270,13 +269,12 @@ class Gateway:
         status, raw_headers = response.status, response.raw_headers
         timestamp = time.time()
         headers = _buffered_headers(raw_headers, len(raw))
-        reply = classify_reply(status, _decoded(raw_headers, raw))
+        # Its R3 payload decoded once, from the bytes: never a 4 MB str.
+        reply = parse_reply(status, _decoded(raw_headers, raw))
         if isinstance(reply, Unrecorded):
             self.metrics.unrecorded.labels(reply.reason).inc()
             await _send_raw(send, status, headers, raw)
             return
-        # Decoded once here; the str it replaces is freed before the store is called.
-        reply = r3_as_bin(reply)
         outcome = await self._record(scope, decision, reply, request_timestamp, timestamp,
                                      len(body) + len(raw))
         if outcome == SPOOL_FULL:

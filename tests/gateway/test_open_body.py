@@ -30,6 +30,7 @@ from app.domain.body.gateway import (
     open_body,
     parse_label_flags,
     parse_labels_header,
+    parse_reply,
     r3_as_bin,
 )
 from app.domain.errors import InvalidRequest
@@ -160,3 +161,55 @@ def test_r3_as_bin_leaves_what_the_store_must_judge(text) -> None:
 @pytest.mark.parametrize("reply", [{}, {"choices": []}, {"choices": [{"meta_info": {}}]}, [1]])
 def test_r3_as_bin_without_a_payload_is_the_reply_itself(reply) -> None:
     assert r3_as_bin(reply) is reply
+
+
+def _plain(status: int, body: bytes) -> Any:
+    reply = classify_reply(status, body)
+    return reply if isinstance(reply, Unrecorded) else r3_as_bin(reply)
+
+
+_R3 = base64.b64encode(np.arange(48 * 8 * 3, dtype="<i4").tobytes())
+_TITO = json.dumps(_reply_with_r3(_R3.decode())).encode()
+_KEY = b'"routed_experts": "'
+
+
+@pytest.mark.parametrize("body", [
+    _TITO,
+    _TITO.replace(b'": ', b'":').replace(b", ", b","),  # compact
+    _TITO.replace(_KEY, b'"routed_experts":\n\t "'),
+    _TITO.replace(b'"index"', b'"routed_experts": "AAAAAAAA", "index"'),  # an earlier one
+    _TITO.replace(b'{"id"', b'{"routed_experts": "AAAAAAAA", "id"'),
+    _TITO.replace(b'{"id"', b'{"x\\"routed_experts": "AAAAAAAA", "id"'),  # in a key
+    _TITO.replace(b'{"id"', b'{"c": "a\\n\\"routed_experts\\": \\"AAAA\\"", "id"'),
+    _TITO.replace(_KEY, b'"routed_experts": "AAAAAAAA", "routed_experts": "'),  # twice
+    _TITO.replace(b'"cached_tokens"', b'"routed_experts": "AAAAAAAA", "cached_tokens"'),
+    _TITO.replace(_KEY, b'"a": "x"routed_experts": "'),  # after a closing quote
+    _TITO.replace(_KEY, b'"routed_experts": "x'),  # not base64 from the start
+    _TITO.replace(_KEY, b'"routed_experts": NaN, "b": "'),
+    _TITO.replace(_R3, _R3[:-1]),  # truncated
+    _TITO.replace(_R3, b"AAAAAR=="),  # non-zero trailing bits
+    _TITO.replace(_R3, b"AAAAAAA="),  # not whole int32s
+    _TITO.replace(_R3, b""),
+    _TITO[:-2],
+    # The marker itself, spelled with an escape where the payload belongs, and a
+    # payload elsewhere: the marker found there is not the spliced string.
+    _TITO.replace(_R3, b"\\u0074urnlogSplicedRoutedExpertsA").replace(
+        b'{"id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "id"'),
+    _TITO.replace(_R3, b"turnlogSplicedRoutedExpertsA").replace(
+        b'{"id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "id"'),
+    json.dumps({"choices": [{"meta_info": {"output_token_logprobs": []}}]}).encode(),
+    b'"routed_experts": "AAAA"', b'{"routed_experts": "AAAA"', b"", b"<html>",
+])
+def test_parse_reply_answers_as_classify_reply_then_r3_as_bin(body) -> None:
+    for status in (200, 500):
+        plain, fused = _plain(status, body), parse_reply(status, body)
+        assert fused == plain and type(fused) is type(plain)
+        if isinstance(plain, dict):  # bytes == str is False: the payload's type is equal too
+            assert msgspec.json.encode(fused) == msgspec.json.encode(plain)
+            assert list(fused["choices"][0]["meta_info"]) == \
+                list(plain["choices"][0]["meta_info"])
+
+
+def test_parse_reply_decodes_the_payload_from_the_bytes() -> None:
+    reply = parse_reply(200, bytearray(_TITO))
+    assert reply["choices"][0]["meta_info"]["routed_experts"] == base64.b64decode(_R3)
