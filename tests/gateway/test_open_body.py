@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
+import app.domain.body.gateway as gateway_rules
 from app.domain.body.gateway import (
     NO_SESSION,
     NOT_JSON,
@@ -213,3 +214,58 @@ def test_parse_reply_answers_as_classify_reply_then_r3_as_bin(body) -> None:
 def test_parse_reply_decodes_the_payload_from_the_bytes() -> None:
     reply = parse_reply(200, bytearray(_TITO))
     assert reply["choices"][0]["meta_info"]["routed_experts"] == base64.b64decode(_R3)
+
+
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _requests() -> list[bytes]:
+    bodies = []
+    for ids in ([1], [0], [1, 2, 3], [2**31 - 1, 5], [2**31], [2**63 - 1], [2**63],
+                [2**64 + 5], [10**19], [-1, 2], [1, True], [1, 1.0], [1, None], [1, "2"],
+                [[1]], list(range(3000))):
+        for separators in ((",", ":"), (", ", ": ")):
+            bodies.append(json.dumps({**_CHAT, "input_ids": ids}, separators=separators))
+            bodies.append(json.dumps({"input_ids": ids, **_CHAT, "stream": True},
+                                     separators=separators))
+    plain = json.dumps({**_CHAT, "input_ids": [1, 2, 3]})
+    for old, new in (("[1, 2, 3]", "[ 1 ,2 , 3 ]"), ("[1, 2, 3]", "[\n1,\n2]"),
+                     ("[1, 2, 3]", "[1, 02]"), ("[1, 2, 3]", "[1, 2,]"), ("[1, 2, 3]", "[1 2]"),
+                     ("[1, 2, 3]", "[1e3, 2]"), ("[1, 2, 3]", "[-0]"), ("[1, 2, 3]", "[]"),
+                     ("[1, 2, 3]", "[1, 2, 3"), ("[1, 2, 3]", "[1, 36893488147419103237]"),
+                     ('"model"', '"input_ids": [9, 9], "model"'),  # twice: the last one counts
+                     ('"model": "m"', '"model": {"input_ids": [9]}'),
+                     ('"model"', '"\\u0069nput_ids": [7], "model"'),  # the same key, escaped
+                     ('"model": "m"', '"model": "input_ids"'),
+                     ('"content": "hi"', '"content": "a\\nb"'),
+                     ('"input_ids": ', '"input_ids"\n:\t')):
+        bodies.append(plain.replace(old, new))
+    return [body.encode() for body in bodies] + [b"[1,2]", b"", b'{"input_ids": [1]} x']
+
+
+@pytest.mark.parametrize("body", _requests())
+def test_token_ids_read_from_the_bytes_are_those_of_the_parsed_list(body, monkeypatch) -> None:
+    """`classify_request` answers the same with the ids read from the bytes as with
+    the parsed list converted (`token_array`), whichever way a body goes."""
+    fast = classify_request("s1", body)
+    monkeypatch.setattr(gateway_rules, "_listed_ids", lambda _body, _count: None)
+    slow = classify_request("s1", body)
+    assert type(fast) is type(slow)
+    if isinstance(slow, Unrecorded):
+        assert fast == slow
+        return
+    assert isinstance(fast, Candidate) and fast.request == slow.request
+    if slow.prompt is None:
+        assert fast.prompt is None
+    else:
+        assert fast.prompt is not None and fast.prompt.dtype == slow.prompt.dtype == np.int64
+        assert fast.prompt.tolist() == slow.prompt.tolist()
+
+
+def test_token_ids_of_a_plain_request_are_read_from_its_bytes() -> None:
+    for separators in ((",", ":"), (", ", ": ")):
+        body = json.dumps({**_CHAT, "input_ids": [5, 0, 2**31 - 1]}, separators=separators)
+        ids = gateway_rules._listed_ids(body.encode(), 3)
+        assert ids is not None and ids.tolist() == [5, 0, 2**31 - 1]
+    # One past int64 reads as its maximum (strtoll), never wrapped into range.
+    assert gateway_rules._listed_ids(b'{"input_ids": [18446744073709551621]}', 1) is None

@@ -28,7 +28,7 @@ import numpy as np
 import pybase64
 
 from app.domain.body.labels import parse_labels
-from app.domain.body.turn import PROMPT_FIELD, token_array
+from app.domain.body.turn import PROMPT_FIELD, TOKEN_MAX, token_array
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import payload_bytes
@@ -102,17 +102,63 @@ def classify_request(session_header_value: str | None, body: bytes) -> Candidate
     ids = request.get("input_ids")
     if not isinstance(ids, list) or not ids:
         return Unrecorded(NOT_TITO)
-    try:
-        prompt: np.ndarray | None = token_array(ids, PROMPT_FIELD)
-    except DomainError:
-        # Token ids out of range still make a turn the store refuses (and counts); a
-        # list that is not all integers (a boolean's type is bool) is no TITO request.
-        if set(map(type, ids)) != {int}:
-            return Unrecorded(NOT_TITO)
-        prompt = None
+    prompt: np.ndarray | None = _listed_ids(body, len(ids))
+    if prompt is None:
+        try:
+            prompt = token_array(ids, PROMPT_FIELD)
+        except DomainError:
+            # Token ids out of range still make a turn the store refuses (and counts);
+            # a list that is not all integers (a boolean's type is bool) is no TITO
+            # request.
+            if set(map(type, ids)) != {int}:
+                return Unrecorded(NOT_TITO)
+            prompt = None
     if request.get("stream") is True:
         return Unrecorded(STREAM)
     return Candidate(session_header_value, request, prompt)
+
+
+_JSON_SPACE = b" \t\r\n"
+_IDS_KEY = b'"input_ids"'
+
+
+def _listed_ids(body: bytes | bytearray, count: int) -> np.ndarray | None:
+    """The `count` token ids of a request that parsed (as JSON, with a non-empty
+    `input_ids` list), read from its bytes into int64 if all are in range — what
+    `token_array` makes of the parsed list, for a fraction of its CPU (no type
+    scan of 40k Python ints, no conversion from them); None when the bytes do not
+    show it plainly (then the parsed list is converted as before):
+
+    - The body has no escape and one `"input_ids"`: that is then the key of the
+      top-level list (a nested or escaped one would be another), and its items
+      run from the `[` after it to the first `]`.
+    - Those bytes are digits, commas and spaces only: in JSON that parsed, the
+      items are then non-negative integer literals (`int`, never a bool or a
+      float). Read with C's `strtoll` rules, one too large for int64 reads as
+      its maximum, out of range like any over `TOKEN_MAX`.
+    """
+    if b"\\" in body:
+        return None
+    key = body.find(_IDS_KEY)
+    if key < 0 or body.find(_IDS_KEY, key + 1) >= 0:
+        return None
+    after = key + len(_IDS_KEY)
+    begin = body.find(b"[", after) + 1
+    end = body.find(b"]", begin)
+    if begin <= 0 or end < 0 or body[after:begin - 1].strip(_JSON_SPACE) != b":":
+        return None
+    text = np.frombuffer(body, np.uint8, end - begin, begin)
+    digits = np.count_nonzero((text - np.uint8(ord("0"))) < 10)
+    if digits + np.count_nonzero(text == ord(",")) + np.count_nonzero(text == ord(" ")) \
+            != len(text):
+        return None
+    try:
+        ids = np.fromstring(bytes(body[begin:end]), dtype=np.int64, sep=",")
+    except ValueError:
+        return None
+    if len(ids) != count or int(ids.max()) > TOKEN_MAX:
+        return None
+    return ids
 
 
 def classify_reply_head(status: int, content_type: str) -> Unrecorded | None:
@@ -172,7 +218,6 @@ def r3_as_bin(response: Any) -> Any:
 # no JSON separator, bracket, quote or escape; two, to tell the spliced string apart).
 _R3_KEY = b'"routed_experts":'
 _SPLICED = (b"turnlogSplicedRoutedExpertsA", b"turnlogSplicedRoutedExpertsB")
-_JSON_SPACE = b" \t\r\n"
 
 
 def parse_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
