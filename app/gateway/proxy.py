@@ -20,6 +20,7 @@ Refuses: the rules of what is recorded (app.domain.body.gateway) and storage
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 import zlib
@@ -126,6 +127,11 @@ class Gateway:
                                  store_timeout=self.config.store_timeout,
                                  idle_close_seconds=self.config.idle_close_seconds)
         self.recorder.start()
+        # Everything imported and built so far lives as long as the process: out of the
+        # collector's sight, a full collection costs ~0.1 ms on the event loop instead of
+        # ~50 (as the server does, app.main).
+        gc.collect()
+        gc.freeze()
         log.info("gateway ready", upstream=str(self.upstream),
                  record_paths=list(self.config.record_paths), spooled=len(spool))
 

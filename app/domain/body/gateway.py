@@ -232,8 +232,9 @@ def parse_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
     the same in every case:
     - The text is one string's whole content: the quote before it is not
       escaped (a `:` or a space precedes it) and the quote after it is the first
-      one. If that first quote ended a string instead, the base64 right after it
-      is invalid JSON, and the marker (letters) is too, in the same place.
+      one. Were the quote before it the end of a string, base64 right after it
+      would be invalid JSON, and so would the marker (letters) in its place:
+      the rest does not parse and the plain path answers.
     - The rest parses, counts and nests exactly as the whole reply does: the
       two differ in one string's content, neither part holding anything
       `check_json` or the nesting check counts.
