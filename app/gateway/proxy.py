@@ -459,9 +459,7 @@ async def _read_reply(response: aiohttp.ClientResponse) -> bytes | bytearray:
     filled = 0
     extra: list[bytes] = []
     with memoryview(buffer) as view:
-        # Chunk by chunk as received: `iter_any` would first join what came meanwhile
-        # (a copy of most of a 4 MB reply), only for it to be copied in here.
-        async for chunk, _ in response.content.iter_chunks():
+        async for chunk in response.content.iter_any():
             end = filled + len(chunk)
             if extra or end > len(buffer):
                 extra = extra or [bytes(view[:filled])]
