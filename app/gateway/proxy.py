@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import time
 import uuid
@@ -43,14 +44,13 @@ from app.domain.body.gateway import (
     GatewayDefaults,
     Unrecorded,
     build_record,
-    classify_reply,
     classify_reply_head,
     classify_request,
     is_hop_by_hop,
     names_session,
     open_body,
     parse_labels_header,
-    r3_as_bin,
+    parse_reply,
     turn_body,
 )
 from app.domain.errors import DomainError, InvalidRequest
@@ -129,6 +129,11 @@ class Gateway:
                                  store_timeout=self.config.store_timeout,
                                  idle_close_seconds=self.config.idle_close_seconds)
         self.recorder.start()
+        # Everything imported and built so far lives as long as the process: out of the
+        # collector's sight, a full collection costs ~0.1 ms on the event loop instead of
+        # ~50 (as the server does, app.main).
+        gc.collect()
+        gc.freeze()
         log.info("gateway ready", upstream=str(self.upstream),
                  record_paths=list(self.config.record_paths), spooled=len(spool))
 
@@ -272,13 +277,12 @@ class Gateway:
         status, raw_headers = response.status, response.raw_headers
         timestamp = time.time()
         headers = _buffered_headers(raw_headers, len(raw))
-        reply = classify_reply(status, _decoded(raw_headers, raw))
+        # Its R3 payload decoded once, from the bytes: never a 4 MB str.
+        reply = parse_reply(status, _decoded(raw_headers, raw))
         if isinstance(reply, Unrecorded):
             self.metrics.unrecorded.labels(reply.reason).inc()
             await _send_raw(send, status, headers, raw)
             return
-        # Decoded once here; the str it replaces is freed before the store is called.
-        reply = r3_as_bin(reply)
         outcome = await self._record(scope, decision, reply, request_timestamp, timestamp,
                                      len(body) + len(raw))
         if outcome == SPOOL_FULL:

@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
+import app.domain.body.gateway as gateway_rules
 from app.domain.body.gateway import (
     NO_SESSION,
     NOT_JSON,
@@ -30,6 +31,7 @@ from app.domain.body.gateway import (
     open_body,
     parse_label_flags,
     parse_labels_header,
+    parse_reply,
     r3_as_bin,
 )
 from app.domain.errors import InvalidRequest
@@ -160,3 +162,110 @@ def test_r3_as_bin_leaves_what_the_store_must_judge(text) -> None:
 @pytest.mark.parametrize("reply", [{}, {"choices": []}, {"choices": [{"meta_info": {}}]}, [1]])
 def test_r3_as_bin_without_a_payload_is_the_reply_itself(reply) -> None:
     assert r3_as_bin(reply) is reply
+
+
+def _plain(status: int, body: bytes) -> Any:
+    reply = classify_reply(status, body)
+    return reply if isinstance(reply, Unrecorded) else r3_as_bin(reply)
+
+
+_R3 = base64.b64encode(np.arange(48 * 8 * 3, dtype="<i4").tobytes())
+_TITO = json.dumps(_reply_with_r3(_R3.decode())).encode()
+_KEY = b'"routed_experts": "'
+
+
+@pytest.mark.parametrize("body", [
+    _TITO,
+    _TITO.replace(b'": ', b'":').replace(b", ", b","),  # compact
+    _TITO.replace(_KEY, b'"routed_experts":\n\t "'),
+    _TITO.replace(b'"index"', b'"routed_experts": "AAAAAAAA", "index"'),  # an earlier one
+    _TITO.replace(b'{"id"', b'{"routed_experts": "AAAAAAAA", "id"'),
+    _TITO.replace(b'{"id"', b'{"x\\"routed_experts": "AAAAAAAA", "id"'),  # in a key
+    _TITO.replace(b'{"id"', b'{"c": "a\\n\\"routed_experts\\": \\"AAAA\\"", "id"'),
+    _TITO.replace(_KEY, b'"routed_experts": "AAAAAAAA", "routed_experts": "'),  # twice
+    _TITO.replace(b'"cached_tokens"', b'"routed_experts": "AAAAAAAA", "cached_tokens"'),
+    _TITO.replace(_KEY, b'"a": "x"routed_experts": "'),  # after a closing quote
+    _TITO.replace(_KEY, b'"routed_experts": "x'),  # not base64 from the start
+    _TITO.replace(_KEY, b'"routed_experts": NaN, "b": "'),
+    _TITO.replace(_R3, _R3[:-1]),  # truncated
+    _TITO.replace(_R3, b"AAAAAR=="),  # non-zero trailing bits
+    _TITO.replace(_R3, b"AAAAAAA="),  # not whole int32s
+    _TITO.replace(_R3, b""),
+    _TITO[:-2],
+    # The marker itself, spelled with an escape where the payload belongs, and a
+    # payload elsewhere: the marker found there is not the spliced string.
+    _TITO.replace(_R3, b"\\u0074urnlogSplicedRoutedExpertsA").replace(
+        b'{"id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "id"'),
+    _TITO.replace(_R3, b"turnlogSplicedRoutedExpertsA").replace(
+        b'{"id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "id"'),
+    json.dumps({"choices": [{"meta_info": {"output_token_logprobs": []}}]}).encode(),
+    b'"routed_experts": "AAAA"', b'{"routed_experts": "AAAA"', b"", b"<html>",
+])
+def test_parse_reply_answers_as_classify_reply_then_r3_as_bin(body) -> None:
+    for status in (200, 500):
+        plain, fused = _plain(status, body), parse_reply(status, body)
+        assert fused == plain and type(fused) is type(plain)
+        if isinstance(plain, dict):  # bytes == str is False: the payload's type is equal too
+            assert msgspec.json.encode(fused) == msgspec.json.encode(plain)
+            assert list(fused["choices"][0]["meta_info"]) == \
+                list(plain["choices"][0]["meta_info"])
+
+
+def test_parse_reply_decodes_the_payload_from_the_bytes() -> None:
+    reply = parse_reply(200, bytearray(_TITO))
+    assert reply["choices"][0]["meta_info"]["routed_experts"] == base64.b64decode(_R3)
+
+
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _requests() -> list[bytes]:
+    bodies = []
+    for ids in ([1], [0], [1, 2, 3], [2**31 - 1, 5], [2**31], [2**63 - 1], [2**63],
+                [2**64 + 5], [10**19], [-1, 2], [1, True], [1, 1.0], [1, None], [1, "2"],
+                [[1]], list(range(3000))):
+        for separators in ((",", ":"), (", ", ": ")):
+            bodies.append(json.dumps({**_CHAT, "input_ids": ids}, separators=separators))
+            bodies.append(json.dumps({"input_ids": ids, **_CHAT, "stream": True},
+                                     separators=separators))
+    plain = json.dumps({**_CHAT, "input_ids": [1, 2, 3]})
+    for old, new in (("[1, 2, 3]", "[ 1 ,2 , 3 ]"), ("[1, 2, 3]", "[\n1,\n2]"),
+                     ("[1, 2, 3]", "[1, 02]"), ("[1, 2, 3]", "[1, 2,]"), ("[1, 2, 3]", "[1 2]"),
+                     ("[1, 2, 3]", "[1e3, 2]"), ("[1, 2, 3]", "[-0]"), ("[1, 2, 3]", "[]"),
+                     ("[1, 2, 3]", "[1, 2, 3"), ("[1, 2, 3]", "[1, 36893488147419103237]"),
+                     ('"model"', '"input_ids": [9, 9], "model"'),  # twice: the last one counts
+                     ('"model": "m"', '"model": {"input_ids": [9]}'),
+                     ('"model"', '"\\u0069nput_ids": [7], "model"'),  # the same key, escaped
+                     ('"model": "m"', '"model": "input_ids"'),
+                     ('"content": "hi"', '"content": "a\\nb"'),
+                     ('"input_ids": ', '"input_ids"\n:\t')):
+        bodies.append(plain.replace(old, new))
+    return [body.encode() for body in bodies] + [b"[1,2]", b"", b'{"input_ids": [1]} x']
+
+
+@pytest.mark.parametrize("body", _requests())
+def test_token_ids_read_from_the_bytes_are_those_of_the_parsed_list(body, monkeypatch) -> None:
+    """`classify_request` answers the same with the ids read from the bytes as with
+    the parsed list converted (`token_array`), whichever way a body goes."""
+    fast = classify_request("s1", body)
+    monkeypatch.setattr(gateway_rules, "_listed_ids", lambda _body, _count: None)
+    slow = classify_request("s1", body)
+    assert type(fast) is type(slow)
+    if isinstance(slow, Unrecorded):
+        assert fast == slow
+        return
+    assert isinstance(fast, Candidate) and fast.request == slow.request
+    if slow.prompt is None:
+        assert fast.prompt is None
+    else:
+        assert fast.prompt is not None and fast.prompt.dtype == slow.prompt.dtype == np.int64
+        assert fast.prompt.tolist() == slow.prompt.tolist()
+
+
+def test_token_ids_of_a_plain_request_are_read_from_its_bytes() -> None:
+    for separators in ((",", ":"), (", ", ": ")):
+        body = json.dumps({**_CHAT, "input_ids": [5, 0, 2**31 - 1]}, separators=separators)
+        ids = gateway_rules._listed_ids(body.encode(), 3)
+        assert ids is not None and ids.tolist() == [5, 0, 2**31 - 1]
+    # One past int64 reads as its maximum (strtoll), never wrapped into range.
+    assert gateway_rules._listed_ids(b'{"input_ids": [18446744073709551621]}', 1) is None
