@@ -14,6 +14,12 @@ One fake SGLang (`python -m app.sim.sglang_http`, Qwen3-30B-A3B R3 geometry:
    turn is sent twice, straight to the fake SGLang and through the gateway
    (alternating which goes first), the same bytes both ways; the added latency
    of a turn is the difference. Targets: p50 ≤ 20 ms, p99 ≤ 60 ms.
+   `--think-ms T`: the fake answers each turn after 0.5–1.5 × T ms (its
+   generation time; the same both ways, so it cancels out of "added"). With
+   T = 0 every session sends its next turn at once: the 2 cores then run the
+   fake, the load generator, PostgreSQL and the gateway flat out, and "added"
+   is mostly the gateway's turn waiting for a core (the bench prints the
+   harness's own CPU per turn beside the gateway's).
 2. A passthrough route (`GET /health`, no recording), alternately direct and
    through the gateway, one at a time. Target: added p50 ≤ 2 ms.
 3. One `--big-reply-mb` MB reply relayed unrecorded (no session header) and
