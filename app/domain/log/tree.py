@@ -271,9 +271,12 @@ class SessionState:
 
     def derive_parent(self, prompt: np.ndarray) -> int | None:
         """Deepest node whose tokens prefix `prompt` (up to the trim); ties → highest seq."""
+        return self._derive_parent(prompt, self.prefix_lengths(prompt))
+
+    def _derive_parent(self, prompt: np.ndarray, shared: list[int]) -> int | None:
+        """`derive_parent`, given `shared` = `prefix_lengths(prompt)`."""
         trim = self.definition.max_trim_tokens
         best: Node | None = None
-        shared = self.prefix_lengths(prompt)
         for node in self.nodes:
             need = node.num_tokens - trim
             if need > prompt.size:
@@ -297,8 +300,10 @@ class SessionState:
                 field="record.response.choices[0].meta_info.routed_experts",
                 expected=f"topk {self.topk}", actual=f"topk {facts.topk}",
             )
+        shared: list[int] | None = None  # lcp(node.tokens, prompt) of every node, if known
         if body.parent is OMITTED:
-            parent = self.derive_parent(facts.prompt)
+            shared = self.prefix_lengths(facts.prompt)
+            parent = self._derive_parent(facts.prompt, shared)
         elif body.parent is None:
             parent = None
         else:
@@ -318,7 +323,8 @@ class SessionState:
                 actual=parent,
             )
         parent_size = 0 if parent_node is None else parent_node.num_tokens
-        prefix = 0 if parent_node is None else parent_node.common_prefix(facts.prompt)
+        prefix = 0 if parent_node is None else shared[parent_node.seq] if shared is not None \
+            else parent_node.common_prefix(facts.prompt)
         if self.definition.use_addition_r3 and facts.returns_r3:
             start = facts.r3_start or 0
             expected = max(parent_size - 1, 0)

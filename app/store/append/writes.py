@@ -170,12 +170,18 @@ class Writer:
                 if existing is not None:
                     return definition, self._same_open(existing.open_fingerprint, fingerprint,
                                                        definition)
-                await self._insert_session(conn, definition)
+                payload = await self._insert_session(conn, definition)
         except IntegrityError:
             # A concurrent open of the same id won the race: answer as a repeat.
             async with self.db.read() as conn:
                 row = await session_row(conn, definition.session_id)
             return definition, self._same_open(row["open_fingerprint"], fingerprint, definition)
+        # Committed: the state a fold of the new log would give, so the first turn need not
+        # fold it (two reads). Only if no state is held: a request that folded meanwhile
+        # knows more (a stale state would be refolded anyway, as after any commit elsewhere).
+        if self.cache.get(definition.session_id) is None:
+            opened = SessionDefinition.from_body(jsonio.loads_stored(payload)["session"])
+            self.cache.put(definition.session_id, SessionState(definition=opened))
         return definition, True
 
     @staticmethod
@@ -188,8 +194,10 @@ class Writer:
             )
         return False
 
-    async def _insert_session(self, conn: AsyncConnection, definition: SessionDefinition) -> None:
+    async def _insert_session(self, conn: AsyncConnection, definition: SessionDefinition) -> str:
+        """Insert the session, its labels and its `session_opened` event; the event's payload."""
         recorded = now_us()
+        payload = jsonio.dumps({"session": definition.body()})
         await conn.execute(sessions.insert().values(
             **session_definition(definition, recorded),
             **session_head(SessionState(definition=definition))))
@@ -198,9 +206,10 @@ class Writer:
         await _insert_event(conn, {
             "session_id": definition.session_id,
             "type": SESSION_OPENED,
-            "payload": jsonio.dumps({"session": definition.body()}),
+            "payload": payload,
             "recorded_us": recorded,
         })
+        return payload
 
     async def definition(self, session_id: str) -> SessionDefinition:
         """The session as opened (from the state cache when it holds it)."""
@@ -252,7 +261,8 @@ class Writer:
                            state.definition.num_layers)
         if len(state.nodes) != num_nodes:
             return None  # another append of this session committed meanwhile
-        node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
+        node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts,
+                              attachment.prompt_lcp)
         recorded = now_us()
         nrow = node_row(session_id, node, 0, recorded)
         if self.db.dialect == "sqlite":
@@ -299,7 +309,8 @@ class Writer:
                 await conn.execute(r3_patches.insert().values(
                     **patch_row(session_id, attachment.seq, stored.patch)))
             # The cached state only takes the node once the transaction has committed.
-            node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
+            node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts,
+                                  attachment.prompt_lcp)
             nrow = node_row(session_id, node, position, recorded)
             await conn.execute(nodes.insert().values(**nrow))
             await conn.execute(
