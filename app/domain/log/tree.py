@@ -178,6 +178,10 @@ class SessionState:
     event_ids: dict[str, int] = field(default_factory=dict)
     # Rewards recorded after the close, by event_id, in commit order.
     rewards: dict[str, RewardBody] = field(default_factory=dict)
+    # (nodes counted, their bytes) for `nbytes`: nodes are only appended, and a node's
+    # size never changes, so the state cache's measure on each hand-out (twice an
+    # append) adds only the new nodes instead of walking a long session's nodes.
+    _counted: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
 
     @property
     def closed(self) -> bool:
@@ -204,7 +208,13 @@ class SessionState:
     @property
     def nbytes(self) -> int:
         """What this state holds in memory (token deltas, log-probs, node overhead)."""
-        return sum(node.nbytes for node in self.nodes) + NODE_OVERHEAD
+        count, total = self._counted
+        if count > len(self.nodes):  # not a list this state counted: count it afresh
+            count, total = 0, 0
+        if count < len(self.nodes):
+            total += sum(node.nbytes for node in self.nodes[count:])
+            self._counted = (len(self.nodes), total)
+        return total + NODE_OVERHEAD
 
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes if n.is_leaf]
