@@ -46,9 +46,10 @@ from app.api.routes.append_log import turn_appended, turn_rejected
 from app.domain.body.session import SessionDefinition
 from app.domain.body.turn import TurnBody
 from app.domain.errors import DomainError
-from app.domain.log.events import PreparedTurn, parse_prepared
+from app.domain.log.events import PreparedTurn
 from app.domain.wire import jsonio
 from app.services import Services
+from app.store.append.writes import parse_prepared
 
 PATH = "/v1/sessions/{session_id}/turns"
 # Starlette's `{name}` parameter: one path segment.

@@ -121,14 +121,6 @@ def prepare_turn(body: TurnBody, num_layers: int | None) -> PreparedTurn:
     return PreparedTurn(patch, head, "}" if tail == "{}" else "," + tail[1:])
 
 
-def parse_prepared(raw: Any, definition: SessionDefinition,
-                   prompt: np.ndarray | None = None) -> tuple[TurnBody, PreparedTurn]:
-    """`parse_turn`, then `prepare_turn`: a large turn's CPU work in one call (one
-    worker-thread trip)."""
-    body = parse_turn(raw, definition, None, prompt)
-    return body, prepare_turn(body, definition.num_layers)
-
-
 def encode_prepared(body: TurnBody, attachment: Attachment, prepared: PreparedTurn
                     ) -> StoredTurn:
     """`encode_turn` from its prepared parts: what is left is cheap (the parent, the

@@ -168,13 +168,15 @@ def _check(value: Any) -> None:
             if keys and keys != {str}:
                 bad = next(k for k in chain.from_iterable(dicts) if type(k) is not str)
                 raise _invalid("map keys must be strings", f"{type(bad).__name__} key")
-        children, kinds, leaves = level_of(containers)
+        children, kinds, leaves, rows = level_of(containers)
         if not kinds <= _VALUES:
             kind = next(iter(kinds - _VALUES))
             name = "bin" if kind is bytes else kind.__name__
             raise _invalid(f"{name} is not allowed here", name)
         if float in kinds and not _all_finite(children, leaves):
             raise _invalid("non-finite float", "NaN or Infinity")
+        if rows and level == MAX_DEPTH:  # lists of finite numbers, one level too deep
+            raise _too_deep()
         if dict not in kinds and list not in kinds:
             return
         containers = containers_in(children)

@@ -51,7 +51,7 @@ from app.domain.log.events import (
     StoredTurn,
     encode_prepared,
     encode_turn,
-    parse_prepared,
+    prepare_turn,
     stored_content,
 )
 from app.domain.log.tree import Attachment, SessionState
@@ -125,6 +125,14 @@ T = TypeVar("T")
 # A prepared payload's record JSON up to this many characters is joined with its
 # parent on the event loop (a copy of ~20 µs), not on a worker thread.
 _INLINE_JSON = 1 << 20
+
+
+def parse_prepared(raw: Any, definition: SessionDefinition,
+                   prompt: np.ndarray | None = None) -> tuple[TurnBody, PreparedTurn]:
+    """`parse_turn`, then `prepare_turn`: a large turn's CPU work in one call, for one
+    worker-thread trip (the API's hot route makes the same trip with the decoding)."""
+    body = parse_turn(raw, definition, None, prompt)
+    return body, prepare_turn(body, definition.num_layers)
 
 
 async def run(offload: bool, fn: Callable[..., T], *args: Any) -> T:
