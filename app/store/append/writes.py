@@ -241,7 +241,8 @@ class Writer:
     async def append_turn(self, session_id: str, raw: Any, offload: bool = False,
                           prompt: np.ndarray | None = None) -> Written:
         """Validate, attach and record one turn. With `offload` (a large body) the
-        CPU-heavy steps, parsing and encoding, run on a worker thread. `prompt`: the
+        CPU-heavy steps, parsing and the heavy part of encoding, run on a worker thread
+        in one trip (`parse_prepared`). `prompt`: the
         record's `input_ids` as `token_array` already validated them (the gateway
         does so while the upstream generates), not converted again."""
         definition = await self._definition(session_id)
