@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from app.domain.body.session import SessionDefinition
@@ -79,6 +80,24 @@ def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
 
 
 def encode_turn(body: TurnBody, attachment: Attachment, num_layers: int | None) -> StoredTurn:
+    return encode_prepared(body, attachment, prepare_turn(body, num_layers))
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    """What `encode_turn` computes before the turn's attachment is known: the R3
+    patch and the payload's JSON text around the `parent` the attachment decides
+    (`head` + `"parent":…` + `tail`; None when the payload needs the ASCII-escaped
+    fallback of `jsonio.dumps`, written whole once the parent is known)."""
+
+    patch: Patch | None
+    head: str | None
+    tail: str | None
+
+
+def prepare_turn(body: TurnBody, num_layers: int | None) -> PreparedTurn:
+    """The CPU-heavy part of `encode_turn` (narrowing R3, the record's JSON), which a
+    large turn does on a worker thread along with its validation."""
     facts = body.facts
     patch: Patch | None = None
     if facts.r3_values is not None and facts.r3_start is not None:
@@ -86,17 +105,43 @@ def encode_turn(body: TurnBody, attachment: Attachment, num_layers: int | None) 
         dtype, data = narrow(facts.r3_values)
         patch = Patch(start=facts.r3_start, end=facts.r3_end, num_layers=num_layers,
                       topk=facts.topk, dtype=dtype, data=data)
-    payload: dict[str, Any] = {
-        "record": _strip(body.record, keep_r3=patch is None),
-        "parent": attachment.parent,
-    }
+    rest: dict[str, Any] = {}
     if body.parent is not OMITTED:
-        payload["parent_given"] = body.parent
+        rest["parent_given"] = body.parent
     if body.metadata is not None:
-        payload["metadata"] = body.metadata
-    delta = facts.prompt[attachment.prompt_lcp:].astype(TOKEN_DTYPE).tobytes()
+        rest["metadata"] = body.metadata
+    # msgspec writes a map as `{"key":value,...}`: the payload's text is its members'
+    # texts joined, so the parts can be written now and the parent later.
+    try:
+        head = '{"record":' + msgspec.json.encode(
+            _strip(body.record, keep_r3=patch is None)).decode("utf-8")
+        tail = msgspec.json.encode(rest).decode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: `jsonio.dumps` escapes the whole payload
+        return PreparedTurn(patch, None, None)
+    return PreparedTurn(patch, head, "}" if tail == "{}" else "," + tail[1:])
+
+
+def encode_prepared(body: TurnBody, attachment: Attachment, prepared: PreparedTurn
+                    ) -> StoredTurn:
+    """`encode_turn` from its prepared parts: what is left is cheap (the parent, the
+    prompt's delta), done wherever the attachment is decided."""
+    patch = prepared.patch
+    if prepared.head is not None and prepared.tail is not None:
+        parent = "null" if attachment.parent is None else str(int(attachment.parent))
+        payload = f'{prepared.head},"parent":{parent}{prepared.tail}'
+    else:
+        document: dict[str, Any] = {
+            "record": _strip(body.record, keep_r3=patch is None),
+            "parent": attachment.parent,
+        }
+        if body.parent is not OMITTED:
+            document["parent_given"] = body.parent
+        if body.metadata is not None:
+            document["metadata"] = body.metadata
+        payload = jsonio.dumps(document)
+    delta = body.facts.prompt[attachment.prompt_lcp:].astype(TOKEN_DTYPE).tobytes()
     return StoredTurn(
-        payload=jsonio.dumps(payload),
+        payload=payload,
         prompt_lcp=attachment.prompt_lcp,
         prompt_delta=delta,
         patch=patch,

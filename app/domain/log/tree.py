@@ -178,6 +178,10 @@ class SessionState:
     event_ids: dict[str, int] = field(default_factory=dict)
     # Rewards recorded after the close, by event_id, in commit order.
     rewards: dict[str, RewardBody] = field(default_factory=dict)
+    # (nodes counted, their bytes) for `nbytes`: nodes are only appended, and a node's
+    # size never changes, so the state cache's measure on each hand-out (twice an
+    # append) adds only the new nodes instead of walking a long session's nodes.
+    _counted: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
 
     @property
     def closed(self) -> bool:
@@ -204,7 +208,13 @@ class SessionState:
     @property
     def nbytes(self) -> int:
         """What this state holds in memory (token deltas, log-probs, node overhead)."""
-        return sum(node.nbytes for node in self.nodes) + NODE_OVERHEAD
+        count, total = self._counted
+        if count > len(self.nodes):  # not a list this state counted: count it afresh
+            count, total = 0, 0
+        if count < len(self.nodes):
+            total += sum(node.nbytes for node in self.nodes[count:])
+            self._counted = (len(self.nodes), total)
+        return total + NODE_OVERHEAD
 
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes if n.is_leaf]
@@ -271,9 +281,12 @@ class SessionState:
 
     def derive_parent(self, prompt: np.ndarray) -> int | None:
         """Deepest node whose tokens prefix `prompt` (up to the trim); ties → highest seq."""
+        return self._derive_parent(prompt, self.prefix_lengths(prompt))
+
+    def _derive_parent(self, prompt: np.ndarray, shared: list[int]) -> int | None:
+        """`derive_parent`, given `shared` = `prefix_lengths(prompt)`."""
         trim = self.definition.max_trim_tokens
         best: Node | None = None
-        shared = self.prefix_lengths(prompt)
         for node in self.nodes:
             need = node.num_tokens - trim
             if need > prompt.size:
@@ -297,8 +310,10 @@ class SessionState:
                 field="record.response.choices[0].meta_info.routed_experts",
                 expected=f"topk {self.topk}", actual=f"topk {facts.topk}",
             )
+        shared: list[int] | None = None  # lcp(node.tokens, prompt) of every node, if known
         if body.parent is OMITTED:
-            parent = self.derive_parent(facts.prompt)
+            shared = self.prefix_lengths(facts.prompt)
+            parent = self._derive_parent(facts.prompt, shared)
         elif body.parent is None:
             parent = None
         else:
@@ -318,7 +333,8 @@ class SessionState:
                 actual=parent,
             )
         parent_size = 0 if parent_node is None else parent_node.num_tokens
-        prefix = 0 if parent_node is None else parent_node.common_prefix(facts.prompt)
+        prefix = 0 if parent_node is None else shared[parent_node.seq] if shared is not None \
+            else parent_node.common_prefix(facts.prompt)
         if self.definition.use_addition_r3 and facts.returns_r3:
             start = facts.r3_start or 0
             expected = max(parent_size - 1, 0)

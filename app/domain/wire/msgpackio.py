@@ -13,7 +13,7 @@ request uses is the API's decision.
 from __future__ import annotations
 
 import math
-from itertools import chain
+from itertools import chain, compress
 from typing import Any
 
 import msgspec
@@ -30,6 +30,8 @@ R3_PATH: tuple[str | int, ...] = ("record", "response", "choices", 0, "meta_info
                                   "routed_experts")
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _VALUES = _SCALARS | {dict, list}
+_IS_DICT = frozenset({dict}).__contains__
+_IS_FLOAT = frozenset({float}).__contains__
 
 
 def _invalid(why: str, actual: Any) -> InvalidRequest:
@@ -160,23 +162,36 @@ def _check(value: Any) -> None:
         level += 1
         if level > MAX_DEPTH:
             raise _too_deep()
-        dicts = [c for c in containers if type(c) is dict]
+        dicts = list(compress(containers, map(_IS_DICT, map(type, containers))))
         if dicts:
             keys = set(map(type, chain.from_iterable(dicts)))
             if keys and keys != {str}:
                 bad = next(k for k in chain.from_iterable(dicts) if type(k) is not str)
                 raise _invalid("map keys must be strings", f"{type(bad).__name__} key")
-        children, kinds, leaves = level_of(containers)
+        children, kinds, leaves, rows = level_of(containers)
         if not kinds <= _VALUES:
             kind = next(iter(kinds - _VALUES))
             name = "bin" if kind is bytes else kind.__name__
             raise _invalid(f"{name} is not allowed here", name)
-        if float in kinds and not all(map(math.isfinite, (c for c in chain(children, *leaves)
-                                                          if type(c) is float))):
+        if float in kinds and not _all_finite(children, leaves):
             raise _invalid("non-finite float", "NaN or Infinity")
+        if rows and level == MAX_DEPTH:  # lists of finite numbers, one level too deep
+            raise _too_deep()
         if dict not in kinds and list not in kinds:
             return
         containers = containers_in(children)
+
+
+def _all_finite(children: list[Any], leaves: list[list[Any]]) -> bool:
+    """No NaN or infinity among the floats of `children` and `leaves`.
+
+    Their sum tells at C speed: a NaN or an infinity makes it non-finite, so a finite
+    sum clears them all; only a non-finite one (or finite values that overflow it)
+    needs the check one by one.
+    """
+    floats = list(compress(chain(children, *leaves),
+                           map(_IS_FLOAT, map(type, chain(children, *leaves)))))
+    return math.isfinite(sum(floats, 0.0)) or all(map(math.isfinite, floats))
 
 
 def dumps(value: Any) -> bytes:

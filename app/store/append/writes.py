@@ -47,10 +47,14 @@ from app.domain.log.events import (
     SESSION_CLOSED,
     SESSION_OPENED,
     TURN_RECORDED,
+    PreparedTurn,
+    StoredTurn,
+    encode_prepared,
     encode_turn,
+    prepare_turn,
     stored_content,
 )
-from app.domain.log.tree import SessionState
+from app.domain.log.tree import Attachment, SessionState
 from app.domain.projection.rows import (
     closed_head,
     iso_us,
@@ -118,6 +122,17 @@ async def append_r3_pruned(conn: AsyncConnection, session_id: str, freed_bytes: 
 
 
 T = TypeVar("T")
+# A prepared payload's record JSON up to this many characters is joined with its
+# parent on the event loop (a copy of ~20 µs), not on a worker thread.
+_INLINE_JSON = 1 << 20
+
+
+def parse_prepared(raw: Any, definition: SessionDefinition,
+                   prompt: np.ndarray | None = None) -> tuple[TurnBody, PreparedTurn]:
+    """`parse_turn`, then `prepare_turn`: a large turn's CPU work in one call, for one
+    worker-thread trip (the API's hot route makes the same trip with the decoding)."""
+    body = parse_turn(raw, definition, None, prompt)
+    return body, prepare_turn(body, definition.num_layers)
 
 
 async def run(offload: bool, fn: Callable[..., T], *args: Any) -> T:
@@ -170,12 +185,18 @@ class Writer:
                 if existing is not None:
                     return definition, self._same_open(existing.open_fingerprint, fingerprint,
                                                        definition)
-                await self._insert_session(conn, definition)
+                payload = await self._insert_session(conn, definition)
         except IntegrityError:
             # A concurrent open of the same id won the race: answer as a repeat.
             async with self.db.read() as conn:
                 row = await session_row(conn, definition.session_id)
             return definition, self._same_open(row["open_fingerprint"], fingerprint, definition)
+        # Committed: the state a fold of the new log would give, so the first turn need not
+        # fold it (two reads). Only if no state is held: a request that folded meanwhile
+        # knows more (a stale state would be refolded anyway, as after any commit elsewhere).
+        if self.cache.get(definition.session_id) is None:
+            opened = SessionDefinition.from_body(jsonio.loads_stored(payload)["session"])
+            self.cache.put(definition.session_id, SessionState(definition=opened))
         return definition, True
 
     @staticmethod
@@ -188,8 +209,10 @@ class Writer:
             )
         return False
 
-    async def _insert_session(self, conn: AsyncConnection, definition: SessionDefinition) -> None:
+    async def _insert_session(self, conn: AsyncConnection, definition: SessionDefinition) -> str:
+        """Insert the session, its labels and its `session_opened` event; the event's payload."""
         recorded = now_us()
+        payload = jsonio.dumps({"session": definition.body()})
         await conn.execute(sessions.insert().values(
             **session_definition(definition, recorded),
             **session_head(SessionState(definition=definition))))
@@ -198,9 +221,10 @@ class Writer:
         await _insert_event(conn, {
             "session_id": definition.session_id,
             "type": SESSION_OPENED,
-            "payload": jsonio.dumps({"session": definition.body()}),
+            "payload": payload,
             "recorded_us": recorded,
         })
+        return payload
 
     async def definition(self, session_id: str) -> SessionDefinition:
         """The session as opened (from the state cache when it holds it)."""
@@ -217,19 +241,47 @@ class Writer:
     async def append_turn(self, session_id: str, raw: Any, offload: bool = False,
                           prompt: np.ndarray | None = None) -> Written:
         """Validate, attach and record one turn. With `offload` (a large body) the
-        CPU-heavy steps, parsing and encoding, run on a worker thread. `prompt`: the
+        CPU-heavy steps, parsing and the heavy part of encoding, run on a worker thread
+        in one trip (`parse_prepared`). `prompt`: the
         record's `input_ids` as `token_array` already validated them (the gateway
         does so while the upstream generates), not converted again."""
         definition = await self._definition(session_id)
-        body = await run(offload, parse_turn, raw, definition, None, prompt)
+        if not offload:
+            return await self.append_parsed(session_id, definition,
+                                            parse_turn(raw, definition, None, prompt))
+        body, prepared = await run(True, parse_prepared, raw, definition, prompt)
+        return await self.append_parsed(session_id, definition, body, True, prepared)
+
+    def cached_definition(self, session_id: str) -> SessionDefinition | None:
+        """The session as opened if the state cache holds it (no I/O): a caller that
+        has it may validate a turn (`parse_turn`) before `append_parsed`."""
+        cached = self.cache.get(session_id)
+        return None if cached is None else cached.definition
+
+    async def append_parsed(self, session_id: str, definition: SessionDefinition,
+                            body: TurnBody, offload: bool = False,
+                            prepared: PreparedTurn | None = None) -> Written:
+        """`append_turn` for a turn already validated against `definition`; `prepared`:
+        its encoding's heavy part, done with the validation (`parse_prepared`)."""
         if self.db.one_trip_appends:
-            written = await self._append_one_trip(session_id, body, offload)
+            written = await self._append_one_trip(session_id, body, offload, prepared)
             if written is not None:
                 return written
-        return await self._append_locked(session_id, definition, body, offload)
+        return await self._append_locked(session_id, definition, body, offload, prepared)
+
+    @staticmethod
+    async def _encode(body: TurnBody, attachment: Attachment, num_layers: int | None,
+                      offload: bool, prepared: PreparedTurn | None) -> StoredTurn:
+        """The stored parts of a turn: from its prepared parts on the loop when they are
+        small (a worker-thread trip would cost more), else on a worker thread if `offload`."""
+        if prepared is None:
+            return await run(offload, encode_turn, body, attachment, num_layers)
+        inline = prepared.head is not None and len(prepared.head) <= _INLINE_JSON
+        return await run(offload and not inline, encode_prepared, body, attachment, prepared)
 
     async def _append_one_trip(
-        self, session_id: str, body: TurnBody, offload: bool
+        self, session_id: str, body: TurnBody, offload: bool,
+        prepared: PreparedTurn | None = None,
     ) -> Written | None:
         """Attach against the cached state, then lock, check and write in one call
         (`app/store/append/fastpath.py`, `sqlite_path.py`). None when the general path must decide:
@@ -248,11 +300,12 @@ class Writer:
             attachment = state.attach(body, self.max_nodes)
         except DomainError:
             return None
-        stored = await run(offload, encode_turn, body, attachment,
-                           state.definition.num_layers)
+        stored = await self._encode(body, attachment, state.definition.num_layers, offload,
+                                    prepared)
         if len(state.nodes) != num_nodes:
             return None  # another append of this session committed meanwhile
-        node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
+        node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts,
+                              attachment.prompt_lcp)
         recorded = now_us()
         nrow = node_row(session_id, node, 0, recorded)
         if self.db.dialect == "sqlite":
@@ -272,7 +325,8 @@ class Writer:
                        r3_bytes=0 if stored.patch is None else len(stored.patch.data))
 
     async def _append_locked(self, session_id: str, definition: SessionDefinition,
-                             body: TurnBody, offload: bool) -> Written:
+                             body: TurnBody, offload: bool,
+                             prepared: PreparedTurn | None = None) -> Written:
         """The general path: lock the session row, fold what the cache lacks, decide
         (repeat, refusal or a new node) and write, in one transaction."""
         async with self.db.write() as conn:
@@ -283,7 +337,8 @@ class Writer:
                 return Written(await self._repeat(conn, state, seen, body, offload),
                                created=False)
             attachment = state.attach(body, self.max_nodes)
-            stored = await run(offload, encode_turn, body, attachment, definition.num_layers)
+            stored = await self._encode(body, attachment, definition.num_layers, offload,
+                                        prepared)
             recorded = now_us()
             position = await _insert_event(conn, {
                 "session_id": session_id,
@@ -299,7 +354,8 @@ class Writer:
                 await conn.execute(r3_patches.insert().values(
                     **patch_row(session_id, attachment.seq, stored.patch)))
             # The cached state only takes the node once the transaction has committed.
-            node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts)
+            node = state.new_node(attachment.seq, attachment.parent, body.event_id, body.facts,
+                                  attachment.prompt_lcp)
             nrow = node_row(session_id, node, position, recorded)
             await conn.execute(nodes.insert().values(**nrow))
             await conn.execute(
