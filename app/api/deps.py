@@ -218,9 +218,14 @@ def turn_decoder(kind: str | None) -> Callable[[Any, int], Any]:
 async def decode_turn(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
                       uploads: Uploads | None) -> Any:
     """A turn body decoded once; an empty (or all-blank) JSON body reads as `{}`."""
-    if decode is jsonio.loads and (not raw or raw.isspace()):  # (`strip()` would copy)
+    if blank_json(decode, raw):
         return {}
     return await decode_large_off_loop(decode, raw, uploads)
+
+
+def blank_json(decode: Callable[[Any, int], Any], raw: bytes | bytearray) -> bool:
+    """An empty or all-blank JSON turn body, which reads as `{}` (`strip()` would copy)."""
+    return decode is jsonio.loads and (not raw or raw.isspace())
 
 
 async def turn_body(request: Request) -> Any:

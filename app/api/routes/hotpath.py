@@ -37,6 +37,7 @@ from app.api.deps import (
     BodyBuffer,
     Pace,
     Uploads,
+    blank_json,
     declared_length,
     decode_turn,
     media_type_of,
@@ -97,8 +98,7 @@ def _decode_and_parse(
     """The decoded body (as `decode_turn`) and the turn it validates into with its
     encoding prepared (`parse_prepared`), or the validation's refusal (the body is
     logged with it). A decoding fault raises."""
-    value = {} if decode is jsonio.loads and (not raw or raw.isspace()) \
-        else decode(raw, max_values)
+    value = {} if blank_json(decode, raw) else decode(raw, max_values)
     try:
         return value, parse_prepared(value, definition)
     except DomainError as exc:
