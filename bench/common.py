@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,6 +53,28 @@ async def show_durability(url: str) -> str:
 def pg_dsn(url: str) -> str:
     """An asyncpg DSN (no SQLAlchemy driver suffix) for a `postgresql+asyncpg://` URL."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def py_spy_exe() -> str:
+    """py-spy next to this Python (the `bench` extra installs it there) or on PATH; a
+    clear exit before anything is started when it is neither."""
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("--py-spy needs py-spy: `.venv/bin/pip install -e '.[bench]'` "
+                         "(or `pip install py-spy`)")
+    return found
+
+
+def start_py_spy(out: str, pid: int, *extra: str) -> subprocess.Popen[bytes]:
+    """py-spy recording process `pid` into `out` (raw format, 200 samples/s) until it
+    gets SIGINT. `--gil` among `extra`: only the thread holding the GIL is sampled,
+    i.e. where the Python CPU goes (worker threads waiting for work are left out)."""
+    return subprocess.Popen([py_spy_exe(), "record", "--format", "raw", "--rate", "200",
+                             *extra, "-p", str(pid), "-o", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def free_port() -> int:

@@ -55,7 +55,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from bench.common import ROOT, free_port, postgres, show_durability
+from bench.common import ROOT, free_port, postgres, py_spy_exe, show_durability, start_py_spy
 from tests.pg import create_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -122,13 +122,6 @@ def cpu_split(pid: int) -> tuple[float, float]:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     hz = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / hz, int(fields[12]) / hz
-
-
-def start_py_spy(out: str, pid: int) -> subprocess.Popen[bytes]:
-    exe = Path(sys.executable).parent / "py-spy"
-    return subprocess.Popen([str(exe) if exe.exists() else "py-spy", "record", "--format",
-                             "raw", "--rate", "200", "-p", str(pid), "-o", out],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def gateway_argv(upstream: str, port: int, url: str, spool: Path) -> list[str]:
@@ -424,8 +417,10 @@ async def main() -> None:
     parser.add_argument("--big-reply-mb", type=int, default=100, help="0 = skip")
     parser.add_argument("--py-spy", metavar="FILE",
                         help="record a py-spy profile (raw format) of the gateway during "
-                             "the latency part into FILE (py-spy on PATH or next to Python)")
+                             "the latency part into FILE (py-spy: the `bench` extra)")
     args = parser.parse_args()
+    if args.py_spy:
+        py_spy_exe()  # missing: say so now, before any process starts
     from app.allocator import keep_turn_buffers_resident
 
     keep_turn_buffers_resident()  # the load generator's 4 MB reads: no brk churn per turn

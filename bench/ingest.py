@@ -58,7 +58,9 @@ from bench.common import (
     free_port,
     pg_dsn,
     postgres,
+    py_spy_exe,
     show_durability,
+    start_py_spy,
     start_server,
     stop_server,
 )
@@ -158,14 +160,13 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
     """(wall seconds, server CPU seconds) of appending every turn of `plans`."""
     proc, base = await start_server(url, workers, root, settings)
     spy = None
-    if py_spy:
-        # Sample the server (and its worker processes) for the whole phase.
-        spy = subprocess.Popen(["py-spy", "record", "--subprocesses", "--format", "raw",
-                                "--rate", "200", "-p", str(proc.pid),
-                                "-o", f"{py_spy}/{wire}-w{workers}.txt"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await asyncio.sleep(1.0)
     try:
+        if py_spy:
+            # Sample the server (and its worker processes) for the whole phase: where
+            # its Python CPU goes (the thread holding the GIL).
+            spy = start_py_spy(f"{py_spy}/{wire}-w{workers}.txt", proc.pid,
+                               "--subprocesses", "--gil")
+            await asyncio.sleep(1.0)
         connections = [RawHttp(base) for _ in range(clients)]
         for conn in connections:
             await conn.__aenter__()
@@ -486,6 +487,8 @@ async def main() -> None:
                         help="only the turnlog phases (and --baseline), each on a fresh SQLite "
                              "file: turns/s and server CPU per turn, no references")
     args = parser.parse_args()
+    if args.py_spy:
+        py_spy_exe()  # missing: say so now, before any server starts
     worker_counts = [int(w) for w in args.workers.split(",")]
     wires = args.wires.split(",")
     if args.sqlite:
