@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -33,6 +32,7 @@ from app.api.routes import (
 )
 from app.services import build_services
 from app.settings import Settings, get_settings
+from app.settle import settle
 from app.ui.guard import UiGuard
 
 
@@ -46,11 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # server still starts so the operator can read what is intact.
         with contextlib.suppress(Exception):
             await svc.integrity.problems()
-        # Everything imported and built so far lives as long as the process: out of
-        # the collector's sight, a full collection (triggered by the containers a
-        # 2k-token turn decodes into) costs ~0.1 ms instead of ~20 (docs/ingest.md).
-        gc.collect()
-        gc.freeze()
+        await settle()  # imports the worker-thread path; freezes what exists (app.settle)
         yield
         await svc.db.dispose()
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import socket
 import time
 import uuid
@@ -61,6 +60,7 @@ from app.gateway.recorder import SPOOL_FULL, Recorder
 from app.gateway.spool import Spool
 from app.services import Services, build_services
 from app.settings import Settings
+from app.settle import settle
 
 log = structlog.get_logger("turnlog.gateway")
 
@@ -129,11 +129,7 @@ class Gateway:
                                  store_timeout=self.config.store_timeout,
                                  idle_close_seconds=self.config.idle_close_seconds)
         self.recorder.start()
-        # Everything imported and built so far lives as long as the process: out of the
-        # collector's sight, a full collection costs ~0.1 ms on the event loop instead of
-        # ~50 (as the server does, app.main).
-        gc.collect()
-        gc.freeze()
+        await settle()  # imports the worker-thread path; freezes what exists (app.settle)
         log.info("gateway ready", upstream=str(self.upstream),
                  record_paths=list(self.config.record_paths), spooled=len(spool))
 
