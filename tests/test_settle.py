@@ -10,9 +10,14 @@ PROBE = """
 import asyncio, gc, sys, threading
 before = "anyio._backends._asyncio" in sys.modules
 from app.settle import settle
-asyncio.run(settle())
-print(before, "anyio._backends._asyncio" in sys.modules, threading.active_count() > 1,
-      gc.get_freeze_count() > 0)
+
+async def main():
+    await settle()
+    # Inside the loop: anyio stops its idle worker threads when the loop ends.
+    print(before, "anyio._backends._asyncio" in sys.modules, threading.active_count() > 1,
+          gc.get_freeze_count() > 0)
+
+asyncio.run(main())
 """
 
 
