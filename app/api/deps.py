@@ -2,7 +2,7 @@
 
 Owns which wire a body is read as (its Content-Type: JSON everywhere,
 MessagePack too for turns; anything else is 415) and reading it into one
-buffer. The decoding rules themselves are the domain's (`jsonio`, `msgpackio`).
+buffer. The decoding rules themselves are the domain's (`jsonio`, `msgpackio`, `r3text`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
 from app.api.http_errors import RequestTimeout, UnsupportedMediaType
-from app.domain.wire import jsonio, msgpackio
+from app.domain.wire import jsonio, msgpackio, r3text
 from app.domain.wire.width import MAX_VALUES
 from app.services import Services
 
@@ -212,7 +212,7 @@ def turn_decoder(kind: str | None) -> Callable[[Any, int], Any]:
         return msgpackio.loads
     if kind is not None and kind != JSON:
         raise _unsupported(kind, (JSON, *sorted(msgpackio.MEDIA_TYPES)))
-    return jsonio.loads
+    return r3text.loads_turn  # jsonio.loads, the R3 text decoded from the bytes
 
 
 async def decode_turn(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
@@ -225,7 +225,7 @@ async def decode_turn(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
 
 def blank_json(decode: Callable[[Any, int], Any], raw: bytes | bytearray) -> bool:
     """An empty or all-blank JSON turn body, which reads as `{}` (`strip()` would copy)."""
-    return decode is jsonio.loads and (not raw or raw.isspace())
+    return decode is r3text.loads_turn and (not raw or raw.isspace())
 
 
 async def turn_body(request: Request) -> Any:

@@ -18,20 +18,18 @@ the event id in, forwards the bytes, and writes through the store.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import numpy as np
-import pybase64
 
 from app.domain.body.labels import parse_labels
 from app.domain.body.turn import PROMPT_FIELD, TOKEN_MAX, token_array
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import payload_bytes
+from app.domain.wire.r3text import at_path, parse_spliced
 from app.domain.wire.validate import SESSION_ID
 
 # Hop-by-hop headers: about one connection, not the message (RFC 9110 §7.6.1).
@@ -119,6 +117,7 @@ def classify_request(session_header_value: str | None, body: bytes) -> Candidate
 
 
 _JSON_SPACE = b" \t\r\n"
+_REPLY_R3 = ("choices", 0, "meta_info", "routed_experts")
 _IDS_KEY = b'"input_ids"'
 
 
@@ -214,95 +213,24 @@ def r3_as_bin(response: Any) -> Any:
     return {**response, "choices": choices}
 
 
-# What `parse_reply` puts in place of the R3 text before parsing the rest (letters only:
-# no JSON separator, bracket, quote or escape; two, to tell the spliced string apart).
-_R3_KEY = b'"routed_experts":'
-_SPLICED = (b"turnlogSplicedRoutedExpertsA", b"turnlogSplicedRoutedExpertsB")
-
-
 def parse_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
-    """`r3_as_bin(classify_reply(status, body))`, without parsing the R3 text as JSON.
-
-    A TITO reply is ~99.9% one string, `choices[0].meta_info.routed_experts`
-    (base64): counting its bytes for `check_json` and copying it into a `str`
-    is most of the parse, then `r3_as_bin` decodes that `str`. Here the text is
-    found in the bytes and decoded from them (which checks it holds base64
-    characters only, so no quote, escape, separator or bracket) and the rest of
-    the reply, with a short marker in its place, is parsed as before. Answers
-    the same in every case:
-    - The text is one string's whole content: the quote before it is not
-      escaped (a `:` or a space precedes it) and the quote after it is the first
-      one. Were the quote before it the end of a string, base64 right after it
-      would be invalid JSON, and so would the marker (letters) in its place:
-      the rest does not parse and the plain path answers.
-    - The rest parses, counts and nests exactly as the whole reply does: the
-      two differ in one string's content, neither part holding anything
-      `check_json` or the nesting check counts.
-    - The marker is found at `choices[0].meta_info.routed_experts`, and it is
-      the spliced string there: the only literal one when the reply has no
-      escape, else the rest is parsed again with another marker, which must
-      show up there instead.
-    Whatever does not fit (no such key, text that is not canonical base64 —
-    `r3_as_bin` keeps such text for the store to judge) takes the plain path.
-    """
+    """`r3_as_bin(classify_reply(status, body))`, without parsing the R3 text as JSON:
+    the text is decoded from the reply's bytes and the rest parsed with a marker in
+    its place (`r3text.parse_spliced`, which says why the answer is the same in
+    every case). Whatever does not fit takes the plain path."""
     if status != 200:
         return Unrecorded(UPSTREAM_STATUS)
-    spliced = _splice_r3(body)
-    if spliced is None:
-        return _plain_reply(status, body)
-    begin, end, data = spliced
-    with memoryview(body) as view:
-        head, tail = view[:begin], view[end:]
-        rest = b"".join((head, _SPLICED[0], tail))
-        reply = classify_reply(status, rest)
-        if isinstance(reply, Unrecorded) or _spliced_r3(reply) != _SPLICED[0].decode():
-            return _plain_reply(status, body)
-        if b"\\" in rest or rest.count(_SPLICED[0]) != 1:
-            again = classify_reply(status, b"".join((head, _SPLICED[1], tail)))
-            if _spliced_r3(again) != _SPLICED[1].decode():
-                return _plain_reply(status, body)
+    found = parse_spliced(body, lambda rest: classify_reply(status, rest), _reply_r3)
+    if found is None:
+        reply = classify_reply(status, body)
+        return reply if isinstance(reply, Unrecorded) else r3_as_bin(reply)
+    reply, data = found
     reply["choices"][0]["meta_info"]["routed_experts"] = data
     return reply
 
 
-def _plain_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
-    reply = classify_reply(status, body)
-    return reply if isinstance(reply, Unrecorded) else r3_as_bin(reply)
-
-
-def _spliced_r3(reply: Any) -> Any:
-    try:
-        return reply["choices"][0]["meta_info"]["routed_experts"]
-    except (KeyError, IndexError, TypeError):
-        return None
-
-
-def _splice_r3(body: bytes | bytearray) -> tuple[int, int, bytes] | None:
-    """Where the first `"routed_experts":` key's string value runs in `body`, [begin,
-    end), and its bytes decoded, if it is non-empty canonical base64 of whole int32
-    values (what `r3.payload_bytes` accepts); None otherwise."""
-    key = body.find(_R3_KEY)
-    if key < 0:
-        return None
-    begin = key + len(_R3_KEY)
-    while begin < len(body) and body[begin] in _JSON_SPACE:
-        begin += 1
-    if body[begin:begin + 1] != b'"':
-        return None
-    begin += 1
-    end = body.find(b'"', begin)
-    if end <= begin or (end - begin) % 4:
-        return None
-    with memoryview(body) as view:
-        text = view[begin:end]
-        try:
-            data = pybase64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError):
-            return None
-        tail = 3 - bytes(text[-2:]).count(b"=")
-        if base64.b64encode(data[len(data) - tail:]) != text[-4:] or len(data) % 4:
-            return None
-    return begin, end, data
+def _reply_r3(reply: Any) -> Any:
+    return at_path(reply, _REPLY_R3)
 
 
 def build_record(path: str, request: Any, response: Any, request_timestamp: float,
