@@ -28,6 +28,7 @@ from app.domain.wire import jsonio
 from app.domain.wire.r3 import payload_bytes
 from app.domain.wire.r3text import MARKERS, loads_turn
 from tests.fuzz.budget import DERANDOMIZE, examples
+from tests.r3_splice import splice_breakers
 
 PROPS = settings(max_examples=examples(200), deadline=None, derandomize=DERANDOMIZE)
 
@@ -89,42 +90,19 @@ def turn(r3: str, **extra: Any) -> dict[str, Any]:
 
 R3 = base64.b64encode(np.arange(4 * 2 * 2, dtype="<i4").tobytes())
 BODY = json.dumps(turn(R3.decode())).encode()
-KEY = b'"routed_experts": "'
 
 
 @pytest.mark.parametrize("body", [
-    BODY,
-    BODY.replace(b'": ', b'":').replace(b", ", b","),  # compact
-    BODY.replace(KEY, b'"routed_experts":\n\t "'),
-    BODY.replace(b'"index"', b'"routed_experts": "AAAAAAAA", "index"'),  # an earlier one
-    BODY.replace(b'{"event_id"', b'{"routed_experts": "AAAAAAAA", "event_id"'),
-    BODY.replace(b'"model"', b'"routed_experts": "AAAAAAAA", "model"'),
-    BODY.replace(b'{"event_id"', b'{"x\\"routed_experts": "AAAAAAAA", "event_id"'),  # in a key
-    BODY.replace(b'{"event_id"', b'{"c": "a\\n\\"routed_experts\\": \\"AAAA\\"", "event_id"'),
-    BODY.replace(KEY, b'"routed_experts": "AAAAAAAA", "routed_experts": "'),  # twice
-    BODY.replace(b'"completion_tokens"', b'"routed_experts": "AAAAAAAA", "completion_tokens"'),
-    BODY.replace(KEY, b'"a": "x"routed_experts": "'),  # after a closing quote
-    BODY.replace(KEY, b'"routed_experts": "x'),  # not base64 from the start
-    BODY.replace(KEY, b'"routed_experts": NaN, "b": "'),
-    BODY.replace(R3, R3[:-1]),  # truncated
-    BODY.replace(R3, b"AAAAAR=="),  # non-zero trailing bits
-    BODY.replace(R3, b"AAAAAAA="),  # not whole int32s
-    BODY.replace(R3, b""),
+    *splice_breakers(BODY, R3, b'{"event_id"', b'"index"', b'"completion_tokens"'),
+    BODY.replace(b'"input_ids"', b'"routed_experts": "AAAAAAAA", "input_ids"'),
     BODY.replace(R3, b"\\u0041AAA"),  # an escape inside the text
-    BODY[:-2],  # truncated JSON
     BODY + b" x",  # trailing garbage
     BODY.replace(b'"index": 0', b'"index": 1e999'),  # out of range: the stdlib decides
     BODY.replace(b'"c"', b'"\\ud800"'),  # a lone surrogate
-    # The marker itself, spelled with an escape where the payload belongs, and a
-    # payload elsewhere: the marker found there is not the spliced string.
-    BODY.replace(R3, b"\\u0074urnlogSplicedRoutedExpertsA").replace(
-        b'{"event_id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "event_id"'),
-    BODY.replace(R3, MARKERS[0]).replace(
-        b'{"event_id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "event_id"'),
     BODY.replace(b'"c"', b'"' + MARKERS[0] + b'"'),  # the marker text elsewhere
     BODY.replace(b'"choices": [{', b'"choices": [{"x": 1}, {'),  # not the first choice
     json.dumps({"record": {"response": {"choices": []}}, "routed_experts": "AAAA"}).encode(),
-    b'"routed_experts": "AAAA"', b'{"routed_experts": "AAAA"', b"[]", b"null", b"<html>",
+    b"[]", b"null", b"<html>",
 ])
 def test_loads_turn_answers_as_the_plain_parse_then_the_decode(body: bytes) -> None:
     assert_alike(body)

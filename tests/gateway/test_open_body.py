@@ -35,6 +35,7 @@ from app.domain.body.gateway import (
     r3_as_bin,
 )
 from app.domain.errors import InvalidRequest
+from tests.r3_splice import splice_breakers
 
 
 async def test_opened_by_is_kept_shown_and_part_of_the_idempotent_open(client, sid):
@@ -171,35 +172,12 @@ def _plain(status: int, body: bytes) -> Any:
 
 _R3 = base64.b64encode(np.arange(48 * 8 * 3, dtype="<i4").tobytes())
 _TITO = json.dumps(_reply_with_r3(_R3.decode())).encode()
-_KEY = b'"routed_experts": "'
 
 
 @pytest.mark.parametrize("body", [
-    _TITO,
-    _TITO.replace(b'": ', b'":').replace(b", ", b","),  # compact
-    _TITO.replace(_KEY, b'"routed_experts":\n\t "'),
-    _TITO.replace(b'"index"', b'"routed_experts": "AAAAAAAA", "index"'),  # an earlier one
-    _TITO.replace(b'{"id"', b'{"routed_experts": "AAAAAAAA", "id"'),
-    _TITO.replace(b'{"id"', b'{"x\\"routed_experts": "AAAAAAAA", "id"'),  # in a key
-    _TITO.replace(b'{"id"', b'{"c": "a\\n\\"routed_experts\\": \\"AAAA\\"", "id"'),
-    _TITO.replace(_KEY, b'"routed_experts": "AAAAAAAA", "routed_experts": "'),  # twice
-    _TITO.replace(b'"cached_tokens"', b'"routed_experts": "AAAAAAAA", "cached_tokens"'),
-    _TITO.replace(_KEY, b'"a": "x"routed_experts": "'),  # after a closing quote
-    _TITO.replace(_KEY, b'"routed_experts": "x'),  # not base64 from the start
-    _TITO.replace(_KEY, b'"routed_experts": NaN, "b": "'),
-    _TITO.replace(_R3, _R3[:-1]),  # truncated
-    _TITO.replace(_R3, b"AAAAAR=="),  # non-zero trailing bits
-    _TITO.replace(_R3, b"AAAAAAA="),  # not whole int32s
-    _TITO.replace(_R3, b""),
-    _TITO[:-2],
-    # The marker itself, spelled with an escape where the payload belongs, and a
-    # payload elsewhere: the marker found there is not the spliced string.
-    _TITO.replace(_R3, b"\\u0074urnlogSplicedRoutedExpertsA").replace(
-        b'{"id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "id"'),
-    _TITO.replace(_R3, b"turnlogSplicedRoutedExpertsA").replace(
-        b'{"id"', b'{"z": {"routed_experts": "AAAAAAAA"}, "id"'),
+    *splice_breakers(_TITO, _R3, b'{"id"', b'"index"', b'"cached_tokens"'),
     json.dumps({"choices": [{"meta_info": {"output_token_logprobs": []}}]}).encode(),
-    b'"routed_experts": "AAAA"', b'{"routed_experts": "AAAA"', b"", b"<html>",
+    b"", b"<html>",
 ])
 def test_parse_reply_answers_as_classify_reply_then_r3_as_bin(body) -> None:
     for status in (200, 500):
