@@ -35,11 +35,40 @@ POLL_INTERVAL = 0.05
 Accept = Callable[[httpx.Response], bool]
 
 
+def _port_block() -> range:
+    """This test process's own ports: below the kernel's ephemeral range (where a
+    port the kernel hands out could meanwhile become some outgoing connection's
+    local port, as seen in CI: "port … is already in use"), one block per xdist
+    worker so two workers never pick the same one."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    size = 1000
+    start = max(1024, low - size * (index % 8 + 1))
+    return range(start, start + size)
+
+
+_next_port = 0
+
+
 def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port nothing listens on right now, from this process's block
+    (`_port_block`), each handed out once in turn."""
+    global _next_port
+    block = _port_block()
+    for _ in range(len(block)):
+        port = block[_next_port % len(block)]
+        _next_port += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {block.start}-{block.stop - 1}")
 
 
 def server_env(extra: Mapping[str, str] | None = None, *,
