@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.pg import PostgresServer, start_postgres  # noqa: E402
+from tests.serverproc import free_port  # noqa: E402, F401 (the benches import it from here)
 
 # Production durability for a benchmark's own cluster. Given on the cluster's command
 # line: `ALTER SYSTEM` cannot override the test clusters' `-c fsync=off` (command-line
@@ -75,12 +75,6 @@ def start_py_spy(out: str, pid: int, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([py_spy_exe(), "record", "--format", "raw", "--rate", "200",
                              *extra, "-p", str(pid), "-o", out],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def start_server(url: str, workers: int = 1, root: Path | None = None,
