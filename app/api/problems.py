@@ -8,7 +8,11 @@ from typing import Any
 
 import asyncpg
 import structlog
-from asyncpg.exceptions import InsufficientResourcesError, OperatorInterventionError
+from asyncpg.exceptions import (
+    InsufficientResourcesError,
+    InternalClientError,
+    OperatorInterventionError,
+)
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,10 +36,16 @@ CLIENT_CLOSED = 499
 UNAVAILABLE_LOG_PERIOD = 5.0  # seconds between "database unavailable" warnings
 # Error texts of a damaged SQLite file (sqlite3.DatabaseError, SQLITE_CORRUPT/NOTADB).
 SQLITE_DAMAGE = ("malformed", "not a database", "corrupt")
+# Texts of asyncpg's InternalClientError when a connection's protocol broke under a
+# call: the server ended the backend mid-message (a terminate, a restart) before the
+# driver read the socket's end. Any other InternalClientError is a bug (500).
+BROKEN_PROTOCOL = ("cannot switch to state", "protocol is in an unexpected state",
+                   "unknown error in protocol implementation")
 # Failures that mean "the database cannot answer now": each gets the 503 handler,
 # which still answers 500 for anything `database_unavailable` does not recognize.
 UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
-    DBAPIError, OSError, PoolTimeout, asyncpg.PostgresError, asyncpg.InterfaceError)
+    DBAPIError, OSError, PoolTimeout, asyncpg.PostgresError, asyncpg.InterfaceError,
+    InternalClientError)
 
 
 class JSONText(JSONResponse):
@@ -174,6 +184,9 @@ def database_unavailable(exc: BaseException) -> bool:
         if isinstance(current, OSError) and raised_by_database(current):
             return True
         if isinstance(current, sqlite3.DatabaseError) and damaged_sqlite(current):
+            return True
+        if isinstance(current, InternalClientError) and any(
+                sign in str(current) for sign in BROKEN_PROTOCOL):
             return True
         orig = getattr(current, "orig", None)
         current = orig if isinstance(orig, BaseException) else (

@@ -99,3 +99,42 @@ async def test_terminated_connections_answer_503_and_retries_land_each_turn_once
         await admin.close()
         await client.aclose()
         await app.state.services.db.dispose()
+
+
+async def test_a_connection_whose_protocol_broke_answers_503_and_is_not_reused(
+    fresh_database, monkeypatch,
+):
+    """The race the test above catches now and then, made certain: a pool connection
+    whose backend was ended between two calls is handed out before the driver read
+    the socket's end, and its next call raises asyncpg's InternalClientError. The
+    append answers 503 (nothing reached the server), the connection is closed rather
+    than handed out again, and the retry lands the turn once."""
+    url = fresh_database("postgres")
+    await migrate.upgrade_async(url)
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False))
+    transport = RecordingTransport(httpx.ASGITransport(app=app, raise_app_exceptions=False))
+    client = TurnlogClient("http://turnlog", transport=transport, retries=3, backoff=0.01)
+    broken: list[asyncpg.Connection] = []
+    real_fetchval = asyncpg.pool.PoolConnectionProxy.fetchval
+
+    async def fetchval_once_broken(self: asyncpg.pool.PoolConnectionProxy, query: str,
+                                   *args: object, **kwargs: object) -> object:
+        if "turnlog_append(" in query and not broken:
+            broken.append(self._con)
+            raise asyncpg.exceptions.InternalClientError(
+                "cannot switch to state 11; another operation (2) is in progress")
+        return await real_fetchval(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(asyncpg.pool.PoolConnectionProxy, "fetchval", fetchval_once_broken)
+    try:
+        sim = simulator(f"broken-{uuid.uuid4().hex[:8]}", 0, 1)
+        item = await play(client, sim, 3, generated_ids=True)
+        assert broken, "the append never went through the one-round-trip call"
+        assert broken[0].is_closed()
+        assert [u["status"] for u in transport.unavailable] == [503]
+        assert transport.unavailable[0]["retry_after"]
+        assert "urn:turnlog:unavailable" in transport.unavailable[0]["body"]
+        await check_session(client, item)
+    finally:
+        await client.aclose()
+        await app.state.services.db.dispose()

@@ -21,7 +21,8 @@ domain's and `writes.py`'s), and SQLite (no functions; see `writes.py`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 import asyncpg
@@ -71,6 +72,23 @@ async def append(via: asyncpg.Pool | Grouped, args: tuple[Any, ...]) -> int | No
 
 async def call(pool: asyncpg.Pool, args: tuple[Any, ...]) -> int | None:
     """Call `turnlog_append` in its own transaction: the position, or None (moved on)."""
-    async with pool.acquire() as conn:
+    async with pool.acquire() as conn, discard_if_broken(conn):
         position = await conn.fetchval(APPEND, *args)
     return None if position is None else int(position)
+
+
+@contextlib.asynccontextmanager
+async def discard_if_broken(conn: asyncpg.Connection) -> AsyncIterator[None]:
+    """Close a connection whose protocol broke under a call, before the pool takes it back.
+
+    A backend terminated between two calls (`pg_terminate_backend`, a restart)
+    can leave the driver's protocol mid-message before the socket's end is read:
+    the next call on it raises `InternalClientError` ("cannot switch to state
+    …"), and the pool would hand the same connection out again. Nothing of the
+    call reached the server; the API answers it as a lost connection (503).
+    """
+    try:
+        yield
+    except asyncpg.exceptions.InternalClientError:
+        conn.terminate()
+        raise

@@ -64,7 +64,7 @@ TRY_APPEND = "SELECT turnlog_try_append(" + ", ".join(f"${i}" for i in range(1, 
 # the single call would have raised them to its caller, so the group raises them too.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError, TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
-    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InternalClientError, asyncpg.exceptions.OperatorInterventionError,
     asyncpg.exceptions.InsufficientResourcesError)
 
 
@@ -196,7 +196,7 @@ class GroupCommit:
     async def _transaction(self, members: list[_Member]) -> list[int | None]:
         """BEGIN, the members' calls in one batch, COMMIT: the positions (None: fall back)."""
         conn: asyncpg.Connection
-        async with self.pool.acquire() as conn:
+        async with self.pool.acquire() as conn, fastpath.discard_if_broken(conn):
             transaction = conn.transaction()
             await transaction.start()
             try:
