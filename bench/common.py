@@ -69,10 +69,12 @@ def py_spy_exe() -> str:
 
 
 def start_py_spy(out: str, pid: int, *extra: str) -> subprocess.Popen[bytes]:
-    """py-spy recording process `pid` into `out` (raw format, 200 samples/s) until it
+    """py-spy recording process `pid` into `out` (raw format, 200 samples/s, or
+    `$PY_SPY_RATE`: a short phase needs more for a profile worth reading) until it
     gets SIGINT. `--gil` among `extra`: only the thread holding the GIL is sampled,
     i.e. where the Python CPU goes (worker threads waiting for work are left out)."""
-    return subprocess.Popen([py_spy_exe(), "record", "--format", "raw", "--rate", "200",
+    rate = os.environ.get("PY_SPY_RATE", "200")
+    return subprocess.Popen([py_spy_exe(), "record", "--format", "raw", "--rate", rate,
                              *extra, "-p", str(pid), "-o", out],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
