@@ -37,6 +37,7 @@ from app.domain.body.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLO
 from app.domain.body.session import parse_open
 from app.domain.body.turn import parse_turn
 from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
+from app.domain.log.tree import check_first_turn
 from app.gateway.errors import SpoolFull
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import Spool
@@ -144,9 +145,10 @@ class Recorder:
         try:
             await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         except UnknownSession:
-            # No session is opened for a turn the store would refuse: the turn is
-            # checked against the definition it would open with first (pure rules).
-            parse_turn(body, parse_open(open_body))
+            # No session is opened for a turn the store would refuse: the turn is checked
+            # first against the session it would open, still empty (pure rules).
+            definition = parse_open(open_body)
+            check_first_turn(parse_turn(body, definition), definition, writer.max_nodes)
             with contextlib.suppress(SessionConflict):  # opened meanwhile with other labels
                 await writer.open_session(open_body)
                 log.info("session opened", session_id=session_id, labels=open_body["labels"])

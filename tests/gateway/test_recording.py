@@ -131,6 +131,31 @@ async def test_every_unrecorded_reason_is_counted_and_answered(db_url, client, g
     assert stream.reply.startswith(b"data: ") and stream.reply.endswith(b"data: [DONE]\n\n")
 
 
+async def test_a_first_turn_refused_by_the_empty_tree_opens_no_session(db_url, client,
+                                                                      gateway_process):
+    """A first turn that passes the body's own checks but not the new session's tree
+    (addition R3 that starts at row 8 of a session with no turn: an R3 gap) is answered
+    and counted as rejected, and leaves no session behind; the next good turn opens it."""
+    gateway = gateway_process(db_url, "--pause-generation-mode", "in_place",
+                              "--num-layers", "2")
+    await gateway.wait_ready()
+    session = sid()
+    prompt = list(range(1, 11))
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        gap = await send_turn(http, session, chat(prompt, return_routed_experts=True,
+                                                  routed_experts_start_len=8))
+        assert gap.status == 200, gap.reply
+        metrics = await scrape(http)
+        assert metric(metrics, "turnlog_gateway_unrecorded_total", 'reason="rejected"') == 1
+        assert (await client.get(f"/v1/sessions/{session}")).status_code == 404
+        good = await send_turn(http, session, chat(prompt, return_routed_experts=True,
+                                                   routed_experts_start_len=0))
+        assert good.status == 200
+        metrics = await scrape(http)
+    assert metric(metrics, "turnlog_gateway_recorded_total") == 1
+    assert (await client.get(f"/v1/sessions/{session}")).json()["num_nodes"] == 1
+
+
 @pytest.mark.parametrize("tokens", [50, 20_000], ids=["small", "parsed-aside"])
 async def test_a_request_is_classified_alike_whatever_its_size(db_url, client, gateway_process,
                                                               tokens):
@@ -215,8 +240,10 @@ async def test_idle_close_closes_auto_opened_sessions_only(db_url, client, gatew
 
 async def test_a_restarted_gateway_idle_closes_what_a_gateway_opened(db_url, client,
                                                                     gateway_process):
-    left, mine = sid(), sid()
-    for session, extra in ((left, {"opened_by": "gateway"}), (mine, {})):
+    # `labelled` only has a label of that name: its open body names no opener.
+    left, mine, labelled = sid(), sid(), sid()
+    for session, extra in ((left, {"opened_by": "gateway"}), (mine, {}),
+                           (labelled, {"labels": {"opened_by": "gateway"}})):
         reply = await client.post("/v1/sessions",
                                   json={"session_id": session, "version": "v2", **extra})
         assert reply.status_code == 201
@@ -228,3 +255,4 @@ async def test_a_restarted_gateway_idle_closes_what_a_gateway_opened(db_url, cli
 
     await wait_for(closed, what="the idle close of a session a gateway opened before")
     assert (await client.get(f"/v1/sessions/{mine}")).json()["status"] == "open"
+    assert (await client.get(f"/v1/sessions/{labelled}")).json()["status"] == "open"

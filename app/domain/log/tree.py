@@ -408,3 +408,11 @@ class SessionState:
             "next_routed_experts_start_len": next_start,
             "covered_r3_rows": covered,
         }
+
+
+def check_first_turn(body: TurnBody, definition: SessionDefinition, max_nodes: int) -> None:
+    """Raise what an append would refuse `body` with as the first turn of a session
+    opened as `definition`: the refusals of a new session's empty tree (an R3 gap,
+    an unknown parent, …) on top of `parse_turn`'s. Whoever opens a session for a
+    turn checks it first, so a refused turn leaves no empty session behind."""
+    SessionState(definition=definition).attach(body, max_nodes)

@@ -17,17 +17,20 @@ from app.store.engine.schema import events, sessions
 
 async def open_sessions_opened_by(db: Database, opened_by: str) -> list[tuple[str, int]]:
     """`(session_id, last event's recorded_us)` of each open session opened by `opened_by`."""
-    # The stored open body is compact JSON (jsonio.dumps): the pair appears as written here.
+    # The stored open body is compact JSON (jsonio.dumps): the pair appears as written
+    # here. It may appear in the labels too (a label named "opened_by"): the search only
+    # narrows the rows, the open body's own field decides.
     needle = jsonio.dumps({"opened_by": opened_by})[1:-1]
     opened = events.alias("opened")
     latest = (sa.select(sa.func.max(events.c.recorded_us))
               .where(events.c.session_id == sessions.c.session_id)
               .scalar_subquery())
-    query = (sa.select(sessions.c.session_id, latest.label("last_us"))
+    query = (sa.select(sessions.c.session_id, latest.label("last_us"), opened.c.payload)
              .join(opened, opened.c.session_id == sessions.c.session_id)
              .where(sessions.c.status == "open")
              .where(opened.c.type == SESSION_OPENED)
              .where(opened.c.payload.contains(needle, autoescape=True)))
     async with db.read() as conn:
         rows = (await conn.execute(query)).all()
-    return [(row.session_id, int(row.last_us)) for row in rows]
+    return [(row.session_id, int(row.last_us)) for row in rows
+            if jsonio.loads_stored(row.payload)["session"].get("opened_by") == opened_by]
