@@ -11,6 +11,7 @@ store with an empty state cache plays "another process" reading the same log.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import uuid
@@ -31,6 +32,7 @@ from app.domain.errors import (
     UnknownSample,
     UnknownSession,
 )
+from app.domain.wire import jsonio
 from app.services import Services, build_services
 from app.settings import Settings
 from tests.factory import open_body, r3_b64, turn
@@ -94,6 +96,58 @@ async def test_open_with_another_definition_is_a_session_conflict(store, sid):
     with pytest.raises(SessionConflict):
         await store.writer.open_session(open_body(sid, version="v1"))
     assert (await store.reader.summary(sid))["version"] == "v2"
+
+
+OPENS = [
+    {},
+    {"labels": {"run_id": "r", "rollout_id": 7, "temperature": 0.7, "eval": True,
+                "note": "ünïcødé \u2028 \"quoted\""}},
+    {"labels": {"k": "v"}, "opened_by": "gateway", "r3": {"num_layers": 48},
+     "spec": True, "max_trim_tokens": 3, "pause_generation_mode": "in_place"},
+    {"version": "v1", "labels": {}},
+]
+
+
+@pytest.mark.parametrize("over", OPENS)
+async def test_an_open_answers_the_session_as_a_read_gives_it(store, sid, over):
+    """The open's reply is built from the row it wrote (one round trip on PostgreSQL,
+    migration 0010), not read back: it must equal what a read of the session gives,
+    and the labels and the `session_opened` event must be written as a read finds them."""
+    opened = await store.writer.open(open_body(sid, **over))
+    assert opened.created and opened.summary == await store.reader.summary(sid)
+    labels = over.get("labels", {})
+    for key, value in labels.items():
+        text = value if isinstance(value, str) else jsonio.dumps(value)
+        page = await store.reader.list_sessions(None, None, SESSIONS_PAGE.default,
+                                                parse_label_filters({key: text}))
+        assert [s["session_id"] for s in page["sessions"]] == [sid], (key, value)
+    [event] = await store.reader.session_events(sid, None, EVENTS_PAGE.default, True)
+    assert event["type"] == "session_opened"
+    assert event["session"] == opened.definition.body()
+    repeat = await store.writer.open(open_body(sid, **over))
+    assert (repeat.created, repeat.summary) == (False, None)
+
+
+async def test_concurrent_opens_of_one_id_open_it_once(stores, sid):
+    """Two writers (separate pools and caches) open the same id at once, some with
+    the same body and some with another: exactly one opens it, the same body is a
+    repeat, another body a conflict, and the log holds one `session_opened`."""
+    writers = [await stores() for _ in range(2)]
+    bodies = [open_body(sid, labels={"run_id": "a"}) if i % 3 else
+              open_body(sid, labels={"run_id": "b"}) for i in range(9)]
+    answers = await asyncio.gather(
+        *(writers[i % 2].writer.open(body) for i, body in enumerate(bodies)),
+        return_exceptions=True)
+    created = [a for a in answers if not isinstance(a, BaseException) and a.created]
+    assert len(created) == 1, answers
+    winner = created[0].definition.labels["run_id"]
+    for body, answer in zip(bodies, answers, strict=True):
+        if body["labels"]["run_id"] == winner:
+            assert not isinstance(answer, BaseException), answer
+        else:
+            assert isinstance(answer, SessionConflict), answer
+    assert await event_count(writers[0], sid) == 1
+    assert (await writers[1].reader.summary(sid))["labels"] == {"run_id": winner}
 
 
 # --- append -------------------------------------------------------------------------------

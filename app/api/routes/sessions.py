@@ -48,10 +48,12 @@ def label_filters(request: Request, known: frozenset[str]) -> LabelFilters:
 
 @router.post("", status_code=201, openapi_extra=OPEN_BODY)
 async def open_session(svc: ServicesDep, body: BodyDep) -> JSONText:
-    definition, created = await svc.writer.open_session(body)
-    summary = await svc.reader.summary(definition.session_id)
+    opened = await svc.writer.open(body)
+    summary = opened.summary
+    if summary is None:  # a repeat: the session as stored (it may have moved on)
+        summary = await svc.reader.summary(opened.definition.session_id)
     svc.reader.notify()
-    return JSONText(summary, status_code=201 if created else 200)
+    return JSONText(summary, status_code=201 if opened.created else 200)
 
 
 @router.get("")

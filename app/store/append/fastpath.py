@@ -1,4 +1,5 @@
-"""The append in one round trip on PostgreSQL: one call of `turnlog_append`.
+"""The append in one round trip on PostgreSQL: one call of `turnlog_append`; and
+the open in one: one call of `turnlog_open`.
 
 The function (created by migration 0008) takes the session's row lock, checks
 that the session is still open with the number of turns the caller folded,
@@ -13,8 +14,12 @@ With group commit on (`group.py`) the call is handed to a `Grouped` instead of
 a pool: it then shares one transaction, and one durable commit, with the
 concurrent calls of other sessions, and answers the same way.
 
-Owns: binding the rows the domain computed to the function's arguments, and
-the single call.
+`turnlog_open` (migration 0010) inserts a session's row, labels and
+`session_opened` event, or answers the `open_fingerprint` of the session
+that already has the id, for the caller to compare.
+
+Owns: binding the rows the domain computed to the functions' arguments, and
+the single calls.
 Refuses: deciding anything (validation, attachment and idempotency are the
 domain's and `writes.py`'s), and SQLite (no functions; see `writes.py`).
 """
@@ -22,7 +27,7 @@ domain's and `writes.py`'s), and SQLite (no functions; see `writes.py`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import asyncpg
@@ -36,6 +41,12 @@ NODE_COLUMNS = ("parent", "depth", "num_tokens", "prompt_len", "prompt_lcp", "ou
                 "r3_start", "r3_end", "finish_reason", "weight_version", "spec_correct",
                 "spec_proposed", "spec_verify", "spec_completion", "cached_tokens",
                 "record_ts", "record_hour", "record_day")
+# The `sessions` columns in the order of `turnlog_open`'s first arguments.
+SESSION_COLUMNS = ("session_id", "version", "pause_generation_mode", "num_layers", "spec",
+                   "max_trim_tokens", "labels", "open_fingerprint", "created_us", "status",
+                   "num_nodes", "active_leaf", "topk", "spec_correct", "spec_proposed",
+                   "spec_verify", "spec_completion")
+OPEN = "SELECT turnlog_open(" + ", ".join(f"${i}" for i in range(1, 21)) + ")"
 HEAD_COLUMNS = ("active_leaf", "topk", "spec_correct", "spec_proposed", "spec_verify",
                 "spec_completion")
 
@@ -55,6 +66,23 @@ def append_args(
         *(node[name] for name in NODE_COLUMNS),
         *(head[name] for name in HEAD_COLUMNS),
     )
+
+
+def open_args(row: Mapping[str, Any], labels: Sequence[Mapping[str, Any]],
+              payload: str) -> tuple[Any, ...]:
+    """The 20 arguments of `turnlog_open`, in its order (migration 0010): the
+    `sessions` row, the label rows' keys and values, the event's payload."""
+    return (*(row[name] for name in SESSION_COLUMNS),
+            [label["key"] for label in labels], [label["value_text"] for label in labels],
+            payload)
+
+
+async def open_session(pool: asyncpg.Pool, args: tuple[Any, ...]) -> str | None:
+    """Call `turnlog_open` in its own transaction: None when it opened the session,
+    else the `open_fingerprint` of the session that already had the id."""
+    async with pool.acquire() as conn, discard_if_broken(conn):
+        stored = await conn.fetchval(OPEN, *args)
+    return None if stored is None else str(stored)
 
 
 class Grouped(Protocol):

@@ -81,6 +81,17 @@ from app.store.engine.schema import (
 )
 from app.store.fold.loader import StateCache, load_patches, load_state, session_row
 from app.store.handoff.consumers import enqueue_closed, enqueue_rewarded
+from app.store.read.selects import summary
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What an open did: the session as parsed, whether this call opened it, and,
+    when it did, the open route's reply (`summary` of the row it wrote)."""
+
+    definition: SessionDefinition
+    created: bool
+    summary: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -174,8 +185,45 @@ class Writer:
             return self._via[1]
 
     async def open_session(self, raw: Any) -> tuple[SessionDefinition, bool]:
+        """`open`: the session as parsed, and whether this call opened it."""
+        opened = await self.open(raw)
+        return opened.definition, opened.created
+
+    async def open(self, raw: Any) -> Opened:
+        """Open a session, or answer the repeat of an open (409 for another body).
+
+        On PostgreSQL (and Citus) one call of `turnlog_open` (migration 0010)
+        writes the row, the labels and the event; SQLite writes them in one
+        `BEGIN IMMEDIATE` transaction. Either way the reply of an open that
+        wrote is built from the row it wrote, not read back.
+        """
         definition = parse_open(raw)
-        fingerprint = jsonio.fingerprint(definition.body())
+        recorded = now_us()
+        row = {**session_definition(definition, recorded),
+               **session_head(SessionState(definition=definition))}
+        payload = jsonio.dumps({"session": definition.body()})
+        if self.db.dialect == "sqlite":
+            stored = await self._open_locked(definition, row, payload)
+        else:
+            stored = await fastpath.open_session(
+                await self.db.driver_pool(),
+                fastpath.open_args(row, label_rows(definition), payload))
+        if stored is not None:
+            return Opened(definition, self._same_open(stored, row["open_fingerprint"],
+                                                      definition))
+        # Committed: the state a fold of the new log would give, so the first turn need not
+        # fold it (two reads). Only if no state is held: a request that folded meanwhile
+        # knows more (a stale state would be refolded anyway, as after any commit elsewhere).
+        if self.cache.get(definition.session_id) is None:
+            opened = SessionDefinition.from_body(jsonio.loads_stored(payload)["session"])
+            self.cache.put(definition.session_id, SessionState(definition=opened))
+        reply = {**summary({**row, "closed_us": None}), "opened_by": definition.opened_by}
+        return Opened(definition, True, reply)
+
+    async def _open_locked(self, definition: SessionDefinition, row: dict[str, Any],
+                           payload: str) -> str | None:
+        """The open as one transaction of statements: None when it wrote the session,
+        else the `open_fingerprint` of the session that has the id."""
         try:
             async with self.db.write() as conn:
                 existing = (await conn.execute(
@@ -183,21 +231,21 @@ class Writer:
                     .where(sessions.c.session_id == definition.session_id)
                 )).first()
                 if existing is not None:
-                    return definition, self._same_open(existing.open_fingerprint, fingerprint,
-                                                       definition)
-                payload = await self._insert_session(conn, definition)
+                    return str(existing.open_fingerprint)
+                await conn.execute(sessions.insert().values(**row))
+                if definition.labels:
+                    await conn.execute(session_labels.insert(), label_rows(definition))
+                await _insert_event(conn, {
+                    "session_id": definition.session_id,
+                    "type": SESSION_OPENED,
+                    "payload": payload,
+                    "recorded_us": row["created_us"],
+                })
         except IntegrityError:
             # A concurrent open of the same id won the race: answer as a repeat.
             async with self.db.read() as conn:
-                row = await session_row(conn, definition.session_id)
-            return definition, self._same_open(row["open_fingerprint"], fingerprint, definition)
-        # Committed: the state a fold of the new log would give, so the first turn need not
-        # fold it (two reads). Only if no state is held: a request that folded meanwhile
-        # knows more (a stale state would be refolded anyway, as after any commit elsewhere).
-        if self.cache.get(definition.session_id) is None:
-            opened = SessionDefinition.from_body(jsonio.loads_stored(payload)["session"])
-            self.cache.put(definition.session_id, SessionState(definition=opened))
-        return definition, True
+                return str((await session_row(conn, definition.session_id))["open_fingerprint"])
+        return None
 
     @staticmethod
     def _same_open(stored: str, fingerprint: str, definition: SessionDefinition) -> bool:
@@ -208,23 +256,6 @@ class Writer:
                 actual="a different body",
             )
         return False
-
-    async def _insert_session(self, conn: AsyncConnection, definition: SessionDefinition) -> str:
-        """Insert the session, its labels and its `session_opened` event; the event's payload."""
-        recorded = now_us()
-        payload = jsonio.dumps({"session": definition.body()})
-        await conn.execute(sessions.insert().values(
-            **session_definition(definition, recorded),
-            **session_head(SessionState(definition=definition))))
-        if definition.labels:
-            await conn.execute(session_labels.insert(), label_rows(definition))
-        await _insert_event(conn, {
-            "session_id": definition.session_id,
-            "type": SESSION_OPENED,
-            "payload": payload,
-            "recorded_us": recorded,
-        })
-        return payload
 
     async def definition(self, session_id: str) -> SessionDefinition:
         """The session as opened (from the state cache when it holds it)."""
