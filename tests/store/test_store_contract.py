@@ -113,14 +113,18 @@ async def test_an_open_answers_the_session_as_a_read_gives_it(store, sid, over):
     """The open's reply is built from the row it wrote (one round trip on PostgreSQL,
     migration 0010), not read back: it must equal what a read of the session gives,
     and the labels and the `session_opened` event must be written as a read finds them."""
+    # A label with the session's own id: other tests' sessions share the database (and
+    # some of these labels), a filter on it narrows the list to this test's session.
+    over = {**over, "labels": {**over.get("labels", {}), "test": sid}}
     opened = await store.writer.open(open_body(sid, **over))
     assert opened.created and opened.summary == await store.reader.summary(sid)
-    labels = over.get("labels", {})
-    for key, value in labels.items():
+    for key, value in over["labels"].items():
         text = value if isinstance(value, str) else jsonio.dumps(value)
-        page = await store.reader.list_sessions(None, None, SESSIONS_PAGE.default,
-                                                parse_label_filters({key: text}))
-        assert [s["session_id"] for s in page["sessions"]] == [sid], (key, value)
+        for probe, found in ((text, [sid]), (text + "-not", [])):
+            page = await store.reader.list_sessions(
+                None, None, SESSIONS_PAGE.default,
+                parse_label_filters({key: probe, "test": sid} if key != "test" else {key: probe}))
+            assert [s["session_id"] for s in page["sessions"]] == found, (key, value)
     [event] = await store.reader.session_events(sid, None, EVENTS_PAGE.default, True)
     assert event["type"] == "session_opened"
     assert event["session"] == opened.definition.body()

@@ -17,7 +17,7 @@ import msgspec
 
 from app.domain.body.labels import label_text
 from app.domain.body.rewards import all_rewarded
-from app.domain.body.session import SessionDefinition
+from app.domain.body.session import SessionDefinition, uses_addition_r3
 from app.domain.body.specinfo import SpecInfo, sum_turns
 from app.domain.body.turn import COUNTER_MAX
 from app.domain.log.tree import Node, SessionState
@@ -181,6 +181,26 @@ def session_definition(definition: SessionDefinition, created_us: int) -> dict[s
         "labels": jsonio.dumps(definition.labels),
         "open_fingerprint": jsonio.fingerprint(definition.body()),
         "created_us": created_us,
+    }
+
+
+def session_summary(row: Mapping[Any, Any]) -> dict[str, Any]:
+    """A session as opened plus its status: the reply of open and list."""
+    layers = row["num_layers"]
+    closed_us = row["closed_us"]
+    return {
+        "session_id": row["session_id"],
+        "version": row["version"],
+        "pause_generation_mode": row["pause_generation_mode"],
+        "use_addition_r3": uses_addition_r3(row["pause_generation_mode"]),
+        "r3": None if layers is None else {"num_layers": layers},
+        "spec": bool(row["spec"]),
+        "max_trim_tokens": row["max_trim_tokens"],
+        "labels": jsonio.loads(row["labels"]),
+        "status": row["status"],
+        "num_nodes": row["num_nodes"],
+        "created_at": iso_us(row["created_us"]),
+        "closed_at": None if closed_us is None else iso_us(closed_us),
     }
 
 

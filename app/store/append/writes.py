@@ -63,6 +63,7 @@ from app.domain.projection.rows import (
     sample_row,
     session_definition,
     session_head,
+    session_summary,
 )
 from app.domain.projection.samples import build_samples
 from app.domain.wire import jsonio
@@ -81,7 +82,6 @@ from app.store.engine.schema import (
 )
 from app.store.fold.loader import StateCache, load_patches, load_state, session_row
 from app.store.handoff.consumers import enqueue_closed, enqueue_rewarded
-from app.store.read.selects import summary
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ class Writer:
         if self.cache.get(definition.session_id) is None:
             opened = SessionDefinition.from_body(jsonio.loads_stored(payload)["session"])
             self.cache.put(definition.session_id, SessionState(definition=opened))
-        reply = {**summary({**row, "closed_us": None}), "opened_by": definition.opened_by}
+        reply = {**session_summary({**row, "closed_us": None}), "opened_by": definition.opened_by}
         return Opened(definition, True, reply)
 
     async def _open_locked(self, definition: SessionDefinition, row: dict[str, Any],

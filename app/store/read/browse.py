@@ -23,6 +23,7 @@ from app.domain.log.events import TURN_RECORDED
 from app.domain.log.tree import SessionState
 from app.domain.projection.assembly import R3Plan
 from app.domain.projection.overview import SampleFacts
+from app.domain.projection.rows import session_summary
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import Patch
 from app.store.engine.db import Database
@@ -31,7 +32,7 @@ from app.store.engine.schema import events, samples, sessions
 from app.store.fold.loader import StateCache, load_state, session_row
 from app.store.read import cursor
 from app.store.read.analytics import spec_group
-from app.store.read.selects import label_filter, summary
+from app.store.read.selects import label_filter
 
 # Rows widened at a time when counting experts: bounds memory for 100k-token samples.
 USAGE_CHUNK_ROWS = 4096
@@ -79,7 +80,7 @@ async def recent_sessions(
         cursor.encode(*cursor.START)
     feed_cursor = cursor.encode(last_event.xid, last_event.position) if last_event else \
         cursor.encode(*cursor.START)
-    return RecentSessions([summary(r) for r in rows], list_cursor, feed_cursor)
+    return RecentSessions([session_summary(r) for r in rows], list_cursor, feed_cursor)
 
 
 def _sample_row(row: Any) -> dict[str, Any]:
@@ -105,7 +106,7 @@ async def session_page(db: Database, cache: StateCache, session_id: str) -> Sess
         sample_rows = (await conn.execute(
             sa.select(samples).where(samples.c.session_id == session_id)
             .order_by(samples.c.sample_index))).all()
-    body = summary(row)
+    body = session_summary(row)
     body["num_nodes"] = len(state.nodes)
     errors = jsonio.loads(row["sample_errors"]) if row["sample_errors"] else []
     return SessionPage(body, state, [_sample_row(r) for r in sample_rows], errors,

@@ -23,7 +23,7 @@ from app.domain.log.events import (
     restore_record,
     without_r3,
 )
-from app.domain.projection.rows import iso_us, tree_entry
+from app.domain.projection.rows import iso_us, session_summary, tree_entry
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import Patch
 from app.store.engine.db import Database
@@ -31,7 +31,7 @@ from app.store.engine.dialect import feed_fence
 from app.store.engine.schema import events, sessions
 from app.store.fold.loader import StateCache, load_patches, load_state, session_row
 from app.store.read import cursor
-from app.store.read.selects import label_filter, summary
+from app.store.read.selects import label_filter
 
 
 async def opened_by(conn: AsyncConnection, session_ids: list[str]) -> dict[str, str | None]:
@@ -93,7 +93,7 @@ class Reader:
         async with self.db.read() as conn:
             row = await session_row(conn, session_id)
             state = await load_state(conn, self.cache, row)
-        body = summary(row)
+        body = session_summary(row)
         body["opened_by"] = state.definition.opened_by
         body["num_nodes"] = len(state.nodes)
         body["tree"] = [tree_entry(node) for node in state.nodes]
@@ -101,7 +101,7 @@ class Reader:
 
     async def summary(self, session_id: str) -> dict[str, Any]:
         async with self.db.read() as conn:
-            body = summary(await session_row(conn, session_id))
+            body = session_summary(await session_row(conn, session_id))
             body["opened_by"] = (await opened_by(conn, [session_id])).get(session_id)
             return body
 
@@ -198,7 +198,7 @@ class Reader:
             next_cursor = cursor.encode(rows[-1]["xid"], rows[-1]["id"])
         else:
             next_cursor = after or cursor.encode(*start)
-        return {"sessions": [{**summary(r), "opened_by": openers.get(r["session_id"])}
+        return {"sessions": [{**session_summary(r), "opened_by": openers.get(r["session_id"])}
                              for r in rows], "next": next_cursor}
 
     async def _feed_page(self, after: tuple[int, ...], limit: int) -> list[Any]:

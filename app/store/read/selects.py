@@ -1,5 +1,5 @@
-"""SELECT helpers shared by the store's readers: the session summary, label filters
-and abbreviated session ids.
+"""SELECT helpers shared by the store's readers: label filters and abbreviated
+session ids.
 
 Owns building these clauses and reply shapes once, so the readers (`reads.py`,
 `browse.py`), the consumer groups (`consumers.py`), analytics and the CLI
@@ -16,30 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain.body.labels import LabelFilters
-from app.domain.body.session import uses_addition_r3
-from app.domain.projection.rows import iso_us
-from app.domain.wire import jsonio
 from app.store.engine.schema import session_labels, sessions
-
-
-def summary(row: Any) -> dict[str, Any]:
-    """A session as opened plus its status: the reply of open and list."""
-    layers = row["num_layers"]
-    closed_us = row["closed_us"]
-    return {
-        "session_id": row["session_id"],
-        "version": row["version"],
-        "pause_generation_mode": row["pause_generation_mode"],
-        "use_addition_r3": uses_addition_r3(row["pause_generation_mode"]),
-        "r3": None if layers is None else {"num_layers": layers},
-        "spec": bool(row["spec"]),
-        "max_trim_tokens": row["max_trim_tokens"],
-        "labels": jsonio.loads(row["labels"]),
-        "status": row["status"],
-        "num_nodes": row["num_nodes"],
-        "created_at": iso_us(row["created_us"]),
-        "closed_at": None if closed_us is None else iso_us(closed_us),
-    }
 
 
 def label_filter(
