@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -47,7 +48,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with contextlib.suppress(Exception):
             await svc.integrity.problems()
         await settle()  # imports the worker-thread path; freezes what exists (app.settle)
+        warming = asyncio.create_task(svc.db.warm())  # connections before the first turns
         yield
+        warming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await warming
         await svc.db.dispose()
 
     app = FastAPI(

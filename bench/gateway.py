@@ -359,6 +359,10 @@ async def latency(args: argparse.Namespace, direct: str, gateway: str, pid: int,
     """Part 1: the turns straight and through the gateway; added latency and CPU."""
     pairs: list[tuple[float, float, int]] = []
     first: list[float] = []
+    # One session first, not measured: the process's own first turn (code paths run
+    # once, the store's statements prepared) is not a session's; a gateway runs for days.
+    await session(args.sessions, 1, args.turn_tokens, direct, gateway, [], recorded,
+                  args.think_ms / 1000)
     user0, system0 = cpu_split(pid)
     upstream0, load0 = cpu_seconds(upstream_pid), time.process_time()
     await asyncio.gather(*(session(i, args.turns, args.turn_tokens, direct, gateway, pairs,

@@ -108,6 +108,7 @@ class Gateway:
         self.client: aiohttp.ClientSession | None = None
         self.services: Services | None = None
         self.recorder: Recorder | None = None
+        self._warming: asyncio.Task[None] | None = None
 
     # -- lifespan --------------------------------------------------------------------
 
@@ -130,10 +131,16 @@ class Gateway:
                                  idle_close_seconds=self.config.idle_close_seconds)
         self.recorder.start()
         await settle()  # imports the worker-thread path; freezes what exists (app.settle)
+        # The store's connections, before the first turns (each would pay its connect).
+        self._warming = asyncio.create_task(self.services.db.warm())
         log.info("gateway ready", upstream=str(self.upstream),
                  record_paths=list(self.config.record_paths), spooled=len(spool))
 
     async def shutdown(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warming
         if self.recorder is not None:
             await self.recorder.stop()
             self.recorder.spool.close()

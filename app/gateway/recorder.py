@@ -42,6 +42,7 @@ from app.gateway.errors import SpoolFull
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import Spool
 from app.services import Services
+from app.store.append.writes import Opened
 from app.store.read.gateway import open_sessions_opened_by
 
 log = structlog.get_logger("turnlog.gateway")
@@ -142,6 +143,10 @@ class Recorder:
                      size: int = 0, prompt: np.ndarray | None = None) -> None:
         writer = self.services.writer
         offload = size > OFFLOAD_BYTES
+        if not offload and writer.cached_definition(session_id) is None \
+                and await self._open_with(session_id, body, open_body, prompt):
+            await self._touch(session_id)
+            return
         try:
             await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         except UnknownSession:
@@ -149,11 +154,45 @@ class Recorder:
             # first against the session it would open, still empty (pure rules).
             definition = parse_open(open_body)
             check_first_turn(parse_turn(body, definition), definition, writer.max_nodes)
-            with contextlib.suppress(SessionConflict):  # opened meanwhile with other labels
-                await writer.open_session(open_body)
-                log.info("session opened", session_id=session_id, labels=open_body["labels"])
-            await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
+            if (await self._open(session_id, open_body)).created:
+                await writer.append_parsed(session_id, definition,
+                                           parse_turn(body, definition, None, prompt))
+            else:
+                await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         await self._touch(session_id)
+
+    async def _open_with(self, session_id: str, body: dict[str, Any],
+                         open_body: dict[str, Any], prompt: np.ndarray | None) -> bool:
+        """A session this process holds no state of, most often a new one: open it
+        first and append the turn parsed once, with no read of the session before
+        (the open answers whether it existed). Only for a turn that the new session
+        would take; True when this call opened the session and appended the turn.
+        False leaves the turn to the general path: the session existed (the open
+        wrote nothing), or the turn is refused by a new session's rules, which an
+        existing session's state may not refuse."""
+        writer = self.services.writer
+        definition = parse_open(open_body)
+        try:
+            turn = parse_turn(body, definition, None, prompt)
+            check_first_turn(turn, definition, writer.max_nodes)
+        except DomainError:
+            return False
+        if not (await self._open(session_id, open_body)).created:
+            return False
+        await writer.append_parsed(session_id, definition, turn)
+        return True
+
+    async def _open(self, session_id: str, open_body: dict[str, Any]) -> Opened:
+        """Open with the gateway's definition; a session that has the id already (with
+        this definition or another: opened meanwhile, or through the API) is not
+        opened (`created` False)."""
+        try:
+            opened = await self.services.writer.open(open_body)
+        except SessionConflict:
+            return Opened(parse_open(open_body), created=False)
+        if opened.created:
+            log.info("session opened", session_id=session_id, labels=open_body["labels"])
+        return opened
 
     def _verdict(self, session_id: str, exc: DomainError) -> str:
         reason = SESSION_CLOSED if isinstance(exc, SessionClosed) else REJECTED
