@@ -51,7 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         warming = asyncio.create_task(svc.db.warm())  # connections before the first turns
         yield
         warming.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # logged by warm
             await warming
         await svc.db.dispose()
 

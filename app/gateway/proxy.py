@@ -139,7 +139,7 @@ class Gateway:
     async def shutdown(self) -> None:
         if self._warming is not None:
             self._warming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # logged by warm
                 await self._warming
         if self.recorder is not None:
             await self.recorder.stop()

@@ -153,10 +153,11 @@ class Recorder:
             # No session is opened for a turn the store would refuse: the turn is checked
             # first against the session it would open, still empty (pure rules).
             definition = parse_open(open_body)
-            check_first_turn(parse_turn(body, definition), definition, writer.max_nodes)
+            turn = parse_turn(body, definition, None, prompt)
+            check_first_turn(turn, definition, writer.max_nodes)
             if (await self._open(session_id, open_body)).created:
-                await writer.append_parsed(session_id, definition,
-                                           parse_turn(body, definition, None, prompt))
+                # A large turn's encoding still goes to a worker thread.
+                await writer.append_parsed(session_id, definition, turn, offload)
             else:
                 await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         await self._touch(session_id)

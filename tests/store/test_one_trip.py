@@ -228,3 +228,25 @@ async def test_on_citus_the_call_is_a_one_worker_transaction(client, settings, s
         assert after == before
     finally:
         await db.dispose()
+
+
+async def test_a_repeated_open_reads_and_writes_nothing(client, settings, sid):
+    """`turnlog_open` answers a session that exists from a read, before its insert
+    (whose column defaults would take a sequence value and a transaction id, and so a
+    WAL flush at the commit). The gateway tries an open for every session whose state
+    its cache does not hold."""
+    db = Database(settings.store.database_url, settings)
+    pool = await db.driver_pool()
+    try:
+        assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        for _ in range(3):
+            assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 200
+        other = f"{sid}-next"
+        assert (await client.post("/v1/sessions", json=open_body(other))).status_code == 201
+        async with pool.acquire() as conn:
+            ids = [await conn.fetchval("SELECT id FROM sessions WHERE session_id = $1", s)
+                   for s in (sid, other)]
+        # The three repeats took no value of the sequence the insert's default draws.
+        assert ids[1] == ids[0] + 1
+    finally:
+        await db.dispose()

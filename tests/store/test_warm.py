@@ -3,10 +3,13 @@ kept while idle, and a database that is down at start is no error."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from app.settings import Settings
 from app.store.engine.db import Database
+from app.store.engine.dialect import IDLE_LIFETIME_S
 from tests.serverproc import free_port
 
 
@@ -18,10 +21,10 @@ async def test_warm_opens_the_whole_driver_pool_and_keeps_it(settings):
         await db.warm()
         pool = await db.driver_pool()
         assert (pool.get_size(), pool.get_idle_size()) == (3, 3)
-        # Idle connections are not closed after a while (asyncpg's default: 5 minutes).
-        assert pool._max_inactive_connection_lifetime == 0
+        # Idle connections are kept 30 minutes (asyncpg's default: 5), READ COMMITTED.
+        assert pool._max_inactive_connection_lifetime == IDLE_LIFETIME_S
         async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT 1") == 1
+            assert await conn.fetchval("SHOW transaction_isolation") == "read committed"
     finally:
         await db.dispose()
 
@@ -34,3 +37,21 @@ async def test_warm_with_the_database_down_is_quiet():
         await db.warm()  # nothing listens there: no error, connections on demand later
     finally:
         await db.dispose()
+
+
+@pytest.mark.postgres_only
+async def test_a_shutdown_while_warming_gives_every_connection_back(settings):
+    """Cancelled mid-way (a shutdown right after start), the warm-up releases what it
+    holds: the pool's close, which waits for every acquired connection, returns."""
+    settings = settings.replace(pool_size=20)
+    db = Database(settings.store.database_url, settings)
+    warming = asyncio.create_task(db.warm())
+    pool = await db.driver_pool()
+    for _ in range(2000):  # until some connections are out, not all
+        if 0 < pool.get_size() < 20:
+            break
+        await asyncio.sleep(0.001)
+    warming.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await warming
+    await asyncio.wait_for(db.dispose(), 10)

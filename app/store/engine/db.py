@@ -70,21 +70,41 @@ class Database:
         (PostgreSQL; SQLite has none): a new connection costs the request that
         opens it ~5 ms, ~20 ms when a rollout's eight sessions open theirs at
         once (`bench/gateway.py`, first turns). Best effort: with the database
-        down they are opened on demand later, as before."""
+        down they are opened on demand later, as before. Cancelled (a shutdown
+        while it runs), every connection it holds goes back to the pool first:
+        the pool's close waits for them."""
         if self.dialect == "sqlite":
             return
         try:
             pool = await self.driver_pool()
-            held = await asyncio.gather(
-                *(pool.acquire() for _ in range(self.settings.store.pool_size)),
-                return_exceptions=True)
         except Exception as exc:  # the pool itself could not be made: on demand, later
             log.debug("driver pool not warmed", error=type(exc).__name__)
             return
-        for conn in held:
-            if isinstance(conn, asyncpg.Connection | asyncpg.pool.PoolConnectionProxy):
-                await pool.release(conn)
-        failed = [c for c in held if isinstance(c, BaseException)]
+        count = self.settings.store.pool_size
+        arrived = 0
+        everyone = asyncio.Event()  # all connections are out: each holds its own till then
+
+        def arrive() -> None:
+            nonlocal arrived
+            arrived += 1
+            if arrived == count:
+                everyone.set()
+
+        async def hold() -> BaseException | None:
+            acquired = False
+            try:
+                async with pool.acquire():
+                    acquired = True
+                    arrive()
+                    await everyone.wait()
+            except Exception as exc:
+                if not acquired:
+                    arrive()
+                return exc
+            return None
+
+        failed = [e for e in await asyncio.gather(*(hold() for _ in range(count)))
+                  if e is not None]
         if failed:
             log.debug("driver pool partly warmed", failed=len(failed),
                       error=type(failed[0]).__name__)

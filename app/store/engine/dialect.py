@@ -100,6 +100,11 @@ def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
     return engine
 
 
+# Seconds an idle driver-pool connection is kept (create_driver_pool); the engine's
+# `pool_recycle` is the same.
+IDLE_LIFETIME_S = 1800
+
+
 def _server_settings(settings: Settings) -> dict[str, str]:
     server_settings = {
         "application_name": "turnlog",
@@ -117,7 +122,7 @@ def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
         pool_size=settings.store.pool_size,
         max_overflow=settings.store.max_overflow,
         pool_pre_ping=True,
-        pool_recycle=1800,
+        pool_recycle=IDLE_LIFETIME_S,
         isolation_level="READ COMMITTED",
         connect_args={"server_settings": server_settings, "command_timeout": 120},
     )
@@ -154,20 +159,25 @@ async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | Non
     trip (`pool_pre_ping`); asyncpg's pool drops a broken connection when it is
     released and opens a new one on demand, so a restarted server needs no ping.
 
-    Idle connections stay open (`max_inactive_connection_lifetime=0`; asyncpg
-    closes them after 5 minutes by default): a rollout's sessions start
-    together after a training phase that often lasts longer, and opening their
-    connections then would add ~5 ms to each first turn, more when eight
-    connect at once. One the server ends is noticed when its socket closes and
-    replaced on the next acquire.
+    Idle connections stay open for 30 minutes, as SQLAlchemy's are recycled
+    (asyncpg closes them after 5 by default): a rollout's sessions start
+    together after a training phase that often lasts longer than 5, and
+    opening their connections then would add ~5 ms to each first turn, more
+    when eight connect at once. One the server ends is noticed when its socket
+    closes and replaced on the next acquire; the 30 minutes bound how long a
+    flow a middlebox dropped silently is kept. Its transactions are READ
+    COMMITTED whatever the database's default, as the engine's are: the
+    functions rely on it (a conflicting open reads the row that won).
     """
     if backend(url) != "postgresql":
         return None
     dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     return await asyncpg.create_pool(
         dsn, min_size=0, max_size=settings.store.pool_size, command_timeout=120,
-        max_inactive_connection_lifetime=0,
-        server_settings=_server_settings(settings), reset=_nothing_to_reset)
+        max_inactive_connection_lifetime=IDLE_LIFETIME_S,
+        server_settings={**_server_settings(settings),
+                         "default_transaction_isolation": "read committed"},
+        reset=_nothing_to_reset)
 
 
 async def _nothing_to_reset(_conn: asyncpg.Connection) -> None:

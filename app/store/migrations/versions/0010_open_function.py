@@ -11,8 +11,10 @@ the recording gateway pays it on its first turn.
 One call now inserts the row (`ON CONFLICT (session_id) DO NOTHING`), the
 labels and the event, and answers NULL — opened by this call — or the
 `open_fingerprint` of the session that already had the id (an idempotent
-repeat when it equals the caller's, else 409; the caller compares). A
-concurrent open of the same id waits on the unique index for the other
+repeat when it equals the caller's, else 409; the caller compares). It reads
+first: a repeat (the recording gateway tries an open for every session whose
+state its cache does not hold) then writes nothing and takes no transaction
+id, so its commit flushes no WAL. A concurrent open of the same id waits on the unique index for the other
 transaction and then sees its row: in PL/pgSQL each statement takes a new
 snapshot, so the `SELECT` after a conflict reads the committed row.
 
@@ -63,6 +65,12 @@ DECLARE
   v_id bigint;
   v_fingerprint text;
 BEGIN
+  -- A session that exists is answered from a read: no transaction id, no WAL, no
+  -- durable commit (the insert's column defaults would take them before its conflict).
+  SELECT open_fingerprint INTO v_fingerprint FROM sessions WHERE session_id = p_session_id;
+  IF FOUND THEN
+    RETURN v_fingerprint;
+  END IF;
   INSERT INTO sessions (session_id, version, pause_generation_mode, num_layers, spec,
                         max_trim_tokens, labels, open_fingerprint, created_us, status,
                         num_nodes, active_leaf, topk, spec_correct, spec_proposed,
