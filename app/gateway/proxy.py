@@ -39,6 +39,7 @@ from yarl import URL
 from app.domain.body.gateway import (
     LABELS_HEADER,
     NO_SESSION,
+    NOT_TITO,
     Candidate,
     GatewayDefaults,
     Unrecorded,
@@ -179,6 +180,12 @@ class Gateway:
                 await self._own(scope, send)
             elif scope["method"] == "POST" and path in self.record_paths:
                 await self._recorded_path(scope, receive, send)
+            elif path in self.record_paths:
+                # Only a POST is a turn: any other method is forwarded untouched and
+                # counted as every other unrecorded request to a recorded path is.
+                named = names_session(_header(scope, self.session_header))
+                self.metrics.unrecorded.labels(NOT_TITO if named else NO_SESSION).inc()
+                await self._passthrough(scope, receive, send)
             else:
                 await self._passthrough(scope, receive, send)
         except ClientGone:

@@ -97,6 +97,12 @@ async def test_every_unrecorded_reason_is_counted_and_answered(db_url, client, g
         nobody = sid()
         bad_json = await http.post("/v1/chat/completions", content=b"{not json",
                                    headers={"X-SMG-Routing-Key": nobody})
+        # Only a POST is a turn; another method to a recorded path is forwarded as it
+        # is and counted: not-tito with a session, else no-session.
+        got = await http.get("/v1/chat/completions", headers={"X-SMG-Routing-Key": nobody})
+        got_bare = await http.get("/v1/chat/completions")
+        for reply in (got, got_bare):
+            assert reply.status_code == 200 and reply.json()["method"] == "GET", reply.text
         cases: list[tuple[str, int, Any]] = [
             ("no-session", 200, await send_turn(http, None, chat([1, 2]))),
             ("no-session", 200, await send_turn(http, "not a valid id!", chat([1, 2]))),
@@ -117,7 +123,7 @@ async def test_every_unrecorded_reason_is_counted_and_answered(db_url, client, g
         metrics = await scrape(http)
     for reason, status, answer in cases:
         assert answer.status == status, (reason, answer.reply)
-    expected_counts = {"no-session": 2, "not-tito": 4, "stream": 1, "upstream-status": 1,
+    expected_counts = {"no-session": 3, "not-tito": 5, "stream": 1, "upstream-status": 1,
                        "not-json": 1, "session-closed": 1, "rejected": 1}
     for reason, count in expected_counts.items():
         assert metric(metrics, "turnlog_gateway_unrecorded_total", f'reason="{reason}"') == count
