@@ -34,8 +34,8 @@ import sqlalchemy as sa
 import structlog
 
 from app.domain.body.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
-from app.domain.body.session import parse_open
-from app.domain.body.turn import parse_turn
+from app.domain.body.session import SessionDefinition, parse_open
+from app.domain.body.turn import TurnBody, parse_turn
 from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
 from app.domain.log.tree import check_first_turn
 from app.gateway.errors import SpoolFull
@@ -143,44 +143,45 @@ class Recorder:
                      size: int = 0, prompt: np.ndarray | None = None) -> None:
         writer = self.services.writer
         offload = size > OFFLOAD_BYTES
-        if not offload and writer.cached_definition(session_id) is None \
-                and await self._open_with(session_id, body, open_body, prompt):
-            await self._touch(session_id)
-            return
+        first: tuple[SessionDefinition, TurnBody] | None = None
+        if not offload and writer.cached_definition(session_id) is None:
+            # No state of this session here, most often a new one: open first and append
+            # the turn parsed once, reading nothing before (the open says whether the
+            # session existed). A turn a new session would refuse goes to the general
+            # path: an existing session's state may take it.
+            with contextlib.suppress(DomainError):
+                first = self._first_turn(body, open_body, prompt)
+            if first is not None and await self._open_and_append(session_id, open_body,
+                                                                 *first, offload):
+                await self._touch(session_id)
+                return
         try:
             await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         except UnknownSession:
-            # No session is opened for a turn the store would refuse: the turn is checked
-            # first against the session it would open, still empty (pure rules).
-            definition = parse_open(open_body)
-            turn = parse_turn(body, definition, None, prompt)
-            check_first_turn(turn, definition, writer.max_nodes)
-            if (await self._open(session_id, open_body)).created:
-                # A large turn's encoding still goes to a worker thread.
-                await writer.append_parsed(session_id, definition, turn, offload)
-            else:
+            # No session is opened for a turn the store would refuse (raised here).
+            definition, turn = first or self._first_turn(body, open_body, prompt)
+            if not await self._open_and_append(session_id, open_body, definition, turn,
+                                               offload):
                 await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
         await self._touch(session_id)
 
-    async def _open_with(self, session_id: str, body: dict[str, Any],
-                         open_body: dict[str, Any], prompt: np.ndarray | None) -> bool:
-        """A session this process holds no state of, most often a new one: open it
-        first and append the turn parsed once, with no read of the session before
-        (the open answers whether it existed). Only for a turn that the new session
-        would take; True when this call opened the session and appended the turn.
-        False leaves the turn to the general path: the session existed (the open
-        wrote nothing), or the turn is refused by a new session's rules, which an
-        existing session's state may not refuse."""
-        writer = self.services.writer
+    def _first_turn(self, body: dict[str, Any], open_body: dict[str, Any],
+                    prompt: np.ndarray | None) -> tuple[SessionDefinition, TurnBody]:
+        """The turn checked as the first of the session the gateway would open, still
+        empty (pure rules; raises their refusal): the definition and the parsed turn."""
         definition = parse_open(open_body)
-        try:
-            turn = parse_turn(body, definition, None, prompt)
-            check_first_turn(turn, definition, writer.max_nodes)
-        except DomainError:
-            return False
+        turn = parse_turn(body, definition, None, prompt)
+        check_first_turn(turn, definition, self.services.writer.max_nodes)
+        return definition, turn
+
+    async def _open_and_append(self, session_id: str, open_body: dict[str, Any],
+                               definition: SessionDefinition, turn: TurnBody,
+                               offload: bool) -> bool:
+        """Open the session and append its first turn (a large one encoded on a worker
+        thread); False when the open wrote nothing: the session existed."""
         if not (await self._open(session_id, open_body)).created:
             return False
-        await writer.append_parsed(session_id, definition, turn)
+        await self.services.writer.append_parsed(session_id, definition, turn, offload)
         return True
 
     async def _open(self, session_id: str, open_body: dict[str, Any]) -> Opened:
