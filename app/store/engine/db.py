@@ -11,6 +11,7 @@ clock every `recorded_us` column is stamped with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +31,8 @@ from app.store.engine.dialect import (
 )
 
 log = structlog.get_logger("turnlog.store")
+# Seconds a warmed connection waits for the others before going back to the pool.
+WARM_HOLD_S = 1.0
 
 
 def now_us() -> int:
@@ -96,7 +99,11 @@ class Database:
                 async with pool.acquire():
                     acquired = True
                     arrive()
-                    await everyone.wait()
+                    # Held till the others are out (else an acquire takes this one
+                    # again), but not while a slow connect keeps requests waiting.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(WARM_HOLD_S):
+                            await everyone.wait()
             except Exception as exc:
                 if not acquired:
                     arrive()
