@@ -19,7 +19,9 @@ One fake SGLang (`python -m app.sim.sglang_http`, Qwen3-30B-A3B R3 geometry:
    T = 0 every session sends its next turn at once: the 2 cores then run the
    fake, the load generator, PostgreSQL and the gateway flat out, and "added"
    is mostly the gateway's turn waiting for a core (the bench prints the
-   harness's own CPU per turn beside the gateway's).
+   harness's own CPU per turn beside the gateway's). One session runs first,
+   unmeasured (the process's own first turn is not a session's); each
+   session's first turn (its auto-open, new connections) is reported apart.
 2. A passthrough route (`GET /health`, no recording), alternately direct and
    through the gateway, one at a time. Target: added p50 ≤ 2 ms.
 3. One `--big-reply-mb` MB reply relayed unrecorded (no session header) and
