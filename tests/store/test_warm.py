@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import asyncpg
 import pytest
 
 from app.settings import Settings
+from app.store.engine import db as db_module
 from app.store.engine.db import Database
 from app.store.engine.dialect import IDLE_LIFETIME_S
 from tests.serverproc import free_port
@@ -40,18 +42,34 @@ async def test_warm_with_the_database_down_is_quiet():
 
 
 @pytest.mark.postgres_only
-async def test_a_shutdown_while_warming_gives_every_connection_back(settings):
-    """Cancelled mid-way (a shutdown right after start), the warm-up releases what it
-    holds: the pool's close, which waits for every acquired connection, returns."""
-    settings = settings.replace(pool_size=20)
+async def test_a_shutdown_while_warming_gives_every_connection_back(settings, monkeypatch):
+    """Cancelled mid-way (a shutdown right after start: five connections held, the
+    other connects still pending), the warm-up releases what it holds: the pool's
+    close, which waits for every acquired connection, returns."""
+    settings = settings.replace(pool_size=8)
+    monkeypatch.setattr(db_module, "WARM_HOLD_S", 600.0)  # only the cancel lets them go
+    real_connect = asyncpg.pool.PoolConnectionHolder.connect
+    started = 0
+    never = asyncio.Event()
+
+    async def connect_five(holder: asyncpg.pool.PoolConnectionHolder) -> None:
+        nonlocal started
+        started += 1
+        if started > 5:
+            await never.wait()  # a connect that does not finish (until cancelled)
+        await real_connect(holder)
+
+    monkeypatch.setattr(asyncpg.pool.PoolConnectionHolder, "connect", connect_five)
     db = Database(settings.store.database_url, settings)
     warming = asyncio.create_task(db.warm())
     pool = await db.driver_pool()
-    for _ in range(2000):  # until some connections are out, not all
-        if 0 < pool.get_size() < 20:
+    for _ in range(1000):
+        if pool.get_size() - pool.get_idle_size() == 5:
             break
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+    assert pool.get_size() - pool.get_idle_size() == 5
     warming.cancel()
     with pytest.raises(asyncio.CancelledError):
         await warming
+    assert pool.get_size() == pool.get_idle_size() == 5  # every held one given back
     await asyncio.wait_for(db.dispose(), 10)
