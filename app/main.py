@@ -72,7 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     limits = settings.limits
     app.state.uploads = Uploads(limits.large_body_bytes, limits.max_large_uploads,
                                 limits.max_body_values, limits.min_upload_rate,
-                                limits.upload_grace_s)
+                                limits.upload_grace_s, limits.offload_body_bytes)
     problems.install(app)
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.

@@ -133,6 +133,10 @@ class LimitSettings(_Group):
     # scalars) is refused (413) before it is decoded: it bounds the decoded memory.
     max_body_values: int = Field(default=2_000_000, ge=1000)
     max_large_uploads: int = Field(default=2, ge=1)
+    # Turn bodies above this many bytes are decoded, validated and encoded on a worker
+    # thread; smaller ones on the event loop, where a 2k-token turn's ~2 ms of work
+    # costs less than the two thread hand-offs would (docs/ingest.md).
+    offload_body_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
     # A large body (one holding an upload slot) must keep arriving: its byte n by
     # `upload_grace_s + n / min_upload_rate` seconds after its first read, or 408.
     min_upload_rate: int = Field(default=64 * 1024, ge=0)  # bytes/s; 0 = no minimum

@@ -198,10 +198,11 @@ async def _decode(request: Request, decode: Callable[[Any, int], Any],
 
 async def decode_large_off_loop(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
                                 uploads: Uploads | None) -> Any:
-    """A large body is decoded on a worker thread, so it never stalls the event loop;
-    either wire refuses a body of more than `TURNLOG_MAX_BODY_VALUES` values (413)."""
+    """A body above `TURNLOG_OFFLOAD_BODY_BYTES` is decoded on a worker thread, so it
+    never stalls the event loop for long; either wire refuses a body of more than
+    `TURNLOG_MAX_BODY_VALUES` values (413)."""
     max_values = MAX_VALUES if uploads is None else uploads.max_values
-    if uploads is not None and len(raw) > uploads.threshold:
+    if uploads is not None and uploads.offloads(len(raw)):
         return await run_in_threadpool(decode, raw, max_values)
     return decode(raw, max_values)
 
@@ -226,13 +227,6 @@ async def decode_turn(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
 def blank_json(decode: Callable[[Any, int], Any], raw: bytes | bytearray) -> bool:
     """An empty or all-blank JSON turn body, which reads as `{}` (`strip()` would copy)."""
     return decode is r3text.loads_turn and (not raw or raw.isspace())
-
-
-async def turn_body(request: Request) -> Any:
-    """A turn body: JSON as `json_body`, or MessagePack (docs/ingest.md); else 415."""
-    decode = turn_decoder(media_type(request))
-    uploads: Uploads | None = getattr(request.app.state, "uploads", None)
-    return await decode_turn(decode, await read_body(request), uploads)
 
 
 def wants_msgpack(request: Request) -> bool:
@@ -261,15 +255,21 @@ class Uploads:
     """Large request bodies: at most `slots` at a time are read and processed.
 
     Each large body costs memory several times its size while it is decoded and
-    validated; the cap bounds that, and its processing goes to worker threads
-    so small requests keep their latency. "Large" is judged by the declared
+    validated; the cap bounds that. "Large" is judged by the declared
     `Content-Length`; a chunked body (no length) counts as large, and a large
-    body must keep arriving at `min_rate` (`_chunks`).
+    body must keep arriving at `min_rate` (`_chunks`). A body above `offload`
+    bytes is processed on worker threads, so small requests keep their latency;
+    below it, on the event loop, where a few-MB turn's work costs less than the
+    thread hand-offs (docs/ingest.md).
     """
 
     def __init__(self, threshold: int, slots: int, max_values: int = MAX_VALUES,
-                 min_rate: int = 0, grace: float = 10.0) -> None:
+                 min_rate: int = 0, grace: float = 10.0,
+                 offload: int | None = None) -> None:
         self.threshold = threshold
+        # Bodies above this are decoded (and turns validated and encoded) on worker
+        # threads; the rest on the event loop (None: the large-body threshold).
+        self.offload = threshold if offload is None else offload
         self.max_values = max_values  # what a body may decode into (`app.domain.wire.width`)
         self.min_rate = min_rate  # bytes/s a slot holder's body must keep up (0: none)
         self.grace = grace
@@ -285,6 +285,10 @@ class Uploads:
         if declared is None:
             return chunked
         return declared > self.threshold
+
+    def offloads(self, size: int) -> bool:
+        """Whether a body of `size` bytes is worked on a worker thread."""
+        return size > self.offload
 
     @asynccontextmanager
     async def slot(self, request: Request) -> AsyncIterator[bool]:

@@ -18,7 +18,10 @@ from app.api.deps import (
     OptStr,
     ServicesDep,
     Uploads,
-    turn_body,
+    decode_turn,
+    media_type,
+    read_body,
+    turn_decoder,
     wants_msgpack,
 )
 from app.api.problems import JSONText
@@ -86,11 +89,15 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
     started, body = time.perf_counter(), None
     uploads: Uploads = request.app.state.uploads
     try:
-        # A large turn waits for one of a few upload slots, then is decoded,
-        # validated and encoded on worker threads (app.api.deps.Uploads).
-        async with uploads.slot(request) as large:
-            body = await turn_body(request)
-            written = await svc.writer.append_turn(session_id, body, offload=large)
+        # A large turn waits for one of a few upload slots; a very large one is then
+        # decoded, validated and encoded on worker threads (app.api.deps.Uploads).
+        async with uploads.slot(request):
+            decode = turn_decoder(media_type(request))  # 415 before the body is read
+            raw = await read_body(request)
+            offload = uploads.offloads(len(raw))
+            body = await decode_turn(decode, raw, uploads)
+            del raw  # the decoded body may be all that is left of it
+            written = await svc.writer.append_turn(session_id, body, offload=offload)
     except DomainError as exc:
         turn_rejected(svc.metrics, session_id, body, exc, started)
         raise
