@@ -359,13 +359,19 @@ class Gateway:
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    """A request header's value; its last one when sent twice. miles' session server
+    forwards the agent's headers with its own `X-SMG-Routing-Key` added after them, so
+    an agent that sent one too puts two on the wire, and miles' is the last."""
+    found = None
     for key, value in scope["headers"]:
         if key == name:
-            try:
-                return bytes(value).decode("utf-8")
-            except UnicodeDecodeError:
-                return bytes(value).decode("latin-1")
-    return None
+            found = value
+    if found is None:
+        return None
+    try:
+        return bytes(found).decode("utf-8")
+    except UnicodeDecodeError:
+        return bytes(found).decode("latin-1")
 
 
 def _has_body(scope: dict[str, Any]) -> bool:

@@ -82,6 +82,9 @@ async def fake_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
         raise ValueError("the environment broke")
     if behaviour == "none":
         return None
+    if behaviour == "branch-rewards":  # miles v2: per-branch rewards by response id
+        return {"reward": 0.5, "rewards": {f"{sid}-r1": 0.9, "no-such-leaf": 0.1,
+                                           f"{sid}-r0": "not a number"}}
     return {"reward": metadata.get("reward", 1.0), "turns": 2, "note": ("a", float("nan"))}
 
 

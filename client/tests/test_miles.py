@@ -9,8 +9,10 @@ batched; a `Sample` is an object with a `.metadata` dict.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -191,6 +193,11 @@ async def test_turnlog_answering_an_error_never_fails_the_rollout(
 
 def test_settings_and_the_session_id() -> None:
     assert hooks.session_id_of("http://h:1/sessions/abc123/") == "abc123"
+    assert hooks.session_id_of("http://h:1/abc123") == "abc123"
+    # Some miles versions hand their OpenAI clients `…/sessions/<sid>/v1`.
+    assert hooks.session_id_of("http://h:1/sessions/abc123/v1") == "abc123"
+    with pytest.raises(ValueError, match="no session id"):
+        hooks.session_id_of("http://h:1/")
     settings = Settings.from_env({"TURNLOG_MILES_LABEL_KEYS": " a,,b ",
                                   "TURNLOG_MILES_NUM_LAYERS": "48"})
     assert settings.label_keys == ("a", "b") and settings.num_layers == 48
@@ -281,3 +288,79 @@ async def test_the_reward_hook_with_turnlog_down(
     assert await rm(None, batch[0]) == 0.1
     assert len(warnings.records) == 2
 
+
+
+# -- what other miles versions give and expect -------------------------------------------
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_per_branch_rewards_the_agent_returns_are_recorded_by_response_id(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    # miles v2 gives a sample the agent's `rewards[response_id]` and then never calls the
+    # reward model for it: the hook records them, or the trainer would read the close's.
+    sid = new_sid()
+    returned = await run_agent(sid, {"behaviour": "branch-rewards"})
+    assert returned["rewards"][f"{sid}-r1"] == 0.9 and returned["turnlog_session_id"] == sid
+    events = await events_of(server_url, sid)
+    assert close_of(events)["reward"] == 0.5
+    recorded = [e["reward"] for e in events if e["type"] == "reward_recorded"]
+    assert [(r["reward"], r["response_id"], r["source"]) for r in recorded] == [
+        (0.9, f"{sid}-r1", "support.fake_agent")]
+    async with TurnlogClient(server_url) as tl:
+        samples = (await tl.samples(sid, arrays=False))["samples"]
+    assert [(s["reward"], s["reward_source"]) for s in samples] == [(0.9, "support.fake_agent")]
+    (warning,) = warnings.records  # the response id no leaf has: named, the rollout goes on
+    assert "no-such-leaf" in warning.getMessage()
+
+
+async def test_an_agent_called_without_metadata(env: pytest.MonkeyPatch,
+                                                server_url: str) -> None:
+    calls: list[dict[str, Any]] = []
+
+    async def older(base_url: str, prompt: Any, request_kwargs: dict[str, Any]) -> Any:
+        calls.append({"base_url": base_url, "prompt": prompt})
+        return {"reward": 1.0}
+
+    env.setattr(support, "fake_agent", older)
+    sid = new_sid()
+    returned = await agent(base_url=f"{SESSION_SERVER}/{sid}", prompt="p",
+                           request_kwargs={})
+    assert returned == {"reward": 1.0, "turnlog_session_id": sid} and len(calls) == 1
+    assert close_of(await events_of(server_url, sid))["reward"] == 1.0
+
+
+async def test_an_agent_result_dataclass(env: pytest.MonkeyPatch, server_url: str) -> None:
+    @dataclasses.dataclass
+    class AgentResult:  # miles' generate_hub result type
+        reward: float = 0.0
+        status: str = "completed"
+        metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+        metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    async def typed(**kwargs: Any) -> AgentResult:
+        return AgentResult(reward=0.25, metrics={"turns": 3}, metadata={"task": "x"})
+
+    env.setattr(support, "fake_agent", typed)
+    sid = new_sid()
+    returned = await run_agent(sid, {})
+    assert isinstance(returned, AgentResult)
+    assert returned.metadata == {"task": "x", "turnlog_session_id": sid}
+    assert returned.reward == 0.25 and returned.metrics == {"turns": 3}
+    assert close_of(await events_of(server_url, sid)) == {
+        "reward": 0.25, "agent_error": None,
+        "agent": {"reward": 0.25, "status": "completed", "metrics": {"turns": 3},
+                  "metadata": {"task": "x"}}}
+
+
+@pytest.mark.usefixtures("rewards")
+async def test_dict_rewards_are_read_by_the_reward_key(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    sid, returned = await rolled_out()
+    scored = {"score": 0.7, "format": 1.0}
+    sample = Sample(metadata={**returned, "score": scored})
+    args = types.SimpleNamespace(reward_key="score")
+    assert await rm(args, sample) == scored  # miles gets its dict back unchanged
+    assert await rm(types.SimpleNamespace(reward_key=None), sample) == scored  # no key: none
+    (recorded,) = await rewards_of(server_url, sid)
+    assert recorded["reward"] == 0.7
+    assert not warnings.records

@@ -5,7 +5,9 @@ Owns what a miles rollout tells turnlog around the turns the gateway records:
 session `<sid>` (the last path segment of miles' `base_url`) with labels
 before the agent runs, closes it with the agent's result after, and returns
 the agent's dict with `turnlog_session_id` added so miles carries the id into
-every sample's metadata; `rm` wraps the user's reward function (named by
+every sample's metadata (and records the per-branch rewards the dict carries
+as `"rewards": {response_id: reward}`, which miles v2 gives its samples
+without calling the reward model); `rm` wraps the user's reward function (named by
 `TURNLOG_MILES_RM`) and records each reward it returns for that session (by
 the sample's leaf `response_id` when its metadata names one, else
 session-wide), returning the rewards unchanged. Every setting is read from
@@ -21,6 +23,7 @@ reward means is the server's.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -123,8 +126,15 @@ def load(dotted: str, variable: str) -> Any:
 
 
 def session_id_of(base_url: str) -> str:
-    """The session id in miles' `base_url` (`http://<session server>/sessions/<sid>`)."""
-    sid = urlsplit(base_url).path.rstrip("/").rpartition("/")[2]
+    """The session id in miles' `base_url` (`http://<session server>/sessions/<sid>`):
+    its last path segment, or the segment after `/sessions/` when more follow it
+    (`…/sessions/<sid>/v1`, as some miles versions give their OpenAI clients)."""
+    parts = [part for part in urlsplit(base_url).path.split("/") if part]
+    sid = parts[-1] if parts else ""
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] == "sessions":
+            sid = parts[i + 1]
+            break
     if not sid:
         raise ValueError(f"no session id at the end of base_url {base_url!r}")
     return sid
@@ -178,9 +188,19 @@ def jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def returned_mapping(result: Any) -> Mapping[str, Any] | None:
+    """What the agent returned, as a dict: its dict, or the fields of a dataclass (miles'
+    `AgentResult(reward, status, metrics, metadata)`); None for anything else."""
+    if isinstance(result, Mapping):
+        return result
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        return {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
+    return None
+
+
 def close_metadata(result: Any, error: BaseException | None) -> dict[str, Any]:
     """The close of §15: the agent's reward, its dict and its error."""
-    returned = result if isinstance(result, Mapping) else None
+    returned = returned_mapping(result)
     return {"reward": finite(returned.get("reward")) if returned is not None else None,
             "agent": jsonable(returned) if returned is not None else None,
             "agent_error": None if error is None else f"{type(error).__name__}: {error}"}
@@ -191,7 +211,22 @@ def _problem(step: str, exc: Exception) -> str:
         f"{step}: {type(exc).__name__}: {exc}"
 
 
-async def _close(tl: TurnlogClient, sid: str, metadata: dict[str, Any], source: str) -> None:
+def branch_rewards(result: Any) -> dict[str, float]:
+    """The per-branch rewards an agent returned (`"rewards": {response_id: reward}`, the
+    shape miles v2 assigns to the samples by their leaf's `response_id`): the finite ones."""
+    returned = returned_mapping(result)
+    rewards = returned.get("rewards") if returned is not None else None
+    if not isinstance(rewards, Mapping):
+        return {}
+    found = {key: finite(value) for key, value in rewards.items() if isinstance(key, str) and key}
+    return {key: value for key, value in found.items() if value is not None}
+
+
+async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException | None,
+                 source: str) -> list[str]:
+    """Close with the agent's result, then record its per-branch rewards (§16); the
+    problems of the rewards are returned, a failed close raises."""
+    metadata = close_metadata(result, error)
     try:
         await tl.close(sid, metadata=metadata)
     except TurnlogError as exc:
@@ -200,33 +235,67 @@ async def _close(tl: TurnlogClient, sid: str, metadata: dict[str, Any], source: 
         # Closed already (the gateway's idle close): the reward goes in as a §16 event.
         if metadata["reward"] is not None:
             await tl.record_reward(sid, metadata["reward"], source=source)
+    problems = []
+    for response_id, value in branch_rewards(result).items():
+        try:
+            await tl.record_reward(sid, value, response_id=response_id, source=source,
+                                   event_id=new_event_id())
+        except TurnlogConnectionError:
+            raise
+        except Exception as exc:  # e.g. a response_id no leaf has: the others still count
+            problems.append(_problem(f"reward for {response_id}", exc))
+    return problems
+
+
+def with_session_id(result: Any, sid: str) -> Any:
+    """What the hook returns to miles: the agent's dict (or a dataclass's `metadata`)
+    with `turnlog_session_id` added, `{"turnlog_session_id": sid}` for None."""
+    if result is None:
+        return {"turnlog_session_id": sid}
+    if isinstance(result, Mapping):
+        return {**result, "turnlog_session_id": sid}
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        metadata = getattr(result, "metadata", None)
+        if isinstance(metadata, Mapping):
+            try:
+                return dataclasses.replace(
+                    result, metadata={**metadata, "turnlog_session_id": sid})
+            except (TypeError, ValueError):  # a field not settable through __init__
+                return result
+    return result
+
+
+_NOT_GIVEN: Any = object()
 
 
 async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
-                metadata: dict[str, Any], **kwargs: Any) -> Any:
+                metadata: dict[str, Any] | None = _NOT_GIVEN, **kwargs: Any) -> Any:
     """miles' agent function (`--custom-agent-function-path turnlog_client.miles.agent`):
-    runs `TURNLOG_MILES_AGENT` between turnlog's open and close of the session."""
+    runs `TURNLOG_MILES_AGENT` between turnlog's open and close of the session. The
+    inner agent is called with what miles gave (a miles version that passes no
+    `metadata` gets none passed on)."""
     settings = Settings.from_env()
     if settings.agent is None:
         raise RuntimeError("TURNLOG_MILES_AGENT is not set: name your agent function "
                            "(package.module.function) for turnlog_client.miles.agent to run")
     inner = load(settings.agent, "TURNLOG_MILES_AGENT")
     sid = session_id_of(base_url)
+    given = {} if metadata is _NOT_GIVEN else {"metadata": metadata}
     problems: list[str] = []
     async with settings.client() as tl:
         try:
-            await tl.open(open_body(sid, settings, metadata))
+            await tl.open(open_body(sid, settings, None if metadata is _NOT_GIVEN else metadata))
         except Exception as exc:  # turnlog never fails the rollout
             problems.append(_problem("open", exc))
         error: Exception | None = None
         result: Any = None
         try:
             result = await inner(base_url=base_url, prompt=prompt,
-                                 request_kwargs=request_kwargs, metadata=metadata, **kwargs)
+                                 request_kwargs=request_kwargs, **given, **kwargs)
         except Exception as exc:
             error = exc
         try:
-            await _close(tl, sid, close_metadata(result, error), settings.agent[:SOURCE_MAX])
+            problems += await _close(tl, sid, result, error, settings.agent[:SOURCE_MAX])
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:
@@ -234,11 +303,7 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
                     settings.url, sid, "; ".join(problems))
     if error is not None:
         raise error
-    if result is None:
-        return {"turnlog_session_id": sid}
-    if isinstance(result, Mapping):
-        return {**result, "turnlog_session_id": sid}
-    return result
+    return with_session_id(result, sid)
 
 
 def sample_metadata(sample: Any) -> Mapping[str, Any]:
@@ -285,6 +350,14 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
     return failed, problems
 
 
+def reward_value(reward: Any, key: Any) -> Any:
+    """A sample's reward as miles reads it: a dict reward's `args.reward_key` entry
+    (`--reward-key`), else the reward itself."""
+    if isinstance(reward, Mapping) and isinstance(key, str) and key:
+        return reward.get(key)
+    return reward
+
+
 async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
     """miles' reward function (`--custom-rm-path turnlog_client.miles.rm`): calls
     `TURNLOG_MILES_RM` as miles would — one sample, or a list of samples (batched) —
@@ -297,11 +370,13 @@ async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
     rewards = inner(args, samples, **kwargs)
     if inspect.isawaitable(rewards):
         rewards = await rewards
+    key = getattr(args, "reward_key", None)
     if isinstance(samples, list):
-        scored = list(zip(samples, rewards if isinstance(rewards, list | tuple) else [],
-                          strict=False))
+        scored = [(sample, reward_value(reward, key)) for sample, reward in
+                  zip(samples, rewards if isinstance(rewards, list | tuple) else [],
+                      strict=False)]
     else:
-        scored = [(samples, rewards)]
+        scored = [(samples, reward_value(rewards, key))]
     try:
         failed, problems = await record_rewards(settings, scored, settings.rm[:SOURCE_MAX])
     except Exception as exc:  # turnlog never fails the rollout

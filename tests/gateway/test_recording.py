@@ -221,6 +221,20 @@ async def test_a_malformed_label_header_is_ignored(db_url, client, gateway_proce
     assert summary["labels"] == {"run": "flag"} and summary["num_nodes"] == 3
 
 
+async def test_a_routing_header_sent_twice_records_under_the_last(db_url, client,
+                                                                  gateway_process):
+    # miles' session server sends `{**agent_headers, "X-SMG-Routing-Key": sid}`: an agent
+    # that set the header itself puts two on the wire, miles' last.
+    gateway = gateway_process(db_url)
+    await gateway.wait_ready()
+    session, agents = sid(), sid()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        turn = await send_turn(http, session, chat([1, 2, 3]), {"x-smg-routing-key": agents})
+    assert turn.status == 200
+    assert (await client.get(f"/v1/sessions/{session}")).json()["num_nodes"] == 1
+    assert (await client.get(f"/v1/sessions/{agents}")).status_code == 404
+
+
 async def test_idle_close_closes_auto_opened_sessions_only(db_url, client, gateway_process):
     gateway = gateway_process(db_url, "--idle-close-seconds", "0.5")
     await gateway.wait_ready()
