@@ -134,8 +134,9 @@ class LimitSettings(_Group):
     max_body_values: int = Field(default=2_000_000, ge=1000)
     max_large_uploads: int = Field(default=2, ge=1)
     # Turn bodies above this many bytes are decoded, validated and encoded on a worker
-    # thread; smaller ones on the event loop, where a 2k-token turn's ~2 ms of work
-    # costs less than the two thread hand-offs would (docs/ingest.md).
+    # thread, and so are those above `large_body_bytes` once their R3 payload is set
+    # aside; the rest on the event loop, where a 2k-token turn's ~2 ms of work costs
+    # less than the two thread hand-offs would (docs/ingest.md).
     offload_body_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
     # A large body (one holding an upload slot) must keep arriving: its byte n by
     # `upload_grace_s + n / min_upload_rate` seconds after its first read, or 408.

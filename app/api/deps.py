@@ -197,12 +197,14 @@ async def _decode(request: Request, decode: Callable[[Any, int], Any],
 
 
 async def decode_large_off_loop(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
-                                uploads: Uploads | None) -> Any:
-    """A body above `TURNLOG_OFFLOAD_BODY_BYTES` is decoded on a worker thread, so it
-    never stalls the event loop for long; either wire refuses a body of more than
-    `TURNLOG_MAX_BODY_VALUES` values (413)."""
+                                uploads: Uploads | None, offload: bool | None = None) -> Any:
+    """A large body is decoded on a worker thread (`offload`, else above
+    `TURNLOG_LARGE_BODY_BYTES`), so it never stalls the event loop for long; either
+    wire refuses a body of more than `TURNLOG_MAX_BODY_VALUES` values (413)."""
     max_values = MAX_VALUES if uploads is None else uploads.max_values
-    if uploads is not None and uploads.offloads(len(raw)):
+    if offload is None:
+        offload = uploads is not None and len(raw) > uploads.threshold
+    if offload:
         return await run_in_threadpool(decode, raw, max_values)
     return decode(raw, max_values)
 
@@ -217,11 +219,12 @@ def turn_decoder(kind: str | None) -> Callable[[Any, int], Any]:
 
 
 async def decode_turn(decode: Callable[[Any, int], Any], raw: bytes | bytearray,
-                      uploads: Uploads | None) -> Any:
-    """A turn body decoded once; an empty (or all-blank) JSON body reads as `{}`."""
+                      uploads: Uploads | None, offload: bool = False) -> Any:
+    """A turn body decoded once (on a worker thread if `offload`: `Uploads.offloads`);
+    an empty (or all-blank) JSON body reads as `{}`."""
     if blank_json(decode, raw):
         return {}
-    return await decode_large_off_loop(decode, raw, uploads)
+    return await decode_large_off_loop(decode, raw, uploads, offload)
 
 
 def blank_json(decode: Callable[[Any, int], Any], raw: bytes | bytearray) -> bool:
@@ -286,9 +289,18 @@ class Uploads:
             return chunked
         return declared > self.threshold
 
-    def offloads(self, size: int) -> bool:
-        """Whether a body of `size` bytes is worked on a worker thread."""
-        return size > self.offload
+    def offloads(self, raw: bytes | bytearray, decode: Callable[[Any, int], Any]) -> bool:
+        """Whether a turn body is worked on a worker thread: above `offload` bytes, or
+        above the large-body threshold once its R3 payload (one value, cheap to
+        decode) is set aside — a body of many small values costs the loop as much
+        as a small body of the same many values, never more."""
+        if len(raw) > self.offload:
+            return True
+        if len(raw) <= self.threshold:
+            return False
+        payload = msgpackio.r3_span(raw) if decode is msgpackio.loads else \
+            r3text.text_span(raw) if decode is r3text.loads_turn else 0
+        return len(raw) - payload > self.threshold
 
     @asynccontextmanager
     async def slot(self, request: Request) -> AsyncIterator[bool]:

@@ -364,3 +364,27 @@ async def test_dict_rewards_are_read_by_the_reward_key(
     (recorded,) = await rewards_of(server_url, sid)
     assert recorded["reward"] == 0.7
     assert not warnings.records
+
+
+async def test_a_result_the_id_cannot_be_added_to_goes_back_as_it_is(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    @dataclasses.dataclass
+    class Picky:
+        reward: float
+        metadata: dict[str, Any]
+
+        def __post_init__(self) -> None:
+            if "turnlog_session_id" in self.metadata:
+                raise RuntimeError("no foreign keys here")
+
+    result = Picky(0.5, {})
+
+    async def picky(**kwargs: Any) -> Picky:
+        return result
+
+    env.setattr(support, "fake_agent", picky)
+    sid = new_sid()
+    assert await run_agent(sid, {}) is result  # the rollout goes on
+    assert close_of(await events_of(server_url, sid))["reward"] == 0.5
+    (warning,) = warnings.records
+    assert "Picky" in warning.getMessage() and sid in warning.getMessage()

@@ -2,7 +2,8 @@
 
 Owns what a miles rollout tells turnlog around the turns the gateway records:
 `agent` wraps the user's agent (named by `TURNLOG_MILES_AGENT`) — it opens the
-session `<sid>` (the last path segment of miles' `base_url`) with labels
+session `<sid>` (the last path segment of miles' `base_url`, or the one after
+`/sessions/`) with labels
 before the agent runs, closes it with the agent's result after, and returns
 the agent's dict with `turnlog_session_id` added so miles carries the id into
 every sample's metadata (and records the per-branch rewards the dict carries
@@ -194,7 +195,11 @@ def returned_mapping(result: Any) -> Mapping[str, Any] | None:
     if isinstance(result, Mapping):
         return result
     if dataclasses.is_dataclass(result) and not isinstance(result, type):
-        return {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
+        try:
+            return {field.name: getattr(result, field.name)
+                    for field in dataclasses.fields(result)}
+        except Exception:  # e.g. an init=False field never set: closed as no dict
+            return None
     return None
 
 
@@ -240,58 +245,64 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
         try:
             await tl.record_reward(sid, value, response_id=response_id, source=source,
                                    event_id=new_event_id())
-        except TurnlogConnectionError:
-            raise
-        except Exception as exc:  # e.g. a response_id no leaf has: the others still count
+        except TurnlogError as exc:  # e.g. a response_id no leaf has: the others still count
             problems.append(_problem(f"reward for {response_id}", exc))
+            if exc.status is None or exc.status >= 500:
+                break  # the store cannot take them now: do not wait on it once per branch
+        except Exception as exc:  # unreachable: the same
+            problems.append(_problem(f"reward for {response_id}", exc))
+            break
     return problems
 
 
 def with_session_id(result: Any, sid: str) -> Any:
     """What the hook returns to miles: the agent's dict (or a dataclass's `metadata`)
-    with `turnlog_session_id` added, `{"turnlog_session_id": sid}` for None."""
+    with `turnlog_session_id` added, `{"turnlog_session_id": sid}` for None. An object
+    it cannot add the id to goes back as it is, with a warning (its rewards then
+    cannot be matched to the session)."""
     if result is None:
         return {"turnlog_session_id": sid}
     if isinstance(result, Mapping):
         return {**result, "turnlog_session_id": sid}
-    if dataclasses.is_dataclass(result) and not isinstance(result, type):
-        metadata = getattr(result, "metadata", None)
+    try:
+        metadata = getattr(result, "metadata", None) if dataclasses.is_dataclass(result) \
+            and not isinstance(result, type) else None
         if isinstance(metadata, Mapping):
-            try:
-                return dataclasses.replace(
-                    result, metadata={**metadata, "turnlog_session_id": sid})
-            except (TypeError, ValueError):  # a field not settable through __init__
-                return result
+            return dataclasses.replace(result, metadata={**metadata, "turnlog_session_id": sid})
+    except Exception as exc:  # whatever its __init__ does: never a failed rollout
+        log.warning("turnlog could not add turnlog_session_id to the agent's %s (%s): the "
+                    "reward hook will not find session %s", type(result).__name__, exc, sid)
+        return result
+    log.warning("the agent returned a %s, not a dict: the reward hook will not find "
+                "turnlog session %s", type(result).__name__, sid)
     return result
 
 
-_NOT_GIVEN: Any = object()
-
-
 async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
-                metadata: dict[str, Any] | None = _NOT_GIVEN, **kwargs: Any) -> Any:
+                **kwargs: Any) -> Any:
     """miles' agent function (`--custom-agent-function-path turnlog_client.miles.agent`):
-    runs `TURNLOG_MILES_AGENT` between turnlog's open and close of the session. The
-    inner agent is called with what miles gave (a miles version that passes no
-    `metadata` gets none passed on)."""
+    runs `TURNLOG_MILES_AGENT` between turnlog's open and close of the session, called
+    with what miles gave (`metadata=…` among `kwargs`; a miles version that passes
+    none gets none passed on)."""
     settings = Settings.from_env()
     if settings.agent is None:
         raise RuntimeError("TURNLOG_MILES_AGENT is not set: name your agent function "
                            "(package.module.function) for turnlog_client.miles.agent to run")
     inner = load(settings.agent, "TURNLOG_MILES_AGENT")
     sid = session_id_of(base_url)
-    given = {} if metadata is _NOT_GIVEN else {"metadata": metadata}
+    metadata = kwargs.get("metadata")
     problems: list[str] = []
     async with settings.client() as tl:
         try:
-            await tl.open(open_body(sid, settings, None if metadata is _NOT_GIVEN else metadata))
+            await tl.open(open_body(sid, settings, metadata if isinstance(metadata, Mapping)
+                                    else None))
         except Exception as exc:  # turnlog never fails the rollout
             problems.append(_problem("open", exc))
         error: Exception | None = None
         result: Any = None
         try:
             result = await inner(base_url=base_url, prompt=prompt,
-                                 request_kwargs=request_kwargs, **given, **kwargs)
+                                 request_kwargs=request_kwargs, **kwargs)
         except Exception as exc:
             error = exc
         try:

@@ -4,7 +4,8 @@ Every turn of a fleet comes through here, so the route skips what it does not
 need: no FastAPI request or response objects, no dependency solving, no
 exit stack. The body is received from the ASGI `receive` straight into one
 buffer of its declared size and decoded once (`app.api.deps`); a large body of a
-session whose state is cached is decoded and validated in one worker-thread trip
+session whose state is cached is decoded and validated in one step — on a
+worker thread when `Uploads.offloads` says so, else on the loop
 (`Writer.append_parsed` takes it from there); the reply is two ASGI messages.
 Everything that applies to every route still applies: it sits in the same
 router behind the same middleware (metrics, header
@@ -63,7 +64,7 @@ async def receive_body(receive: Receive, declared: int | None,
     """The whole body from ASGI messages, into one buffer (`BodyBuffer`); with
     `uploads` (the body holds an upload slot) at the slot holders' minimum pace:
     one timeout scope for the body, its deadline moved as bytes arrive (not a
-    scope per read: a 3 MB turn arrives in ~50)."""
+    scope per read: a 3 MB turn arrives in ~14–50)."""
     buffer = BodyBuffer(declared)
     if uploads is None or not uploads.min_rate:
         return await _receive_into(buffer, receive)
@@ -147,10 +148,10 @@ class AppendRoute(BaseRoute):
             async with self.uploads.slot_for(declared, chunked) as large:
                 decode = turn_decoder(media_type_of(content_type))
                 raw = await receive_body(receive, declared, self.uploads if large else None)
-                offload = self.uploads.offloads(len(raw))
+                offload = large and self.uploads.offloads(raw, decode)
                 definition = svc.writer.cached_definition(session_id) if large else None
                 if definition is None:
-                    body = await decode_turn(decode, raw, self.uploads)
+                    body = await decode_turn(decode, raw, self.uploads, offload)
                     del raw  # the decoded body may be all that is left of it
                     written = await svc.writer.append_turn(session_id, body, offload=offload)
                 else:

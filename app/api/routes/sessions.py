@@ -94,8 +94,8 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
         async with uploads.slot(request):
             decode = turn_decoder(media_type(request))  # 415 before the body is read
             raw = await read_body(request)
-            offload = uploads.offloads(len(raw))
-            body = await decode_turn(decode, raw, uploads)
+            offload = uploads.is_large(request) and uploads.offloads(raw, decode)
+            body = await decode_turn(decode, raw, uploads, offload)
             del raw  # the decoded body may be all that is left of it
             written = await svc.writer.append_turn(session_id, body, offload=offload)
     except DomainError as exc:

@@ -50,6 +50,22 @@ _KEY = b'"routed_experts":'
 _JSON_SPACE = b" \t\r\n"
 
 
+def text_span(body: bytes | bytearray) -> int:
+    """The bytes of the first `"routed_experts":` key's string value in a JSON body, or
+    less (0: none). Not a parse: it stops at the first quote, escaped or not, so it
+    never counts bytes outside that one string (how much of a body is one value)."""
+    key = body.find(_KEY)
+    if key < 0:
+        return 0
+    begin = key + len(_KEY)
+    while begin < len(body) and body[begin] in _JSON_SPACE:
+        begin += 1
+    if body[begin:begin + 1] != b'"':
+        return 0
+    end = body.find(b'"', begin + 1)
+    return max(end - begin - 1, 0)
+
+
 def splice(body: bytes | bytearray) -> tuple[int, int, bytes] | None:
     """Where the first `"routed_experts":` key's string value runs in `body`, [begin,
     end), and its bytes decoded, if it is non-empty canonical base64 of whole int32
