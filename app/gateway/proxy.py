@@ -32,8 +32,10 @@ from typing import Any
 
 import aiohttp
 import anyio.to_thread
+import brotli
 import httpx
 import structlog
+import zstandard
 from yarl import URL
 
 from app.domain.body.gateway import (
@@ -523,15 +525,26 @@ def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list
 
 def _decoded(headers: tuple[tuple[bytes, bytes], ...],
              raw: bytes | bytearray) -> bytes | bytearray:
-    """The reply body as JSON text: undone `gzip`/`deflate` (the caller gets `raw`)."""
+    """The reply body as JSON text: undone `gzip`, `deflate`, `br` or `zstd` (the caller
+    gets `raw`); b"" for another coding or a body that does not decode (`not-json`)."""
     encodings = [value for name, value in headers if name.lower() == b"content-encoding"]
     encoding = b", ".join(encodings).decode("latin-1").strip().lower() or "identity"
     try:
-        if encoding == "gzip":
+        if encoding in ("gzip", "x-gzip"):
             return zlib.decompress(raw, 16 + zlib.MAX_WBITS)
         if encoding == "deflate":
-            return zlib.decompress(raw)
-    except zlib.error:
+            # RFC 9110's deflate is zlib-wrapped; some servers send it raw.
+            try:
+                return zlib.decompress(raw)
+            except zlib.error:
+                return zlib.decompress(raw, -zlib.MAX_WBITS)
+        if encoding == "br":
+            return brotli.decompress(bytes(raw))
+        if encoding == "zstd":
+            # A streamed frame may not declare its size: decode it as a stream.
+            stream = zstandard.ZstdDecompressor().decompressobj()
+            return stream.decompress(raw) + stream.flush()
+    except (zlib.error, brotli.error, zstandard.ZstdError):
         return b""
     return raw if encoding in ("", "identity") else b""
 

@@ -23,7 +23,9 @@ Routes:
   `X-Sim-Reply: not-json | no-logprobs` answers text / JSON without the log-prob
   list; `X-Sim-Delay: S` waits S seconds first; `X-Sim-Pad: N` adds an N-byte
   `sim_padding` string to the reply (big replies); `X-Sim-Chunks: N` streams N
-  chunks 0.3 s apart (status `X-Sim-Status`, type `X-Sim-Content-Type`).
+  chunks 0.3 s apart (status `X-Sim-Status`, type `X-Sim-Content-Type`);
+  `X-Sim-Encoding: gzip | deflate | br | zstd` compresses a turn's reply with that
+  `Content-Encoding` (as a router may for a caller that accepts it).
 - `GET /health` (200 "OK"), `GET /metrics` (Prometheus text), `GET /workers`.
 - `GET /stream?chunks=N&size=B&delay=S`: N chunks of B bytes, chunked, spaced S s;
   a caller that hangs up stops it (counted: `sim_streams_abandoned_total` in `/metrics`).
@@ -38,14 +40,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import gzip
 import hashlib
 import json
 import math
+import zlib
 from typing import Any
 from urllib.parse import parse_qs
 
+import brotli
 import msgspec
 import numpy as np
+import zstandard
 
 from app.domain.wire.r3 import WIRE_DTYPE
 from app.sim.simulator import OUTPUT_BASE, VOCAB, route
@@ -314,7 +320,26 @@ class FakeSGLang:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             return
         logprobs = headers.get("x-sim-reply") != "no-logprobs"
-        await _reply(send, 200, self.reply_bytes(request, pad, logprobs))
+        reply = self.reply_bytes(request, pad, logprobs)
+        coding = headers.get("x-sim-encoding")
+        if coding is None:
+            await _reply(send, 200, reply)
+            return
+        packed = _COMPRESS[coding](reply)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-encoding", coding.encode()),
+                                (b"content-length", str(len(packed)).encode())]})
+        await send({"type": "http.response.body", "body": packed})
+
+
+_COMPRESS = {
+    "gzip": gzip.compress,
+    "deflate": zlib.compress,
+    "br": brotli.compress,
+    # A streamed frame, without its size, as a server compressing on the fly sends.
+    "zstd": lambda data: zstandard.ZstdCompressor(write_content_size=False).compress(data),
+}
 
 
 async def _disconnected(receive: Any) -> None:

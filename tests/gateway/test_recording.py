@@ -235,6 +235,31 @@ async def test_a_routing_header_sent_twice_records_under_the_last(db_url, client
     assert (await client.get(f"/v1/sessions/{agents}")).status_code == 404
 
 
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd"])
+async def test_a_compressed_reply_is_recorded_and_passed_on_compressed(
+        db_url, client, gateway_process, fake_sglang, coding):
+    gateway = gateway_process(db_url)
+    await gateway.wait_ready()
+    session = sid()
+    request = chat([1, 2, 3])
+    headers = {"X-Sim-Encoding": coding, "Accept-Encoding": coding}
+    raw: list[bytes] = []
+    for url, extra in ((gateway.url, {"X-SMG-Routing-Key": session}), (fake_sglang.url, {})):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http, \
+                http.stream("POST", "/v1/chat/completions", json=request,
+                            headers={**headers, **extra}) as reply:
+            assert reply.status_code == 200
+            assert reply.headers["content-encoding"] == coding
+            raw.append(b"".join([chunk async for chunk in reply.aiter_raw()]))
+    # The caller gets the upstream's compressed bytes; the store gets the JSON in them.
+    via, straight = raw
+    assert via == straight
+    decoded = httpx.Response(200, headers={"content-encoding": coding}, content=straight).read()
+    assert decoded != straight  # compressed, not identity
+    (turn,) = [e for e in await events(client, session) if e["type"] == "turn_recorded"]
+    assert turn["record"]["response"] == json.loads(decoded)
+
+
 async def test_idle_close_closes_auto_opened_sessions_only(db_url, client, gateway_process):
     gateway = gateway_process(db_url, "--idle-close-seconds", "0.5")
     await gateway.wait_ready()
