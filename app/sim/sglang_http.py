@@ -320,12 +320,12 @@ class FakeSGLang:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             return
         logprobs = headers.get("x-sim-reply") != "no-logprobs"
-        reply = self.reply_bytes(request, pad, logprobs)
+        text = self.reply_bytes(request, pad, logprobs)
         coding = headers.get("x-sim-encoding")
         if coding is None:
-            await _reply(send, 200, reply)
+            await _reply(send, 200, text)
             return
-        packed = _COMPRESS[coding](reply)
+        packed = _COMPRESS[coding](text)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-encoding", coding.encode()),
