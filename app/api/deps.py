@@ -260,9 +260,10 @@ class Uploads:
     Each large body costs memory several times its size while it is decoded and
     validated; the cap bounds that. "Large" is judged by the declared
     `Content-Length`; a chunked body (no length) counts as large, and a large
-    body must keep arriving at `min_rate` (`_chunks`). A body above `offload`
-    bytes is processed on worker threads, so small requests keep their latency;
-    below it, on the event loop, where a few-MB turn's work costs less than the
+    body must keep arriving at `min_rate` (`_chunks`). A turn body above `offload`
+    bytes, or above the threshold besides its R3 payload (`offloads`), is
+    processed on worker threads, so small requests keep their latency; the
+    rest on the event loop, where a few-MB turn's work costs less than the
     thread hand-offs (docs/ingest.md).
     """
 
