@@ -200,8 +200,10 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
         stop_server(proc)
 
 
-async def bench_http_floor(plans: list[SessionPlan], clients: int, wire: str) -> float:
-    """The same requests to `bench.http_floor` (uvicorn reading the body, nothing else)."""
+async def bench_http_floor(plans: list[SessionPlan], clients: int,
+                           wire: str) -> tuple[float, float]:
+    """(wall seconds, server CPU seconds) of the same requests to `bench.http_floor`
+    (uvicorn reading the body, nothing else)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "bench.http_floor:app", "--port", str(port),
@@ -227,8 +229,10 @@ async def bench_http_floor(plans: list[SessionPlan], clients: int, wire: str) ->
                 status, _reply = await connections[i].post_json("/turns", body, kind)
                 assert status == 201
 
+        cpu0 = cpu_seconds(proc.pid)
         try:
-            return await run_workers(plans, clients, work)
+            elapsed = await run_workers(plans, clients, work)
+            return elapsed, cpu_seconds(proc.pid) - cpu0
         finally:
             for conn in connections:
                 await conn.__aexit__()
@@ -526,7 +530,8 @@ async def main() -> None:
         for name, (kind, wire, workers) in phases:
             size = 0
             if kind == "http":
-                elapsed = await bench_http_floor(plans, args.clients, wire)
+                elapsed, cpu_s = await bench_http_floor(plans, args.clients, wire)
+                cpu[name] = min(cpu.get(name, cpu_s), cpu_s)
             else:
                 url = create_database(server, f"bench_{kind}_{uuid.uuid4().hex[:6]}")
                 if kind in ("turnlog", "baseline"):
