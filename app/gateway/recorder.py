@@ -7,7 +7,10 @@
   the caller still gets the upstream reply;
 - `spooled`: the store gave no verdict (connection or I/O error, timeout,
   5xx) — or earlier turns of the session still wait in the spool, and order
-  per session comes first — so the turn was written and fsynced to the spool;
+  per session comes first, or the drainer's own attempt has been waiting on
+  the store for longer than the store timeout (a store that hangs costs
+  each turn nothing more than that first wait) — so the turn was written
+  and fsynced to the spool;
 - `spool-full`: neither stored nor spooled; the caller gets 503.
 
 A background drainer appends spooled turns in order with their original
@@ -95,7 +98,8 @@ class Recorder:
         # Sessions opened by a gateway → monotonic time of their last recorded turn.
         self.last_turn: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._attempt: tuple[Any, asyncio.Future[None]] | None = None  # the drainer's
+        # The drainer's attempt: (entry, its store call, monotonic time it began).
+        self._attempt: tuple[Any, asyncio.Future[None], float] | None = None
         metrics.watch_spool(lambda: len(spool), lambda: spool.bytes, spool.oldest_age)
 
     # -- lifecycle ----------------------------------------------------------------
@@ -107,6 +111,7 @@ class Recorder:
         if len(self.spool):
             log.info("draining the spool left by a previous gateway", turns=len(self.spool),
                      bytes=self.spool.bytes)
+            self.drain_failing = True  # not ready until a drain gets through
             self.wake.set()
 
     async def stop(self) -> None:
@@ -127,6 +132,11 @@ class Recorder:
         """`prompt`: the turn's `input_ids` already validated (`Candidate.prompt`)."""
         if self.spool.holds(session_id):
             return self._spool(session_id, body, open_body)  # behind its earlier turns
+        if self.store_hangs():
+            # Another attempt would wait the whole store timeout too: the caller is
+            # answered now, and the drainer appends the turn once the store answers.
+            log.warning("the store is not answering; spooling the turn", session_id=session_id)
+            return self._spool(session_id, body, open_body)
         try:
             await bounded(self._store(session_id, body, open_body, size, prompt),
                           self.store_timeout)
@@ -249,7 +259,8 @@ class Recorder:
         entry = self.spool.entries[0]
         if self._attempt is None or self._attempt[0] is not entry:
             self._attempt = (entry, asyncio.ensure_future(
-                self._store(entry.session_id, entry.body, entry.open_body, entry.size)))
+                self._store(entry.session_id, entry.body, entry.open_body, entry.size)),
+                time.monotonic())
         task = self._attempt[1]
         done, _ = await asyncio.wait({task}, timeout=self.store_timeout)
         if not done:
@@ -268,6 +279,15 @@ class Recorder:
         if not len(self.spool):
             log.info("spool drained")
         return True
+
+    def store_hangs(self) -> bool:
+        """The drainer's current attempt has waited on the store for longer than the
+        store timeout, with no answer yet. Only a hang counts: an attempt that fails
+        fast (a turn the store errs on, a refused connection) leaves new turns trying
+        the store, so one bad spooled turn never sends every turn to the spool."""
+        attempt = self._attempt
+        return (attempt is not None and not attempt[1].done()
+                and time.monotonic() - attempt[2] > self.store_timeout)
 
     # -- readiness ----------------------------------------------------------------------
 

@@ -119,6 +119,39 @@ async def test_a_locked_sqlite_file_spools_and_drains_in_order(tmp_path, gateway
             await check_stored(http, conversation)
 
 
+async def test_a_hanging_store_costs_one_store_timeout_not_one_per_session(tmp_path,
+                                                                           gateway_process):
+    """Once the drainer's own attempt has waited longer than the store timeout, a new
+    session's turn goes to the spool without trying the store (it would wait the
+    timeout out too); everything still drains in order when the lock goes."""
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", STORE_TIMEOUT)
+    await gateway.wait_ready()
+    a, b, c = Conversation(), Conversation(), Conversation()
+    skipped = "the store is not answering; spooling the turn"
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await a.turn(http)).status == 200
+        with sqlite_lock(path):
+            assert (await a.turn(http)).status == 200  # tried the store: waited, spooled
+            assert skipped not in gateway.log_tail(200)
+            # The drainer has been waiting on the same append for longer than the timeout.
+            await asyncio.sleep(2.5 * float(STORE_TIMEOUT))
+            for conversation in (b, c, b):
+                assert (await conversation.turn(http)).status == 200
+            assert await spooled(http) == 4
+            assert gateway.log_tail(200).count(skipped) == 2  # b's and c's first turns
+        await wait_for(lambda: drained(http), what="the spool to drain")
+        # The store answers again: a new session's turn is recorded straight away.
+        d = Conversation()
+        assert (await d.turn(http)).status == 200
+        assert await spooled(http) == 0
+        assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 6
+    assert gateway.log_tail(400).count(skipped) == 2
+    async with api(f"sqlite+aiosqlite:///{path}") as http:
+        for conversation in (a, b, c, d):
+            await check_stored(http, conversation)
+
+
 async def test_a_missing_sqlite_file_spools_until_it_is_there(tmp_path, gateway_process):
     # The database's folder does not exist yet: every write fails to open the file.
     path = tmp_path / "later" / "store.db"
@@ -209,6 +242,13 @@ async def test_a_sigkilled_gateway_drains_its_spool_once_after_restart(tmp_path,
             for conversation in (a, b, a):
                 assert (await conversation.turn(http)).status == 200
             assert await spooled(http) == 3
+            gateway.kill()
+            # A new gateway over the same spool, the store still locked: not ready from
+            # its first answer (its spool holds turns no drain has taken yet).
+            gateway.start()
+            await gateway.wait_ready()
+            ready = await http.get(f"{gateway.url}/turnlog/readyz")
+            assert ready.status_code == 503, ready.text
             gateway.kill()
     assert len(list(spool.glob("*.turn"))) == 3
     gateway.start()  # a new gateway over the same spool, the store answering again
