@@ -11,7 +11,16 @@
   the store for longer than the store timeout (a store that hangs costs
   each turn nothing more than that first wait) — so the turn was written
   and fsynced to the spool;
-- `spool-full`: neither stored nor spooled; the caller gets 503.
+- `spool-full`: neither stored nor spooled; the caller gets 503. A store
+  write that outlived the store timeout may still commit: with the spool
+  full, the caller's answer then waits for that write's own outcome (bounded
+  by the database's busy and command timeouts), so a turn answered 503 is
+  never in the store, and its retry is never a second copy.
+
+An error the store would raise again for the same turn (a value the
+database cannot hold: SQLSTATE classes 22 and 54, SQLite's "too big") is a
+verdict too, `rejected`: spooled, such a turn would block its session's
+queue for good.
 
 A background drainer appends spooled turns in order with their original
 event ids (an append already committed answers as an idempotent repeat, so
@@ -28,12 +37,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import asyncpg
 import numpy as np
 import sqlalchemy as sa
+import sqlalchemy.exc
 import structlog
 
 from app.domain.body.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
@@ -63,6 +75,24 @@ PROBE_TIMEOUT_S = 2.0
 T = TypeVar("T")
 
 
+def recurs(exc: BaseException) -> bool:
+    """Whether the store would raise `exc` again for the same turn: a value it cannot
+    hold (SQLSTATE 22 data exception, 54 program limit exceeded; SQLite's DataError,
+    e.g. a string or blob too big), not a fault of the moment (a connection, a lock,
+    a timeout)."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, asyncpg.DataError | asyncpg.ProgramLimitExceededError
+                      | sqlite3.DataError):
+            return True
+        if isinstance(error, sqlalchemy.exc.DataError):
+            return True
+        error = getattr(error, "orig", None) or error.__cause__
+    return False
+
+
 async def bounded(work: Coroutine[Any, Any, T], timeout: float) -> T:
     """`work`, or TimeoutError after `timeout` seconds — without waiting for it to stop.
 
@@ -72,7 +102,11 @@ async def bounded(work: Coroutine[Any, Any, T], timeout: float) -> T:
     the background; whatever it commits later is an append the spool repeats
     with the same event_id, which the store answers as an idempotent repeat.
     """
-    task = asyncio.ensure_future(work)
+    return await within(asyncio.ensure_future(work), timeout)
+
+
+async def within(task: asyncio.Future[T], timeout: float) -> T:
+    """`bounded`, for a task the caller holds (to wait for it again later)."""
     done, _ = await asyncio.wait({task}, timeout=timeout)
     if not done:
         task.add_done_callback(_consume)
@@ -137,15 +171,39 @@ class Recorder:
             # answered now, and the drainer appends the turn once the store answers.
             log.warning("the store is not answering; spooling the turn", session_id=session_id)
             return self._spool(session_id, body, open_body)
+        write = asyncio.ensure_future(self._store(session_id, body, open_body, size, prompt))
         try:
-            await bounded(self._store(session_id, body, open_body, size, prompt),
-                          self.store_timeout)
-        except DomainError as exc:
-            if exc.http_status < 500:
+            await within(write, self.store_timeout)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if self._is_verdict(exc):
                 return self._verdict(session_id, exc)
-            return self._no_verdict(session_id, body, open_body, exc)
-        except Exception as exc:  # connection, I/O, timeout: the store gave no verdict
-            return self._no_verdict(session_id, body, open_body, exc)
+            # Connection, I/O, timeout, 5xx: the store gave no verdict.
+            outcome = self._no_verdict(session_id, body, open_body, exc)
+            if outcome == SPOOL_FULL and not write.done():
+                return await self._outcome_of(session_id, write)
+            return outcome
+        self.metrics.recorded.inc()
+        return RECORDED
+
+    @staticmethod
+    def _is_verdict(exc: BaseException) -> bool:
+        """A §1 refusal (4xx), or an error the store would raise again (`recurs`)."""
+        if isinstance(exc, DomainError):
+            return exc.http_status < 500
+        return recurs(exc)
+
+    async def _outcome_of(self, session_id: str, write: asyncio.Future[None]) -> str:
+        """A turn neither stored in time nor spooled (the spool is full), its write
+        still running: its answer is that write's outcome, not a 503 that a later
+        commit would make false (the caller's retry would be a second copy)."""
+        log.warning("spool full; waiting for the store's answer to this turn",
+                    session_id=session_id)
+        try:
+            await asyncio.shield(write)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if self._is_verdict(exc):
+                return self._verdict(session_id, exc)
+            return SPOOL_FULL
         self.metrics.recorded.inc()
         return RECORDED
 
@@ -206,11 +264,15 @@ class Recorder:
             log.info("session opened", session_id=session_id, labels=open_body["labels"])
         return opened
 
-    def _verdict(self, session_id: str, exc: DomainError) -> str:
+    def _verdict(self, session_id: str, exc: BaseException) -> str:
         reason = SESSION_CLOSED if isinstance(exc, SessionClosed) else REJECTED
         self.metrics.unrecorded.labels(reason).inc()
-        log.warning("turn not recorded", session_id=session_id, reason=reason,
-                    problem=f"urn:turnlog:{exc.slug}", detail=exc.detail, field=exc.field)
+        if isinstance(exc, DomainError):
+            log.warning("turn not recorded", session_id=session_id, reason=reason,
+                        problem=f"urn:turnlog:{exc.slug}", detail=exc.detail, field=exc.field)
+        else:
+            log.error("turn not recorded: the store cannot hold it", session_id=session_id,
+                      reason=reason, error=type(exc).__name__, detail=str(exc)[:300])
         return reason
 
     def _no_verdict(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any],
@@ -269,7 +331,7 @@ class Recorder:
         exc = task.exception()
         if exc is None:
             self.metrics.recorded.inc()
-        elif isinstance(exc, DomainError) and exc.http_status < 500:
+        elif self._is_verdict(exc):
             self._verdict(entry.session_id, exc)
         else:
             log.debug("drain attempt failed", error=type(exc).__name__)

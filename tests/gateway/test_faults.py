@@ -228,6 +228,35 @@ async def test_a_full_spool_answers_503_and_stores_nothing_of_that_turn(tmp_path
         await check_stored(http, a)  # the refused turns are not among them
 
 
+async def test_a_full_spool_answers_by_the_late_write_never_503_for_a_stored_turn(
+        tmp_path, gateway_process):
+    """The store write outlives the store timeout and the spool has no room: the
+    write is not cancelled (it cannot be) and may still commit, so the caller's
+    answer waits for it. Answered 503 with the turn stored after all, the caller's
+    retry would store the turn twice."""
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "0.5",
+                              "--spool-max-bytes", "1")
+    await gateway.wait_ready()
+    a = Conversation()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await a.turn(http)).status == 200
+        lock = sqlite_lock(path)
+        lock.__enter__()
+        asyncio.get_running_loop().call_later(3.0, lock.__exit__, None, None, None)
+        try:
+            sent = await a.turn(http)
+        finally:
+            lock.__exit__(None, None, None)
+        assert sent.status == 200, sent.reply  # the write committed once the lock went
+        assert (await a.turn(http)).status == 200
+        assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 3
+        assert await spooled(http) == 0
+    assert "waiting for the store's answer to this turn" in gateway.log_tail(200)
+    async with api(f"sqlite+aiosqlite:///{path}") as http:
+        await check_stored(http, a)  # each answered turn once, nothing else
+
+
 async def test_a_sigkilled_gateway_drains_its_spool_once_after_restart(tmp_path,
                                                                       gateway_process):
     path = tmp_path / "store.db"
