@@ -334,7 +334,8 @@ class FakeSGLang:
 
 
 _COMPRESS = {
-    "gzip": gzip.compress,
+    # No timestamp in the header: the same reply twice is the same bytes, a second apart.
+    "gzip": lambda data: gzip.compress(data, mtime=0),
     "deflate": zlib.compress,
     "br": brotli.compress,
     # A streamed frame, without its size, as a server compressing on the fly sends.
