@@ -136,7 +136,10 @@ def gateway(
     # Date and Server are the upstream's: the caller sees its headers, not ours.
     uvicorn.run(Gateway(config, common.settings_for(url), spool), host=host, port=port,
                 log_config=None, lifespan="on", server_header=False, date_header=False,
-                timeout_keep_alive=75)
+                timeout_keep_alive=75,
+                # The caller's address is the peer's: an X-Forwarded-For it sends is
+                # passed on with that address added, never taken as the peer.
+                proxy_headers=False)
 
 
 def _migrate(url: str) -> None:

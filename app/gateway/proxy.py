@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 import uuid
@@ -48,7 +49,7 @@ from app.domain.body.gateway import (
     build_record,
     classify_reply_head,
     classify_request,
-    is_hop_by_hop,
+    end_to_end,
     names_session,
     open_body,
     parse_labels_header,
@@ -69,6 +70,11 @@ log = structlog.get_logger("turnlog.gateway")
 
 PROBLEM = b"application/problem+json"
 OWN_PREFIX = "/turnlog/"
+OWN_ROUTES = frozenset({"/turnlog/healthz", "/turnlog/readyz", "/turnlog/metrics"})
+# A reply with one of these has no body (RFC 9110 §6.4.1): its Content-Length, if the
+# upstream sent one, describes another reply, and uvicorn would wait for those bytes.
+NO_BODY = frozenset({204, 304})
+NO_CONTENT_LENGTH = frozenset({b"content-length"})
 # A recorded path's request body this large is parsed on a worker thread, beside the
 # upstream call (a 40k-token prompt takes ~2 ms to parse and validate).
 PARSE_ASIDE_BYTES = 64 << 10
@@ -107,7 +113,8 @@ class Gateway:
         self.record_paths = frozenset(config.record_paths)
         self.session_header = config.session_header.lower().encode("latin-1")
         self.upstream = httpx.URL(config.upstream)
-        self.base_path = self.upstream.raw_path.rstrip(b"/")
+        self.base_path = self.upstream.raw_path.split(b"?", 1)[0].rstrip(b"/")
+        self.origin = f"{self.upstream.scheme}://{self.upstream.netloc.decode('ascii')}"
         self.client: aiohttp.ClientSession | None = None
         self.services: Services | None = None
         self.recorder: Recorder | None = None
@@ -174,9 +181,16 @@ class Gateway:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        if scope["type"] == "websocket":
+            # Not proxied: the handshake is refused (uvicorn answers it 403).
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
-            return  # websockets are not proxied: uvicorn closes the connection
-        path: str = scope["path"]
+            return
+        # Routes are told by the path as sent (not percent-decoded), the form the
+        # upstream gets: `/v1/chat%2Fcompletions` is not the recorded path.
+        path = _raw_path(scope).decode("latin-1")
         try:
             if path.startswith(OWN_PREFIX):
                 await self._own(scope, send)
@@ -198,8 +212,17 @@ class Gateway:
     # -- own routes ----------------------------------------------------------------------
 
     async def _own(self, scope: dict[str, Any], send: Any) -> None:
-        path = scope["path"]
-        if path == "/turnlog/healthz":
+        path = _raw_path(scope).decode("latin-1")
+        if path in OWN_ROUTES and scope["method"] not in ("GET", "HEAD"):
+            problem = {"type": "urn:turnlog:method-not-allowed", "title": "Method Not Allowed",
+                       "status": 405, "detail": f"{path} answers GET (and HEAD) only",
+                       "field": "method", "expected": "GET or HEAD",
+                       "actual": scope["method"]}
+            body = jsonio.dumps_bytes(problem)
+            await _send_raw(send, 405, [(b"content-type", PROBLEM),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"allow", b"GET, HEAD")], body)
+        elif path == "/turnlog/healthz":
             await _send(send, 200, b"application/json", b'{"status":"ok"}')
         elif path == "/turnlog/readyz":
             assert self.recorder is not None
@@ -218,24 +241,29 @@ class Gateway:
 
     # -- forwarding ------------------------------------------------------------------------
 
-    def _target(self, scope: dict[str, Any]) -> tuple[httpx.URL, list[tuple[bytes, bytes]]]:
-        """The upstream URL and the headers to send it (InvalidRequest: not forwardable)."""
-        raw_path = self.base_path + (scope.get("raw_path") or scope["path"].encode())
+    def _target(self, scope: dict[str, Any]) -> tuple[URL, list[tuple[bytes, bytes]]]:
+        """The upstream URL and the headers to send it (InvalidRequest: not forwardable).
+        The path and query go as they came, dot segments and escapes included."""
+        target = _raw_path(scope)
+        raw_path = self.base_path + target
         if scope.get("query_string"):
             raw_path += b"?" + scope["query_string"]
-        headers = [(name, value) for name, value in scope["headers"]
-                   if name not in DROP_REQUEST and not is_hop_by_hop(name.decode("latin-1"))]
+        headers = end_to_end(scope["headers"], DROP_REQUEST)
         client = scope.get("client")
         if client:
             forwarded = [value for name, value in headers if name == b"x-forwarded-for"]
             headers = [(n, v) for n, v in headers if n != b"x-forwarded-for"]
             chain = b", ".join([*forwarded, client[0].encode("latin-1")])
             headers.append((b"x-forwarded-for", chain))
-        try:
-            url = self.upstream.copy_with(raw_path=raw_path)
-        except (UnicodeDecodeError, httpx.InvalidURL) as exc:
+        if not target.startswith(b"/") or not _PRINTABLE.fullmatch(raw_path):
             raise InvalidRequest("the request target cannot be forwarded", field="path",
-                                 expected="a URL path and query of printable ASCII",
+                                 expected="a URL path (from /) and query of printable ASCII",
+                                 actual=repr(raw_path[:80]))
+        try:
+            url = URL(self.origin + raw_path.decode("ascii"), encoded=True)
+        except ValueError as exc:
+            raise InvalidRequest("the request target cannot be forwarded", field="path",
+                                 expected="a URL path (from /) and query of printable ASCII",
                                  actual=repr(raw_path[:80])) from exc
         return url, headers
 
@@ -313,12 +341,11 @@ class Gateway:
         url, headers = self._target(scope)
         try:
             response = await self.client.request(
-                scope["method"], URL(str(url), encoded=True), data=body,
+                scope["method"], url, data=body,
                 headers=[(name.decode("latin-1"), value.decode("latin-1"))
                          for name, value in headers],
                 allow_redirects=False)
             _ack_promptly(response)
-            return response
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc.__cause__, ClientGone):  # aiohttp wraps the upload's error
                 raise ClientGone() from exc
@@ -326,6 +353,13 @@ class Gateway:
                 f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
                 + (f" ({exc})" if str(exc) else ""),
                 extra={"upstream": str(self.upstream)}) from exc
+        if not 200 <= response.status <= 599:
+            response.close()
+            raise UpstreamUnavailable(
+                f"the upstream {self.upstream} answered with status {response.status}, "
+                "which is not a final HTTP status (200-599)",
+                extra={"upstream": str(self.upstream)})
+        return response
 
     async def _read(self, response: aiohttp.ClientResponse) -> bytes | bytearray:
         """The whole reply body; UpstreamUnavailable when it breaks off."""
@@ -358,6 +392,16 @@ class Gateway:
 
 
 # -- ASGI helpers ------------------------------------------------------------------------
+
+
+# A request target's bytes as they may go on: printable ASCII, no space.
+_PRINTABLE = re.compile(rb"[\x21-\x7e]*")
+
+
+def _raw_path(scope: dict[str, Any]) -> bytes:
+    """The request's path as it was sent (uvicorn's `raw_path`: not percent-decoded)."""
+    raw = scope.get("raw_path")
+    return bytes(raw) if raw else scope["path"].encode("utf-8")
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
@@ -444,8 +488,8 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
     goes away stops it (and closes the upstream connection instead of reading a long
     reply to its end). A reply read to its end has given its connection back to the
     pool already."""
-    headers = [(name.lower(), value) for name, value in response.raw_headers
-               if not is_hop_by_hop(name.decode("latin-1"))]
+    headers = end_to_end(response.raw_headers,
+                         NO_CONTENT_LENGTH if response.status in NO_BODY else frozenset())
     gone = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, gone, upload))
     try:
@@ -516,9 +560,7 @@ async def _read_reply(response: aiohttp.ClientResponse) -> bytes | bytearray:
 
 def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list[Any]:
     """A buffered reply's headers: hop-by-hop ones dropped, its length (not chunked)."""
-    headers = [(name.lower(), value) for name, value in raw
-               if not is_hop_by_hop(name.decode("latin-1"))
-               and name.lower() != b"content-length"]
+    headers = end_to_end(raw, NO_CONTENT_LENGTH)
     headers.append((b"content-length", str(length).encode()))
     return headers
 

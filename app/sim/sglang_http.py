@@ -149,7 +149,9 @@ class FakeSGLang:
                 break
         body = b"".join(parts)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        path, method = scope["path"], scope["method"]
+        # Routed by the path as sent, as a router matches it (`%2F` is not a `/`).
+        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        method = scope["method"]
         if path == "/v1/chat/completions" and method == "POST":
             await self._chat(headers, body, send)
         elif path == "/health":
@@ -165,7 +167,7 @@ class FakeSGLang:
         else:
             await _reply(send, 200, json.dumps({
                 "method": method,
-                "path": scope.get("raw_path", path.encode()).decode("latin-1"),
+                "path": path,
                 "query": scope.get("query_string", b"").decode("latin-1"),
                 "headers": [[k.decode("latin-1"), v.decode("latin-1")]
                             for k, v in scope["headers"]],

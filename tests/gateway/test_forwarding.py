@@ -96,14 +96,15 @@ async def test_hop_by_hop_headers_are_dropped(forwarder):
     request = (b"POST /generate HTTP/1.1\r\nHost: gateway.example\r\n"
                b"Connection: close, X-Per-Hop\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
                b"Trailer: X-Sum\r\nProxy-Authorization: Basic eA==\r\nProxy-Foo: bar\r\n"
-               b"X-End-To-End: kept\r\nContent-Length: 10\r\n\r\n" + body)
+               b"X-Per-Hop: 1\r\nX-End-To-End: kept\r\nContent-Length: 10\r\n\r\n" + body)
     reply = raw_request(gateway.port, request)
     head, _, payload = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     echo = json.loads(payload)
     names = {name for name, _ in echo["headers"]}
+    # X-Per-Hop is named by the Connection header: hop-by-hop too (RFC 9110 §7.6.1).
     assert not names & {"connection", "keep-alive", "te", "trailer", "proxy-authorization",
-                        "proxy-foo", "transfer-encoding"}, names
+                        "proxy-foo", "transfer-encoding", "x-per-hop"}, names
     assert dict(echo["headers"])["x-end-to-end"] == "kept"
     assert echo["body"] == body.decode()
 
@@ -226,3 +227,55 @@ async def test_a_caller_that_goes_away_stops_the_relay(forwarder, fake_sglang):
         await asyncio.sleep(0.1)
     async with httpx.AsyncClient(base_url=gateway.url) as http:  # it goes on serving
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_x_forwarded_for_gets_the_peer_added_never_taken_as_the_peer(forwarder):
+    async with httpx.AsyncClient(base_url=forwarder.url, timeout=30) as http:
+        reply = await http.post("/generate", content=b"x",
+                                headers={"X-Forwarded-For": "1.2.3.4"})
+    assert dict(reply.json()["headers"])["x-forwarded-for"] == "1.2.3.4, 127.0.0.1"
+
+
+async def test_a_path_goes_up_as_sent_and_only_the_recorded_path_is_a_turn(forwarder):
+    """Dot segments and escapes are the upstream's to read: forwarded as they came,
+    and never taken for the recorded path (the upstream may not read them so)."""
+    async with httpx.AsyncClient(base_url=forwarder.url, timeout=30) as http:
+        before = await scrape(http)
+        for target in (b"/a/../v1/chat/completions", b"/./v1/chat/completions",
+                       b"/v1/chat%2Fcompletions", b"/v1//chat/completions"):
+            request = (b"POST " + target + b" HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+                       b"X-SMG-Routing-Key: s-dots\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 2\r\n\r\n{}")
+            head, _, payload = raw_request(forwarder.port, request).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert json.loads(payload)["path"] == target.decode()  # the echo: as received
+        after = await scrape(http)
+    for name, labels in (("turnlog_gateway_recorded_total", ""),
+                         ("turnlog_gateway_unrecorded_total", 'reason="no-session"'),
+                         ("turnlog_gateway_unrecorded_total", 'reason="not-tito"')):
+        assert metric(after, name, labels) == metric(before, name, labels)
+
+
+async def test_own_routes_answer_get_and_head_only(forwarder):
+    async with httpx.AsyncClient(base_url=forwarder.url, timeout=30) as http:
+        for route in ("/turnlog/healthz", "/turnlog/readyz", "/turnlog/metrics"):
+            assert (await http.head(route)).status_code == 200
+            for method in ("POST", "PUT", "DELETE", "OPTIONS"):
+                reply = await http.request(method, route, content=b"{}")
+                assert reply.status_code == 405, (method, route, reply.text)
+                assert reply.headers["content-type"] == "application/problem+json"
+                assert reply.headers["allow"] == "GET, HEAD"
+                problem = reply.json()
+                assert (problem["field"], problem["actual"]) == ("method", method)
+        # An escaped own route is not one: it is the upstream's (here, its echo).
+        assert (await http.get("/turnlog%2Fhealthz")).json()["path"] == "/turnlog%2Fhealthz"
+
+
+async def test_a_websocket_handshake_is_refused_not_a_500(forwarder):
+    for path in (b"/turnlog/healthz", b"/generate"):
+        request = (b"GET " + path + b" HTTP/1.1\r\nHost: g\r\nUpgrade: websocket\r\n"
+                   b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                   b"Sec-WebSocket-Version: 13\r\n\r\n")
+        reply = raw_request(forwarder.port, request)
+        assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
+    assert "Traceback" not in forwarder.log_tail(200)

@@ -58,6 +58,19 @@ def is_hop_by_hop(name: str) -> bool:
     return lower in HOP_BY_HOP or lower.startswith("proxy-")
 
 
+def end_to_end(headers: Iterable[tuple[bytes, bytes]],
+               drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """The headers a proxy passes on, names lower-cased: hop-by-hop ones left out (the
+    fixed list, `Proxy-*`, and each header the `Connection` header names, RFC 9110
+    §7.6.1), and the lower-case names in `drop`."""
+    pairs = [(name.lower(), value) for name, value in headers]
+    listed = {token.strip().lower() for name, value in pairs if name == b"connection"
+              for token in value.split(b",")}
+    return [(name, value) for name, value in pairs
+            if name not in listed and name not in drop
+            and not is_hop_by_hop(name.decode("latin-1"))]
+
+
 def forwarded_headers(headers: Iterable[tuple[str, str]],
                       drop: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """The headers that travel on (hop-by-hop ones and `drop`, lower-case names, left out)."""

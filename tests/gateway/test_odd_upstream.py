@@ -1,0 +1,102 @@
+"""Replies a real router would rarely send, from a raw-socket upstream: a status that is
+not a final HTTP status, a 304 that declares a length, a body-less 204. The gateway
+answers each cleanly (a 502 problem, or the reply relayed) and its connection to the
+caller goes on serving; nothing reaches uvicorn that it would refuse with a traceback.
+
+These record nothing, so they run on one SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+# What the raw upstream answers, by request path.
+REPLIES = {
+    b"/status-999": b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok",
+    b"/status-600": b"HTTP/1.1 600 Odd\r\nContent-Length: 2\r\n\r\nok",
+    b"/not-modified": b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1234\r\nETag: \"v1\"\r\n\r\n",
+    b"/no-content": b"HTTP/1.1 204 No Content\r\nX-Kept: yes\r\n\r\n",
+    b"/plain": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello",
+}
+
+
+@pytest.fixture
+async def odd_upstream() -> AsyncIterator[str]:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1]
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                writer.write(REPLIES[path])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+async def _exchange(port: int, requests: bytes) -> bytes:
+    """Send `requests` (pipelined) on one connection; everything until it closes."""
+    def run() -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+            sock.sendall(requests)
+            chunks = []
+            while data := sock.recv(65536):
+                chunks.append(data)
+        return b"".join(chunks)
+    return await asyncio.to_thread(run)
+
+
+def _get(path: bytes, last: bool = False) -> bytes:
+    return (b"GET " + path + b" HTTP/1.1\r\nHost: g\r\n"
+            + (b"Connection: close\r\n" if last else b"") + b"\r\n")
+
+
+async def test_a_status_that_is_not_final_is_a_502_problem(tmp_path, gateway_process,
+                                                           odd_upstream):
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=odd_upstream)
+    await gateway.wait_ready()
+    for path in (b"/status-999", b"/status-600"):
+        reply = await _exchange(gateway.port, _get(path) + _get(b"/plain", last=True))
+        first, _, rest = reply.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 502"), reply[:300]
+        problem_text, _, second = rest.partition(b"HTTP/1.1 ")
+        problem = json.loads(problem_text)
+        assert problem["type"] == "urn:turnlog:upstream-unavailable"
+        assert str(int(path[-3:])) in problem["detail"]
+        # The connection goes on: the next request on it is answered.
+        assert second.startswith(b"200 OK") and second.endswith(b"hello"), second
+    assert "Traceback" not in gateway.log_tail(300)
+
+
+async def test_a_reply_without_a_body_is_relayed_and_the_connection_goes_on(
+        tmp_path, gateway_process, odd_upstream):
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=odd_upstream)
+    await gateway.wait_ready()
+    reply = await _exchange(gateway.port, _get(b"/not-modified") + _get(b"/no-content")
+                            + _get(b"/plain", last=True))
+    assert reply.count(b"HTTP/1.1 ") == 3, reply
+    not_modified, no_content, plain = reply.split(b"HTTP/1.1 ")[1:]
+    assert not_modified.startswith(b"304") and b'etag: "v1"' in not_modified.lower()
+    # Its Content-Length described another reply: not passed on (uvicorn would wait
+    # for those bytes and cut the connection).
+    assert b"content-length" not in not_modified.lower()
+    assert no_content.startswith(b"204") and b"x-kept: yes" in no_content.lower()
+    assert plain.startswith(b"200 OK") and plain.endswith(b"hello")
+    assert "Traceback" not in gateway.log_tail(300)
