@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import re
 import socket
 import time
@@ -43,6 +44,7 @@ from app.domain.body.gateway import (
     LABELS_HEADER,
     NO_SESSION,
     NOT_TITO,
+    REJECTED,
     Candidate,
     GatewayDefaults,
     Unrecorded,
@@ -78,6 +80,9 @@ NO_CONTENT_LENGTH = frozenset({b"content-length"})
 # A recorded path's request body this large is parsed on a worker thread, beside the
 # upstream call (a 40k-token prompt takes ~2 ms to parse and validate).
 PARSE_ASIDE_BYTES = 64 << 10
+# A recorded reply's buffer is allocated by its declared length up to this; past it, it
+# grows as the bytes arrive (a declared length is a claim, not bytes).
+PREALLOCATE = 64 << 20
 # Request headers never sent on: hop-by-hop ones, and Host (aiohttp sets the upstream's).
 DROP_REQUEST = frozenset({b"host"})
 
@@ -112,6 +117,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.record_paths = frozenset(config.record_paths)
         self.session_header = config.session_header.lower().encode("latin-1")
+        # A turn (request and reply) above the store's body limit could never be stored.
+        self.max_turn_bytes = settings.limits.max_body_bytes
         self.upstream = httpx.URL(config.upstream)
         self.base_path = self.upstream.raw_path.split(b"?", 1)[0].rstrip(b"/")
         self.origin = f"{self.upstream.scheme}://{self.upstream.netloc.decode('ascii')}"
@@ -268,12 +275,13 @@ class Gateway:
         return url, headers
 
     async def _passthrough(self, scope: dict[str, Any], receive: Any, send: Any,
-                           body: bytes | None = None) -> None:
-        """Forward one request and stream its reply back as it comes."""
+                           body: bytes | None = None, prefix: tuple[bytes, ...] = ()) -> None:
+        """Forward one request and stream its reply back as it comes; `prefix`: the
+        body's first chunks, already received (the rest still comes from `receive`)."""
         upload: _Upload | None = None
         content: Any = body
-        if body is None and _has_body(scope):
-            upload = content = _Upload(receive)
+        if body is None and (prefix or _has_body(scope)):
+            upload = content = _Upload(receive, prefix)
         try:
             response = await self._open(scope, content)
         except UpstreamUnavailable as exc:
@@ -283,12 +291,23 @@ class Gateway:
 
     async def _recorded_path(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         request_timestamp = time.time()
-        body = await _read_body(receive)
         session_id = _header(scope, self.session_header)
         if not names_session(session_id):
             self.metrics.unrecorded.labels(NO_SESSION).inc()
-            await self._passthrough(scope, receive, send, body)
+            await self._passthrough(scope, receive, send)  # streamed, never held
             return
+        # A turn above the store's body limit could never be stored: not held either.
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_turn_bytes:
+            self._too_large(session_id, "request", declared)
+            await self._passthrough(scope, receive, send)
+            return
+        read = await _read_body(receive, self.max_turn_bytes)
+        if isinstance(read, tuple):
+            self._too_large(session_id, "request", sum(map(len, read)))
+            await self._passthrough(scope, receive, send, prefix=read)
+            return
+        body = read
         # A large request is parsed on a worker thread while the upstream generates
         # its reply, not before it is sent: its parse is then off the turn's latency.
         deciding = asyncio.ensure_future(_parse_aside(session_id, body))
@@ -310,15 +329,25 @@ class Gateway:
             await _relay(scope, receive, send, response)
             return
         try:
-            raw = await self._read(response)
+            raw = await self._read(response, self.max_turn_bytes - len(body))
         except UpstreamUnavailable as exc:
             await _problem(send, exc)
+            return
+        if isinstance(raw, tuple):  # past the bound: relayed as it comes, not held
+            self._too_large(session_id, "reply", sum(map(len, raw)))
+            await _relay(scope, receive, send, response, prefix=raw)
             return
         status, raw_headers = response.status, response.raw_headers
         timestamp = time.time()
         headers = _buffered_headers(raw_headers, len(raw))
+        text = await _decoded(raw_headers, raw, self.max_turn_bytes - len(body))
+        if text is None:
+            self._too_large(session_id, "decompressed reply", len(raw))
+            await _send_raw(send, status, headers, raw)
+            return
         # Its R3 payload decoded once, from the bytes: never a 4 MB str.
-        reply = parse_reply(status, _decoded(raw_headers, raw))
+        reply = parse_reply(status, text)
+        del text
         if isinstance(reply, Unrecorded):
             self.metrics.unrecorded.labels(reply.reason).inc()
             await _send_raw(send, status, headers, raw)
@@ -361,15 +390,26 @@ class Gateway:
                 extra={"upstream": str(self.upstream)})
         return response
 
-    async def _read(self, response: aiohttp.ClientResponse) -> bytes | bytearray:
-        """The whole reply body; UpstreamUnavailable when it breaks off."""
+    def _too_large(self, session_id: str, part: str, size: int) -> None:
+        """A turn the store could not take (its body limit, a §1 413): forwarded,
+        counted `rejected`, never held whole."""
+        self.metrics.unrecorded.labels(REJECTED).inc()
+        log.warning("turn not recorded: too large", session_id=session_id, part=part,
+                    bytes=size, limit=self.max_turn_bytes,
+                    problem="urn:turnlog:too-large")
+
+    async def _read(self, response: aiohttp.ClientResponse,
+                    limit: int) -> bytes | bytearray | tuple[bytes | bytearray, ...]:
+        """The whole reply body, or (past `limit` bytes) the chunks read so far, the rest
+        left to relay; UpstreamUnavailable when it breaks off."""
         try:
-            raw = await _read_reply(response)
+            raw = await _read_reply(response, limit)
         except (aiohttp.ClientError, TimeoutError) as exc:
             response.close()  # the connection is in an unknown state: not back to the pool
             raise UpstreamUnavailable(
                 f"the upstream reply broke off: {type(exc).__name__}") from exc
-        response.release()
+        if not isinstance(raw, tuple):
+            response.release()
         return raw
 
     async def _record(self, scope: dict[str, Any], decision: Candidate, reply: Any,
@@ -445,8 +485,9 @@ class _Upload:
     sending it when the reply's head is in, and until then the caller's `receive`
     is the upload's, not the disconnect watcher's."""
 
-    def __init__(self, receive: Any) -> None:
+    def __init__(self, receive: Any, prefix: tuple[bytes, ...] = ()) -> None:
         self.receive = receive
+        self.prefix = prefix  # chunks received already, sent first
         self.done = asyncio.Event()
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -454,6 +495,10 @@ class _Upload:
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         try:
+            prefix, self.prefix = self.prefix, ()
+            for chunk in prefix:
+                yield chunk
+            del prefix
             async for chunk in _stream_body(self.receive):
                 yield chunk
         finally:
@@ -478,12 +523,31 @@ async def _parse_aside(session_id: str | None, body: bytes) -> Candidate | Unrec
     return await anyio.to_thread.run_sync(classify_request, session_id, body)
 
 
-async def _read_body(receive: Any) -> bytes:
-    return b"".join([chunk async for chunk in _stream_body(receive)])
+async def _read_body(receive: Any, limit: int) -> bytes | tuple[bytes, ...]:
+    """The whole request body, or (past `limit` bytes) the chunks received so far, the
+    rest still to come from `receive`."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in _stream_body(receive):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return tuple(chunks)
+    return b"".join(chunks)
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
+    """The request's declared Content-Length (None: none, or not a number)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            text = bytes(value).strip()
+            return int(text) if text.isdigit() else None
+    return None
 
 
 async def _relay(scope: dict[str, Any], receive: Any, send: Any,
-                 response: aiohttp.ClientResponse, upload: _Upload | None = None) -> None:
+                 response: aiohttp.ClientResponse, upload: _Upload | None = None,
+                 prefix: tuple[bytes | bytearray, ...] = ()) -> None:
     """Send status and headers, then each chunk as the upstream gives it; a caller that
     goes away stops it (and closes the upstream connection instead of reading a long
     reply to its end). A reply read to its end has given its connection back to the
@@ -495,6 +559,9 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
     try:
         await send({"type": "http.response.start", "status": response.status,
                     "headers": headers})
+        for chunk in prefix:  # read already (a turn found too large to hold)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        prefix = ()
         async for chunk in response.content.iter_any():
             if gone.is_set():
                 log.info("caller went away mid-reply", path=scope["path"])
@@ -530,30 +597,38 @@ def _ack_promptly(response: aiohttp.ClientResponse) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, quickack, 1)
 
 
-async def _read_reply(response: aiohttp.ClientResponse) -> bytes | bytearray:
-    """The raw reply body, in one buffer sized by its Content-Length when it has one.
+async def _read_reply(response: aiohttp.ClientResponse,
+                      limit: int) -> bytes | bytearray | tuple[bytes | bytearray, ...]:
+    """The raw reply body in one buffer; past `limit` bytes (declared or read), the
+    chunks read so far instead (the rest is left in `response`, to be relayed).
 
-    Joining chunks would hold the body twice at the join (a 100 MB reply: 200 MB);
-    filling one preallocated buffer holds it once. A body that does not match its
-    Content-Length falls back to joining what came.
+    The buffer is allocated by the declared Content-Length up to `PREALLOCATE`
+    (joining chunks would hold a 100 MB body twice at the join) and grows past
+    it only as bytes arrive, so a length the upstream declares but never sends
+    costs nothing. A reply that breaks off leaves its buffer emptied: the
+    exception's traceback may keep the frame alive until a collection.
     """
     declared = response.headers.get("content-length", "")
-    if not declared.isdigit():
-        return b"".join([chunk async for chunk in response.content.iter_any()])
-    buffer = bytearray(int(declared))
+    size = int(declared) if declared.isdigit() else None
+    if size is not None and size > limit:
+        return ()
+    buffer = bytearray(min(size, PREALLOCATE) if size is not None else 0)
     filled = 0
-    extra: list[bytes] = []
-    with memoryview(buffer) as view:
+    try:
         async for chunk in response.content.iter_any():
             end = filled + len(chunk)
-            if extra or end > len(buffer):
-                extra = extra or [bytes(view[:filled])]
-                extra.append(chunk)
+            if end > limit:
+                del buffer[filled:]
+                return (buffer, chunk) if filled else (chunk,)
+            if end <= len(buffer):
+                buffer[filled:end] = chunk
             else:
-                view[filled:end] = chunk
-                filled = end
-    if extra:
-        return b"".join(extra)
+                del buffer[filled:]
+                buffer += chunk
+            filled = end
+    except BaseException:
+        buffer.clear()
+        raise
     del buffer[filled:]
     return buffer
 
@@ -565,30 +640,70 @@ def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list
     return headers
 
 
-def _decoded(headers: tuple[tuple[bytes, bytes], ...],
-             raw: bytes | bytearray) -> bytes | bytearray:
+async def _decoded(headers: tuple[tuple[bytes, bytes], ...], raw: bytes | bytearray,
+                   limit: int) -> bytes | bytearray | None:
     """The reply body as JSON text: undone `gzip`, `deflate`, `br` or `zstd` (the caller
-    gets `raw`); b"" for another coding or a body that does not decode (`not-json`)."""
+    gets `raw`) on a worker thread, at most `limit` bytes of it (None: more — a
+    small body may inflate to gigabytes); b"" for another coding or a body that
+    does not decode (`not-json`)."""
     encodings = [value for name, value in headers if name.lower() == b"content-encoding"]
     encoding = b", ".join(encodings).decode("latin-1").strip().lower() or "identity"
+    if encoding == "identity":
+        return raw
+    if encoding not in DECODERS:
+        return b""
+    return await anyio.to_thread.run_sync(_inflate, encoding, raw, limit)
+
+
+def _inflate(encoding: str, raw: bytes | bytearray, limit: int) -> bytes | None:
+    """`raw` decompressed, if it is at most `limit` bytes so (None: more; b"": does not
+    decompress)."""
     try:
-        if encoding in ("gzip", "x-gzip"):
-            return zlib.decompress(raw, 16 + zlib.MAX_WBITS)
-        if encoding == "deflate":
-            # RFC 9110's deflate is zlib-wrapped; some servers send it raw.
-            try:
-                return zlib.decompress(raw)
-            except zlib.error:
-                return zlib.decompress(raw, -zlib.MAX_WBITS)
-        if encoding == "br":
-            return brotli.decompress(bytes(raw))
-        if encoding == "zstd":
-            # A streamed frame may not declare its size: decode it as a stream.
-            stream = zstandard.ZstdDecompressor().decompressobj()
-            return stream.decompress(raw) + stream.flush()
+        return DECODERS[encoding](raw, limit)
     except (zlib.error, brotli.error, zstandard.ZstdError):
         return b""
-    return raw if encoding in ("", "identity") else b""
+
+
+def _zlib(wbits: int) -> Any:
+    def inflate(raw: bytes | bytearray, limit: int) -> bytes | None:
+        stream = zlib.decompressobj(wbits)
+        text = stream.decompress(raw, limit + 1)
+        if len(text) > limit or stream.unconsumed_tail:
+            return None
+        return text if stream.eof else b""  # a body cut short does not decode
+    return inflate
+
+
+def _deflate(raw: bytes | bytearray, limit: int) -> bytes | None:
+    # RFC 9110's deflate is zlib-wrapped; some servers send it raw.
+    try:
+        return _zlib(zlib.MAX_WBITS)(raw, limit)
+    except zlib.error:
+        return _zlib(-zlib.MAX_WBITS)(raw, limit)
+
+
+def _brotli(raw: bytes | bytearray, limit: int) -> bytes | None:
+    stream = brotli.Decompressor()
+    text = stream.process(bytes(raw), output_buffer_limit=limit + 1)
+    if len(text) > limit:
+        return None
+    return text if stream.is_finished() else b""
+
+
+def _zstd(raw: bytes | bytearray, limit: int) -> bytes | None:
+    # A streamed frame may not declare its size: decoded as a stream, in pieces.
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True)
+    pieces, size = [], 0
+    while piece := reader.read(1 << 20):
+        pieces.append(piece)
+        size += len(piece)
+        if size > limit:
+            return None
+    return b"".join(pieces)
+
+
+DECODERS = {"gzip": _zlib(16 + zlib.MAX_WBITS), "x-gzip": _zlib(16 + zlib.MAX_WBITS),
+            "deflate": _deflate, "br": _brotli, "zstd": _zstd}
 
 
 async def _send_raw(send: Any, status: int, headers: list[Any],

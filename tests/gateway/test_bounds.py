@@ -1,0 +1,141 @@
+"""A turn the store could never take (above `TURNLOG_MAX_BODY_BYTES`, the store's body
+limit) is forwarded, counted `rejected` and never held whole by the gateway: a large
+request body, a large reply, a small compressed reply that inflates past the limit,
+and a reply that declares a length it never sends. A turn within the limit is
+recorded as always.
+
+The bounds do not depend on the store's backend (the turns they concern are not
+stored), so they run on one SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import chat, metric, python_server, scrape, send_turn
+from tests.serverproc import ServerProcess
+
+LIMIT = 256 * 1024
+HEADER = "X-SMG-Routing-Key"
+
+
+@pytest.fixture
+def bounded_gateway(tmp_path: Path, fake_sglang: ServerProcess) -> Iterator[ServerProcess]:
+    argv = ["-m", "app", "gateway", "--upstream", fake_sglang.url,
+            "--database-url", f"sqlite:///{tmp_path / 'g.db'}",
+            "--spool-dir", str(tmp_path / "spool")]
+    process = python_server(argv, tmp_path / "gateway.log", "/turnlog/healthz")
+    process.env["TURNLOG_MAX_BODY_BYTES"] = str(LIMIT)
+    with process:
+        process.wait_ready_sync()
+        yield process
+
+
+async def counts(http: httpx.AsyncClient) -> tuple[float, float]:
+    text = await scrape(http)
+    return (metric(text, "turnlog_gateway_recorded_total"),
+            metric(text, "turnlog_gateway_unrecorded_total", 'reason="rejected"'))
+
+
+async def test_a_turn_within_the_limit_is_recorded(bounded_gateway):
+    async with httpx.AsyncClient(base_url=bounded_gateway.url, timeout=30) as http:
+        sent = await send_turn(http, "bound-ok", chat([1, 2, 3]))
+        assert sent.status == 200
+        assert await counts(http) == (1, 0)
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_request_above_the_limit_is_forwarded_not_held(bounded_gateway, fake_sglang,
+                                                              framing):
+    request = chat([1, 2, 3], padding="y" * (2 * LIMIT))
+    body = json.dumps(request).encode()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for at in range(0, len(body), 50_000):
+            yield body[at:at + 50_000]
+
+    content: Any = body if framing == "content-length" else pieces()
+    headers = {HEADER: f"bound-req-{framing}", "Content-Type": "application/json"}
+    async with httpx.AsyncClient(base_url=bounded_gateway.url, timeout=30) as http, \
+            httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
+        reply = await http.post("/v1/chat/completions", content=content, headers=headers)
+        expected = await direct.post("/v1/chat/completions", content=body, headers=headers)
+        # The whole body went up: the upstream's answer is the one it gives directly.
+        assert (reply.status_code, reply.content) == (200, expected.content)
+        assert await counts(http) == (0, 1)
+    assert "turn not recorded: too large" in bounded_gateway.log_tail(100)
+
+
+async def test_a_reply_above_the_limit_is_relayed_not_held(bounded_gateway, fake_sglang):
+    headers = {"X-Sim-Pad": str(2 * LIMIT)}
+    async with httpx.AsyncClient(base_url=bounded_gateway.url, timeout=30) as http, \
+            httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
+        sent = await send_turn(http, "bound-reply", chat([1, 2, 3]), headers)
+        expected = await direct.post("/v1/chat/completions", json=chat([1, 2, 3]),
+                                     headers=headers)
+        assert sent.status == 200 and sent.reply == expected.content
+        assert len(sent.reply) > 2 * LIMIT
+        assert await counts(http) == (0, 1)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
+async def test_a_reply_that_inflates_past_the_limit_is_not_inflated(bounded_gateway,
+                                                                   fake_sglang, encoding):
+    """A few KB that inflate to 8 x the limit: relayed compressed, not recorded."""
+    headers = {"X-Sim-Pad": str(8 * LIMIT), "X-Sim-Encoding": encoding,
+               "Accept-Encoding": encoding}
+    async with httpx.AsyncClient(base_url=bounded_gateway.url, timeout=30) as http, \
+            httpx.AsyncClient(base_url=fake_sglang.url, timeout=30) as direct:
+        sent = await send_turn(http, f"bound-bomb-{encoding}", chat([1, 2, 3]), headers)
+        expected = await direct.post("/v1/chat/completions", json=chat([1, 2, 3]),
+                                     headers=headers)
+        # Passed on as compressed as it came (httpx inflates both for the comparison).
+        assert sent.status == 200 and sent.reply == expected.content
+        assert expected.headers["content-encoding"] == encoding
+        assert len(expected.content) > 8 * LIMIT
+        assert await counts(http) == (0, 1)
+    assert "decompressed reply" in bounded_gateway.log_tail(100)
+
+
+async def test_a_declared_length_past_the_limit_allocates_nothing(tmp_path, gateway_process):
+    """An upstream that declares 4 GB and sends two bytes: the reply is relayed as it
+    comes (cut off when the upstream closes), no buffer of the declared size is made."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 4000000000\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    upstream = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=upstream)
+        await gateway.wait_ready()
+        before = _rss_kib(gateway)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await http.post("/v1/chat/completions", json=chat([1, 2, 3]),
+                                headers={HEADER: "bound-lie"})
+            assert _rss_kib(gateway) - before < 64 * 1024
+            _, rejected = await counts(http)
+            assert rejected == 1
+    assert "MemoryError" not in gateway.log_tail(200)
+
+
+def _rss_kib(process: ServerProcess) -> int:
+    assert process.proc is not None
+    for line in Path(f"/proc/{process.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
