@@ -609,10 +609,12 @@ async def _read_reply(response: aiohttp.ClientResponse,
     exception's traceback may keep the frame alive until a collection.
     """
     declared = response.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else None
-    if size is not None and size > limit:
+    if not declared.isdigit():
+        return await _read_chunks(response, limit)
+    size = int(declared)
+    if size > limit:
         return ()
-    buffer = bytearray(min(size, PREALLOCATE) if size is not None else 0)
+    buffer = bytearray(min(size, PREALLOCATE))
     filled = 0
     try:
         async for chunk in response.content.iter_any():
@@ -631,6 +633,20 @@ async def _read_reply(response: aiohttp.ClientResponse,
         raise
     del buffer[filled:]
     return buffer
+
+
+async def _read_chunks(response: aiohttp.ClientResponse,
+                       limit: int) -> bytes | tuple[bytes, ...]:
+    """`_read_reply` of a reply of no declared length: its chunks joined once at the end
+    (a buffer grown chunk by chunk would be copied again at each growth)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return tuple(chunks)
+    return b"".join(chunks)
 
 
 def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list[Any]:
