@@ -138,7 +138,10 @@ class Gateway:
             # caller for the next, no header the caller did not send.
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            read_bufsize=1 << 18)
+            read_bufsize=1 << 18,
+            # A reply head a direct client would read (aiohttp's defaults, 8 KB lines and
+            # 128 headers, would turn a verbose upstream into a 502).
+            max_line_size=1 << 16, max_field_size=1 << 16, max_headers=1024)
         self.services = build_services(self.settings)
         spool = self.spool
         if spool is None:

@@ -22,6 +22,10 @@ REPLIES = {
     b"/not-modified": b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1234\r\nETag: \"v1\"\r\n\r\n",
     b"/no-content": b"HTTP/1.1 204 No Content\r\nX-Kept: yes\r\n\r\n",
     b"/plain": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello",
+    # A verbose head: 300 headers and one line of 20 KB (a direct client reads it).
+    b"/verbose": (b"HTTP/1.1 200 OK\r\n"
+                  + b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(300))
+                  + b"X-Long: " + b"v" * 20_000 + b"\r\nContent-Length: 2\r\n\r\nok"),
 }
 
 
@@ -100,3 +104,12 @@ async def test_a_reply_without_a_body_is_relayed_and_the_connection_goes_on(
     assert no_content.startswith(b"204") and b"x-kept: yes" in no_content.lower()
     assert plain.startswith(b"200 OK") and plain.endswith(b"hello")
     assert "Traceback" not in gateway.log_tail(300)
+
+
+async def test_a_verbose_reply_head_is_relayed(tmp_path, gateway_process, odd_upstream):
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=odd_upstream)
+    await gateway.wait_ready()
+    reply = await _exchange(gateway.port, _get(b"/verbose", last=True))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == b"ok", reply[:200]
+    assert head.count(b"\r\nx-h") == 300 and b"x-long: " + b"v" * 20_000 in head
