@@ -24,7 +24,6 @@ samples projection the API serves, R3 bytes from the same stream as `…/r3`.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import pyarrow.parquet as pq
 
 from app.domain.body.labels import label_text
 from app.domain.errors import DomainError
+from app.domain.projection.overview import reward_number
 from app.domain.projection.rows import weight_version_text
 from app.domain.projection.samples import Sample
 from app.services import Services
@@ -78,13 +78,6 @@ SCHEMA = pa.schema([
 
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def _reward(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
 
 
 def _reward_source(sample: Sample) -> str | None:
@@ -130,7 +123,7 @@ async def _row(svc: Services, summary: dict[str, Any], sample: Sample,
         "session_id": sid, "index": sample.index, "leaf": sample.leaf, "path": sample.path,
         "version": summary["version"],
         "labels": [(key, label_text(value)) for key, value in summary["labels"].items()],
-        "status": sample.status, "reward": _reward(sample.reward),
+        "status": sample.status, "reward": reward_number(sample.reward),
         "reward_json": _json(sample.reward), "reward_source": _reward_source(sample),
         "response": sample.response, "response_length": sample.response_length,
         "tokens": sample.tokens, "loss_mask": sample.loss_mask,

@@ -412,3 +412,35 @@ async def test_a_reward_wakes_a_waiting_claim(client):
     await asyncio.sleep(0.3)
     await reward(client, sid, reward=1.0)
     assert await asyncio.wait_for(pending, 25) == [sid]
+
+
+async def test_rewards_at_the_edges_of_float64_leave_every_reader_answering(client, db_url,
+                                                                            tmp_path):
+    """Rewards §16 accepts (any finite number) and a close reward of free JSON (an
+    integer of 400 digits): the UI's list and run pages and the Parquet export still
+    answer — the run's reward range, mean and histogram stay finite."""
+    labels = run_labels()
+    edges = {"hi": 1e308, "hi2": 1e308, "lo": -1e308}
+    for name, value in edges.items():
+        sid = f"edge-{name}-{uuid.uuid4().hex[:6]}"
+        await opened(client, sid, labels=labels)
+        await append(client, sid, turn([1, 2], [3]))
+        await close(client, sid)
+        await reward(client, sid, reward=value)
+    huge = f"edge-huge-{uuid.uuid4().hex[:6]}"
+    await opened(client, huge, labels=labels)
+    await append(client, huge, turn([1, 2], [3]))
+    await close(client, huge, metadata={"reward": 10**400})
+    for page in ("/ui", f"/ui?run_id={labels['run_id']}"):
+        r = await client.get(page)
+        assert r.status_code == 200, (page, r.text[:300])
+    out = tmp_path / "edges.parquet"
+    result = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["export", "--run-id", labels["run_id"], "--format", "parquet",
+                                  "--out", str(out), "--database-url", db_url])
+    assert result.exit_code == 0, result.output
+    import pyarrow.parquet as pq
+
+    rewards = sorted(r for r in pq.read_table(out).column("reward").to_pylist()
+                     if r is not None)
+    assert rewards == [-1e308, 1e308, 1e308]  # the 400-digit one is no float64: null

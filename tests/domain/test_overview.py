@@ -13,6 +13,7 @@ from app.domain.projection.overview import (
     off_policy_lag,
     parse_list_view,
     reward_distribution,
+    reward_number,
     session_overview,
 )
 
@@ -73,6 +74,25 @@ def test_reward_histograms_share_one_range_and_count_every_reward():
     assert sum(sum(g.histogram) for g in dist.groups) == 5
     single = reward_distribution([(["1"], 2.0), (["1"], 2.0)])
     assert single.groups[0].histogram[0] == 2
+
+
+def test_rewards_at_the_edges_of_float64_still_make_a_histogram():
+    """Finite rewards whose sum or range is beyond float64 (a §16 reward may be any
+    finite number): the mean and the bins are still finite, every reward counted."""
+    both = reward_distribution([(["1"], 1e308), (["1"], 1e308), (["1"], -1e308)], bins=4)
+    group = both.groups[0]
+    assert (both.low, both.high) == (-1e308, 1e308)
+    assert group.histogram == [1, 0, 0, 2] and sum(group.histogram) == 3
+    assert group.mean == pytest.approx(1e308 / 3)
+    same = reward_distribution([(["1"], 1.7e308), (["1"], 1.7e308)])
+    assert same.groups[0].mean == 1.7e308 and sum(same.groups[0].histogram) == 2
+
+
+@pytest.mark.parametrize("value", [10 ** 400, -(10 ** 400), float("nan"), float("inf"), True,
+                                   "1.0", None])
+def test_a_reward_float64_cannot_hold_is_no_number(value):
+    # A close's metadata is free JSON: its reward may be an integer of 400 digits.
+    assert reward_number(value) is None
 
 
 def test_mismatch_lines_read_as_text():

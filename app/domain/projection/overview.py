@@ -32,10 +32,14 @@ HISTOGRAM_BINS = 10
 
 
 def reward_number(value: Any) -> float | None:
-    """A reward as a number: finite JSON numbers only (booleans and text are not)."""
+    """A reward as a number: JSON numbers a finite float64 holds (booleans, text and an
+    integer of 400 digits — a close's metadata is free JSON — are not)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
     return number if math.isfinite(number) else None
 
 
@@ -229,15 +233,32 @@ def reward_distribution(samples: Iterable[tuple[Sequence[Any], Any]],
     every = [r for rewards in by_version.values() for r in rewards]
     low, high = (min(every), max(every)) if every else (0.0, 1.0)
     width = (high - low) / bins if high > low else 1.0
+    if not math.isfinite(width):  # rewards near ±1.8e308: the range itself overflows
+        width = high / bins - low / bins
     groups = []
     for key in sorted(by_version, key=_version_key):
         rewards = by_version[key]
         histogram = [0] * bins
         for r in rewards:
-            histogram[min(int((r - low) / width), bins - 1) if high > low else 0] += 1
-        groups.append(RewardGroup(key, len(rewards), math.fsum(rewards) / len(rewards),
-                                  min(rewards), max(rewards), histogram))
+            histogram[_bin(r, low, width, bins) if high > low else 0] += 1
+        groups.append(RewardGroup(key, len(rewards), _mean(rewards), min(rewards),
+                                  max(rewards), histogram))
     return RewardDistribution(low, high, groups, unrewarded)
+
+
+def _bin(reward: float, low: float, width: float, bins: int) -> int:
+    position = (reward - low) / width
+    if not math.isfinite(position):
+        position = reward / width - low / width
+    return min(max(int(position), 0), bins - 1) if math.isfinite(position) else bins - 1
+
+
+def _mean(values: list[float]) -> float:
+    """The exact mean (`fsum`), also of values whose sum is beyond float64."""
+    try:
+        return math.fsum(values) / len(values)
+    except OverflowError:
+        return math.fsum(v / len(values) for v in values)
 
 
 def mismatch_lines(report: Any) -> list[str]:
