@@ -140,6 +140,8 @@ async def test_ill_typed_bodies_are_422_naming_the_field(client, sid, body, fiel
     problem = assert_problem(await client.post(f"/v1/sessions/{sid}/rewards", json=body), 422,
                              "invalid-request")
     assert problem["field"] == field and "expected" in problem
+    if field not in body:  # a missing field is reported absent, never as a null sent
+        assert problem["actual"] == "absent"
     assert await event_count(client, sid) == 3
 
 

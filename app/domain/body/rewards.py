@@ -67,7 +67,7 @@ def parse_reward(raw: Any) -> RewardBody:
     event_id = parse_event_id(body)
     if "reward" not in body:
         raise InvalidRequest("reward is required", field="reward",
-                             expected="finite number", actual=None)
+                             expected="finite number", actual="absent")
     reward = body["reward"]
     if finite_float(reward) is None:
         raise InvalidRequest("reward must be a finite number", field="reward",
