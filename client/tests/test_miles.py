@@ -9,6 +9,7 @@ batched; a `Sample` is an object with a `.metadata` dict.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -388,3 +389,162 @@ async def test_a_result_the_id_cannot_be_added_to_goes_back_as_it_is(
     assert close_of(await events_of(server_url, sid))["reward"] == 0.5
     (warning,) = warnings.records
     assert "Picky" in warning.getMessage() and sid in warning.getMessage()
+
+
+# -- what an agent or the store may do to the hooks (audit) ------------------------------
+
+
+def _agent_returning(value: Any) -> Any:
+    async def inner(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                    metadata: dict[str, Any], **kwargs: Any) -> Any:
+        return value
+    return inner
+
+
+async def test_a_cancelled_rollout_closes_its_session_then_stays_cancelled(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    started = asyncio.Event()
+
+    async def slow(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                   metadata: dict[str, Any], **kwargs: Any) -> Any:
+        started.set()
+        await asyncio.sleep(60)
+
+    env.setattr(support, "fake_agent", slow)
+    sid = new_sid()
+    task = asyncio.create_task(run_agent(sid, {}))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert close_of(await events_of(server_url, sid)) == {
+        "reward": None, "agent": None, "agent_error": "CancelledError: "}
+
+
+@pytest.mark.parametrize("kind", ["cycle", "deep", "huge-int-reward", "too-many-values"])
+async def test_an_agent_dict_the_close_cannot_carry_still_closes_the_session(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture,
+        kind: str) -> None:
+    result: dict[str, Any] = {"reward": 0.5}
+    if kind == "cycle":
+        result["me"] = result
+    elif kind == "deep":
+        node: dict[str, Any] = result
+        for _ in range(3000):
+            node["next"] = {}
+            node = node["next"]
+    elif kind == "huge-int-reward":
+        result["reward"] = 10 ** 400
+    else:  # past the store's 2M-value limit for one body
+        result["values"] = list(range(2_100_000))
+    env.setattr(support, "fake_agent", _agent_returning(result))
+    sid = new_sid()
+    returned = await run_agent(sid, {})
+    assert returned["turnlog_session_id"] == sid
+    async with TurnlogClient(server_url) as tl:
+        assert (await tl.session(sid))["status"] == "closed"
+    closed = close_of(await events_of(server_url, sid))
+    if kind == "too-many-values":  # refused with it: closed again without it
+        assert closed["agent"] is None and "too-large" in closed["agent_unrecorded"]
+        assert closed["reward"] == 0.5
+        (warning,) = warnings.records
+        assert "agent" in warning.getMessage()
+    elif kind == "huge-int-reward":
+        assert closed["reward"] is None  # no float64: no number
+        assert closed["agent"]["reward"] == 10 ** 400
+    else:
+        assert closed["reward"] == 0.5
+        text = repr(closed["agent"])
+        assert "<cycle>" in text if kind == "cycle" else "<nested deeper than" in text
+
+
+async def test_one_reward_float64_cannot_hold_loses_only_itself(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    sid = new_sid()
+    await run_agent(sid, {"behaviour": "none"})
+
+    def score(args: Any, samples: Any, **kw: Any) -> list[Any]:
+        return [10 ** 400, 0.5]
+
+    env.setattr(support, "fake_rm", score)
+    samples = [Sample(metadata={"turnlog_session_id": sid}) for _ in range(2)]
+    assert await rm(types.SimpleNamespace(), samples) == [10 ** 400, 0.5]
+    rewards = [e["reward"]["reward"] for e in await events_of(server_url, sid)
+               if e["type"] == "reward_recorded"]
+    assert rewards == [0.5]
+
+
+async def test_a_store_answering_5xx_costs_a_batch_one_call_not_one_per_sample(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    calls = 0
+
+    async def failing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal calls
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                calls += 1
+                body = b'{"type":"urn:turnlog:unavailable","status":503,"title":"down"}'
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\n"
+                             b"Content-Type: application/problem+json\r\n"
+                             b"Retry-After: 30\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(failing, "127.0.0.1", 0)
+    async with server:
+        env.setenv("TURNLOG_URL", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        samples = [Sample(metadata={"turnlog_session_id": f"s-{i}"}) for i in range(16)]
+        env.setattr(support, "fake_rm", lambda args, batch, **kw: [1.0] * len(batch))
+        started = asyncio.get_running_loop().time()
+        assert await rm(types.SimpleNamespace(), samples) == [1.0] * 16
+        elapsed = asyncio.get_running_loop().time() - started
+    assert calls <= hooks.RETRIES + 1  # the first sample's call and its resends only
+    assert elapsed < 2 * hooks.DEADLINE
+    (warning,) = warnings.records
+    assert "did not record 16 reward(s)" in warning.getMessage()
+
+
+async def test_a_store_that_never_answers_costs_each_call_the_deadline(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(60)
+
+    env.setattr(hooks, "DEADLINE", 1.0)
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    async with server:
+        env.setenv("TURNLOG_URL", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+        started = asyncio.get_running_loop().time()
+        sid = new_sid()
+        assert (await run_agent(sid, {}))["turnlog_session_id"] == sid
+        elapsed = asyncio.get_running_loop().time() - started
+    # The open and the close, each given up after the deadline (not the old 10 s read).
+    assert elapsed < 4 * hooks.DEADLINE
+    (warning,) = warnings.records
+    assert sid in warning.getMessage()
+
+
+@pytest.mark.parametrize("url", ["http://[bad", "http://h:99999"])
+async def test_a_malformed_turnlog_url_never_fails_the_rollout(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture, url: str) -> None:
+    env.setenv("TURNLOG_URL", url)
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    assert (await run_agent(new_sid(), {}))["reward"] == 1.0
+    (warning,) = warnings.records  # one per rollout, naming what is wrong
+    assert url.split("//")[1] in warning.getMessage()
+    env.setattr(support, "fake_rm", lambda args, sample, **kw: 1.0)
+    assert await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": "x"})) == 1.0
+
+
+async def test_hook_clients_share_one_tls_context(env: pytest.MonkeyPatch) -> None:
+    """Each hook call builds its client; loading the CA bundle for each (~20-50 ms of
+    blocking work) would stall every rollout on the loop when many start together."""
+    first, second = Settings.from_env().client(), Settings.from_env().client()
+    async with first, second:
+        assert hooks._tls() is hooks._tls()

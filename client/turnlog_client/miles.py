@@ -24,12 +24,15 @@ reward means is the server's.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
 import math
 import os
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +42,7 @@ import httpx
 import numpy as np
 
 from turnlog_client.async_client import TurnlogClient, new_event_id
-from turnlog_client.errors import TurnlogConnectionError, TurnlogError
+from turnlog_client.errors import TurnlogError
 
 __all__ = ["Settings", "agent", "rm", "session_id_of"]
 
@@ -47,11 +50,14 @@ log = logging.getLogger("turnlog_client.miles")
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 # A store that is down must not stall a rollout: a refused connection fails at
-# once, a silent one after CONNECT_TIMEOUT; one call gives up after DEADLINE.
+# once, a silent one after CONNECT_TIMEOUT, one that accepts and never answers after
+# DEADLINE; one call gives up after DEADLINE (its resends included).
 CONNECT_TIMEOUT = 2.0
-READ_TIMEOUT = 10.0
-RETRIES = 2
 DEADLINE = 5.0
+RETRIES = 2
+# The agent's dict is stored as JSON this deep at most (deeper: a marker), and a
+# container met again inside itself is stored as a marker too.
+AGENT_DEPTH = 32
 SOURCE_MAX = 128
 
 
@@ -108,9 +114,18 @@ class Settings:
         )
 
     def client(self) -> TurnlogClient:
+        """A client for one hook call (a bad `TURNLOG_URL` raises ValueError here)."""
         return TurnlogClient(self.url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
-                             timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),
-                             wire="json")
+                             timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
+                             transport=httpx.AsyncHTTPTransport(verify=_tls()), wire="json")
+
+
+@functools.lru_cache(maxsize=1)
+def _tls() -> ssl.SSLContext:
+    """One TLS context for every hook call: building one loads the CA bundle (~20-50 ms
+    of blocking work), and a client built per call on the event loop every rollout
+    shares would pay it each time (200 rollouts starting together: seconds)."""
+    return ssl.create_default_context()
 
 
 def load(dotted: str, variable: str) -> Any:
@@ -166,27 +181,40 @@ def open_body(sid: str, settings: Settings, metadata: Mapping[str, Any] | None) 
 
 
 def finite(value: Any) -> float | None:
-    """A reward as a float when it is a finite number (not a bool), else None."""
+    """A reward as a float when it is a finite number float64 holds (not a bool), else
+    None (an integer of 400 digits included)."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
     return number if math.isfinite(number) else None
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: Any, depth: int = 0, inside: frozenset[int] = frozenset()) -> Any:
     """`value` as strict JSON can carry it: non-finite floats become null, numpy
-    scalars numbers, tuples lists, other objects their repr."""
+    scalars numbers, tuples lists, other objects their repr; a container inside
+    itself, or deeper than `AGENT_DEPTH`, a marker (never a RecursionError)."""
     if value is None or isinstance(value, str | bool | int):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, np.generic):
-        return jsonable(value.item())
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return repr(value)
+        return jsonable(value.item(), depth, inside)
+    if isinstance(value, Mapping | list | tuple):
+        if id(value) in inside:
+            return "<cycle>"
+        if depth >= AGENT_DEPTH:
+            return f"<nested deeper than {AGENT_DEPTH} levels>"
+        inside = inside | {id(value)}
+        if isinstance(value, Mapping):
+            return {str(k): jsonable(v, depth + 1, inside) for k, v in value.items()}
+        return [jsonable(v, depth + 1, inside) for v in value]
+    try:
+        return repr(value)
+    except Exception as exc:  # a __repr__ that fails (or recurses) is not the rollout's end
+        return f"<{type(value).__name__}: repr failed: {type(exc).__name__}>"
 
 
 def returned_mapping(result: Any) -> Mapping[str, Any] | None:
@@ -230,17 +258,31 @@ def branch_rewards(result: Any) -> dict[str, float]:
 async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException | None,
                  source: str) -> list[str]:
     """Close with the agent's result, then record its per-branch rewards (§16); the
-    problems of the rewards are returned, a failed close raises."""
-    metadata = close_metadata(result, error)
+    problems of the rewards are returned, a failed close raises. A close the store
+    refuses for the agent's dict (too large, too many values) is sent again without
+    it (`"agent": null`, `"agent_unrecorded"` saying why): the session is closed
+    whatever the agent returned."""
+    problems = []
+    try:
+        metadata = close_metadata(result, error)
+    except Exception as exc:
+        metadata = {"reward": None, "agent": None, "agent_unrecorded": _problem("agent", exc),
+                    "agent_error": close_metadata(None, error)["agent_error"]}
+        problems.append(metadata["agent_unrecorded"])
     try:
         await tl.close(sid, metadata=metadata)
     except TurnlogError as exc:
-        if exc.slug != "session-closed":
+        if exc.slug == "session-closed":
+            # Closed already (the gateway's idle close): the reward goes in as a §16 event.
+            if metadata["reward"] is not None:
+                await tl.record_reward(sid, metadata["reward"], source=source)
+        elif exc.status is not None and exc.status < 500 and metadata["agent"] is not None:
+            metadata = {**metadata, "agent": None,
+                        "agent_unrecorded": _problem("close with the agent's dict", exc)}
+            problems.append(metadata["agent_unrecorded"])
+            await tl.close(sid, metadata=metadata)
+        else:
             raise
-        # Closed already (the gateway's idle close): the reward goes in as a §16 event.
-        if metadata["reward"] is not None:
-            await tl.record_reward(sid, metadata["reward"], source=source)
-    problems = []
     for response_id, value in branch_rewards(result).items():
         try:
             await tl.record_reward(sid, value, response_id=response_id, source=source,
@@ -289,21 +331,29 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
         raise RuntimeError("TURNLOG_MILES_AGENT is not set: name your agent function "
                            "(package.module.function) for turnlog_client.miles.agent to run")
     inner = load(settings.agent, "TURNLOG_MILES_AGENT")
-    sid = session_id_of(base_url)
+    try:
+        sid = session_id_of(base_url)
+        tl = settings.client()
+    except ValueError as exc:  # a launcher's typo (TURNLOG_URL) or an odd base_url
+        log.warning("turnlog cannot record this rollout (it goes on): %s", exc)
+        return await inner(base_url=base_url, prompt=prompt, request_kwargs=request_kwargs,
+                           **kwargs)
     metadata = kwargs.get("metadata")
     problems: list[str] = []
-    async with settings.client() as tl:
+    async with tl:
         try:
             await tl.open(open_body(sid, settings, metadata if isinstance(metadata, Mapping)
                                     else None))
         except Exception as exc:  # turnlog never fails the rollout
             problems.append(_problem("open", exc))
-        error: Exception | None = None
+        error: BaseException | None = None
         result: Any = None
         try:
             result = await inner(base_url=base_url, prompt=prompt,
                                  request_kwargs=request_kwargs, **kwargs)
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            # A cancelled rollout (miles' timeout, a shutdown) still closes its session,
+            # then the cancellation goes on.
             error = exc
         try:
             problems += await _close(tl, sid, result, error, settings.agent[:SOURCE_MAX])
@@ -350,11 +400,15 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
                 # One event_id per reward: the client's retries resend this very body.
                 await tl.record_reward(sid, value, response_id=response_id, source=source,
                                        event_id=new_event_id())
-            except TurnlogConnectionError as exc:
-                # The store is unreachable: do not wait on it once per sample.
-                failed += len(targets) - i
+            except TurnlogError as exc:
+                if exc.status is None or exc.status >= 500:
+                    # Unreachable, silent or failing (a 503 while its database is down):
+                    # do not wait on it once per sample.
+                    failed += len(targets) - i
+                    problems.append(_problem(f"reward for {sid}", exc))
+                    break
+                failed += 1  # this reward's own refusal (a 404 sample): the others count
                 problems.append(_problem(f"reward for {sid}", exc))
-                break
             except Exception as exc:
                 failed += 1
                 problems.append(_problem(f"reward for {sid}", exc))
