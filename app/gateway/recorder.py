@@ -203,7 +203,11 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - sorted below
             if self._is_verdict(exc):
                 return self._verdict(session_id, exc)
+            log.error("the turn's store write failed: answered 503, not stored",
+                      session_id=session_id, error=type(exc).__name__)
             return SPOOL_FULL
+        log.info("the turn's late store write committed: answered with the reply",
+                 session_id=session_id)
         self.metrics.recorded.inc()
         return RECORDED
 
@@ -286,13 +290,13 @@ class Recorder:
         try:
             self.spool.add(session_id, body, open_body)
         except SpoolFull as exc:
-            log.error("spool full: turn answered 503, not stored", session_id=session_id,
+            log.error("spool full: turn not spooled", session_id=session_id,
                       detail=str(exc))
             return SPOOL_FULL
         except (OSError, TypeError, ValueError) as exc:
             # The disk refused, or the turn cannot be written as JSON: as good as
             # full (503), never a silent loss and never a 500.
-            log.error("cannot write the spool: turn answered 503, not stored",
+            log.error("cannot write the spool: turn not spooled",
                       session_id=session_id, error=type(exc).__name__, detail=str(exc))
             return SPOOL_FULL
         self.wake.set()
