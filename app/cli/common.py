@@ -19,6 +19,7 @@ Refuses: business rules (the store and the domain own them) and HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -326,6 +327,12 @@ class TurnlogGroup(typer.core.TyperGroup):
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
+        except BrokenPipeError:
+            # The reader of the output went away (`turnlog sessions | head`): stop quietly,
+            # as Unix tools do (the status a SIGPIPE gives), not as a failure of ours.
+            with contextlib.suppress(OSError, ValueError):  # a stdout with no file
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(141) from None
         except Exception as exc:
             if debugging():
                 raise

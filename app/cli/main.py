@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import os
 import socket
+import sys
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+import typer.rich_utils
 
 from app import __version__
 from app.cli import common
@@ -31,6 +34,13 @@ from app.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     import uvicorn
+
+# Help read through a pipe or a pager (no terminal to size it) is laid out 120 columns
+# wide, not rich's 80: at 80 the option tables cut names like
+# `TURNLOG_GATEWAY_PAUSE_GENERATION_MODE` to `TURNLOG_GATEWAY_…`.
+if not sys.stdout.isatty() and not os.environ.get("COLUMNS") \
+        and not os.environ.get("TERMINAL_WIDTH"):
+    typer.rich_utils.MAX_WIDTH = 120
 
 cli = typer.Typer(cls=common.TurnlogGroup, no_args_is_help=True,
                   pretty_exceptions_show_locals=False,  # locals may hold a password

@@ -142,3 +142,27 @@ def test_a_server_url_nothing_answers_names_it_and_how_to_start_one():
     line = one_error_line(run("consumers", "list", "--url", url))
     assert line.count(url) == 1 and "turnlog serve" in line, line
     assert "None" not in line, line
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """`turnlog … | head`: the pipe breaks mid-output. That is not a failure of the
+    command (it was once reported as "cannot connect to the database: Broken pipe"),
+    so it ends quietly with the status a SIGPIPE gives."""
+    import typer
+    from typer.testing import CliRunner
+
+    from app.cli.common import TurnlogGroup
+
+    app = typer.Typer(cls=TurnlogGroup)
+
+    @app.command()
+    def many() -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    @app.command()
+    def other() -> None:
+        pass
+
+    result = CliRunner().invoke(app, ["many"])
+    assert result.exit_code == 141, result.output
+    assert "error" not in result.output and "database" not in result.output

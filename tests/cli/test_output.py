@@ -207,3 +207,17 @@ def test_migrate_current_prints_json(db_url):
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout)
     assert body["current"] == body["head"] and body["head"]
+
+
+def test_help_through_a_pipe_names_every_environment_variable_whole() -> None:
+    """Without a terminal (a pipe, a pager, a CI log) help is laid out 120 columns wide:
+    at rich's default 80 the option table cut `TURNLOG_GATEWAY_…` names short."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    done = subprocess.run([sys.executable, "-m", "app", "gateway", "--help"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "TURNLOG_GATEWAY_PAUSE_GENERATION_MODE" in done.stdout
+    assert "TURNLOG_GATEWAY_…" not in done.stdout
