@@ -205,6 +205,21 @@ def test_settings_and_the_session_id() -> None:
     assert settings.url == hooks.DEFAULT_URL and settings.token is None
     # A typo in the launcher's environment must not fail a rollout: ignored, with a warning.
     assert Settings.from_env({"TURNLOG_MILES_NUM_LAYERS": "many"}).num_layers is None
+    # The store's values are lower case: an upper-case one means the same.
+    loud = Settings.from_env({"TURNLOG_MILES_VERSION": "V1",
+                              "TURNLOG_MILES_PAUSE_GENERATION_MODE": "IN_PLACE"})
+    assert (loud.version, loud.pause_generation_mode) == ("v1", "in_place")
+
+
+@pytest.mark.parametrize(("value", "on", "warned"), [
+    ("1", True, False), ("Yes", True, False), ("y", True, False), ("on", True, False),
+    ("0", False, False), ("off", False, False), ("", False, False),
+    ("enabled", False, True), ("2", False, True)])
+def test_the_speculative_flag_reads_the_usual_spellings_and_warns_on_others(
+        caplog: pytest.LogCaptureFixture, value: str, on: bool, warned: bool) -> None:
+    caplog.set_level(logging.WARNING, logger="turnlog_client.miles")
+    assert Settings.from_env({"TURNLOG_MILES_SPECULATIVE": value}).speculative is on
+    assert bool(caplog.records) is warned
 
 
 async def test_the_agent_hook_needs_its_agent(env: pytest.MonkeyPatch) -> None:

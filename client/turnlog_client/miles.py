@@ -97,18 +97,26 @@ class Settings:
                             name, value)
                 return None
 
+        def flag(name: str) -> bool:
+            value = (text(name) or "").lower()
+            if value not in _TRUE | _FALSE:
+                log.warning("%s must be one of %s (on) or %s (off), not %r: off", name,
+                            "/".join(sorted(_TRUE)), "/".join(sorted(_FALSE - {""})), value)
+            return value in _TRUE
+
         keys = tuple(k.strip() for k in (text("TURNLOG_MILES_LABEL_KEYS") or "").split(","))
         return cls(
             url=text("TURNLOG_URL") or DEFAULT_URL,
             token=text("TURNLOG_TOKEN"),
             agent=text("TURNLOG_MILES_AGENT"),
             rm=text("TURNLOG_MILES_RM"),
-            version=text("TURNLOG_MILES_VERSION") or "v2",
-            pause_generation_mode=text("TURNLOG_MILES_PAUSE_GENERATION_MODE") or "retract",
+            # The store's values are lower case; `V2` or `IN_PLACE` mean the same.
+            version=(text("TURNLOG_MILES_VERSION") or "v2").lower(),
+            pause_generation_mode=(text("TURNLOG_MILES_PAUSE_GENERATION_MODE")
+                                   or "retract").lower(),
             num_layers=integer("TURNLOG_MILES_NUM_LAYERS"),
             max_trim_tokens=integer("TURNLOG_MILES_MAX_TRIM_TOKENS") or 0,
-            speculative=(text("TURNLOG_MILES_SPECULATIVE") or "").lower()
-            in ("1", "true", "yes", "on"),
+            speculative=flag("TURNLOG_MILES_SPECULATIVE"),
             run_id=text("TURNLOG_RUN_ID"),
             label_keys=tuple(k for k in keys if k),
         )
@@ -118,6 +126,10 @@ class Settings:
         return TurnlogClient(self.url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
                              timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
                              transport=httpx.AsyncHTTPTransport(verify=_tls()), wire="json")
+
+
+_TRUE = frozenset({"1", "true", "yes", "on", "y"})
+_FALSE = frozenset({"", "0", "false", "no", "off", "n"})
 
 
 @functools.lru_cache(maxsize=1)
