@@ -563,3 +563,16 @@ async def test_hook_clients_share_one_tls_context(env: pytest.MonkeyPatch) -> No
     first, second = Settings.from_env().client(), Settings.from_env().client()
     async with first, second:
         assert hooks._tls() is hooks._tls()
+
+
+async def test_a_label_the_store_refuses_is_left_out_not_the_sessions_labels(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    env.setenv("TURNLOG_RUN_ID", "run-9")
+    env.setenv("TURNLOG_MILES_LABEL_KEYS", "task,b c,long")
+    sid = new_sid()
+    await run_agent(sid, {"task": "math", "b c": 1, "long": "x" * 5000})
+    async with TurnlogClient(server_url) as tl:
+        summary = await tl.session(sid)
+    assert summary["labels"] == {"run_id": "run-9", "task": "math"}
+    (warning,) = warnings.records
+    assert "'b c' left out" in warning.getMessage() and "'long' left out" in warning.getMessage()

@@ -309,6 +309,25 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
     return problems
 
 
+async def _open(tl: TurnlogClient, body: dict[str, Any]) -> list[str]:
+    """Open the session; a label the store refuses (a key outside its pattern, a value
+    too long) is left out, and the open sent again, so one odd metadata key costs
+    that label, not the session's labels (`run_id` among them). The labels left out
+    are returned as problems; another failure raises."""
+    problems: list[str] = []
+    while True:
+        try:
+            await tl.open(body)
+            return problems
+        except TurnlogError as exc:
+            key = (exc.field or "").removeprefix("labels.")
+            if exc.status != 422 or not (exc.field or "").startswith("labels.") \
+                    or key not in body["labels"]:
+                raise
+            body = {**body, "labels": {k: v for k, v in body["labels"].items() if k != key}}
+            problems.append(f"label {key!r} left out ({exc.detail})")
+
+
 def with_session_id(result: Any, sid: str) -> Any:
     """What the hook returns to miles: the agent's dict (or a dataclass's `metadata`)
     with `turnlog_session_id` added, `{"turnlog_session_id": sid}` for None. An object
@@ -354,8 +373,8 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     problems: list[str] = []
     async with tl:
         try:
-            await tl.open(open_body(sid, settings, metadata if isinstance(metadata, Mapping)
-                                    else None))
+            problems += await _open(tl, open_body(
+                sid, settings, metadata if isinstance(metadata, Mapping) else None))
         except Exception as exc:  # turnlog never fails the rollout
             problems.append(_problem("open", exc))
         error: BaseException | None = None
