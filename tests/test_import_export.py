@@ -207,7 +207,7 @@ async def test_export_round_trip(client, db_url, tmp_path):
             assert tokens.tolist() == sample["tokens"]
             assert loss_mask.tolist() == sample["loss_mask"]
             assert log_probs.tolist() == sample["rollout_log_probs"]
-            for key in ("leaf", "path", "status", "reward", "response_length",
+            for key in ("leaf", "path", "status", "reward", "reward_source", "response_length",
                         "weight_versions", "spec_info", "metadata", "r3"):
                 assert entry[key] == sample[key], key
             r = await client.get(f"/v1/sessions/{sid}/samples/{index}/r3")

@@ -100,6 +100,7 @@ def sample_entry(summary: dict[str, Any], sample: Sample, prefix: str) -> dict[s
         "labels": summary["labels"],
         "status": sample.status,
         "reward": sample.reward,
+        "reward_source": sample.reward_source,
         "response_length": sample.response_length,
         "num_tokens": len(sample.tokens),
         "weight_versions": sample.weight_versions,

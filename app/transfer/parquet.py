@@ -80,13 +80,6 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
-def _reward_source(sample: Sample) -> str | None:
-    """Where the reward came from, when the sample's JSON says (rewards name their
-    source); null otherwise."""
-    source = sample.to_json(arrays=False).get("reward_source")
-    return None if source is None else str(source)
-
-
 @dataclass
 class ParquetReport:
     out: Path
@@ -124,7 +117,7 @@ async def _row(svc: Services, summary: dict[str, Any], sample: Sample,
         "version": summary["version"],
         "labels": [(key, label_text(value)) for key, value in summary["labels"].items()],
         "status": sample.status, "reward": reward_number(sample.reward),
-        "reward_json": _json(sample.reward), "reward_source": _reward_source(sample),
+        "reward_json": _json(sample.reward), "reward_source": sample.reward_source,
         "response": sample.response, "response_length": sample.response_length,
         "tokens": sample.tokens, "loss_mask": sample.loss_mask,
         "rollout_log_probs": sample.rollout_log_probs,
