@@ -337,6 +337,12 @@ class Recorder:
             self.metrics.recorded.inc()
         elif self._is_verdict(exc):
             self._verdict(entry.session_id, exc)
+            if isinstance(exc, SessionClosed):
+                # Its caller was answered long ago; the session was closed meanwhile
+                # (e.g. by a client whose close waited on the same store): a lost turn.
+                log.error("a spooled turn arrived after its session was closed: not recorded",
+                          session_id=entry.session_id, spooled_at=entry.spooled_at,
+                          event_id=entry.body.get("event_id"))
         else:
             log.debug("drain attempt failed", error=type(exc).__name__)
             return False

@@ -346,3 +346,35 @@ def test_a_turn_with_r3_bytes_and_a_lone_surrogate_is_spooled_as_json_carries_it
         assert entry.body["record"]["request"] == body["record"]["request"]
     finally:
         again.close()
+
+
+async def test_a_spooled_turn_that_meets_a_closed_session_is_counted_and_logged(
+        tmp_path, gateway_process):
+    """Another client closed the session while the gateway held a turn of it in its
+    spool: the drain meets a closed session. The turn is not recorded (the store's
+    verdict), and the loss is said, as an error, not only counted."""
+    path = tmp_path / "store.db"
+    spool = tmp_path / "spool"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", STORE_TIMEOUT,
+                              spool=spool)
+    await gateway.wait_ready()
+    a = Conversation()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await a.turn(http)).status == 200
+        with sqlite_lock(path):
+            assert (await a.turn(http)).status == 200  # answered, spooled
+            assert await spooled(http) == 1
+            gateway.kill()
+    async with api(f"sqlite+aiosqlite:///{path}") as store:
+        closed = await store.post(f"/v1/sessions/{a.session_id}/close", json={})
+        assert closed.status_code == 200, closed.text
+    gateway.start()  # a new gateway over the same spool: its drain meets the close
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        await wait_for(lambda: drained(http), what="the spool to drain")
+        assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                      'reason="session-closed"') == 1
+    assert "a spooled turn arrived after its session was closed" in gateway.log_tail(200)
+    async with api(f"sqlite+aiosqlite:///{path}") as store:
+        events = (await store.get(f"/v1/sessions/{a.session_id}/events")).json()
+    assert len([e for e in events if e["type"] == "turn_recorded"]) == 1
