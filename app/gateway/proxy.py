@@ -265,17 +265,12 @@ class Gateway:
             headers = [(n, v) for n, v in headers if n != b"x-forwarded-for"]
             chain = b", ".join([*forwarded, client[0].encode("latin-1")])
             headers.append((b"x-forwarded-for", chain))
-        if not target.startswith(b"/") or not _PRINTABLE.fullmatch(raw_path):
-            raise InvalidRequest("the request target cannot be forwarded", field="path",
-                                 expected="a URL path (from /) and query of printable ASCII",
-                                 actual=repr(raw_path[:80]))
-        try:
-            url = URL(self.origin + raw_path.decode("ascii"), encoded=True)
-        except ValueError as exc:
-            raise InvalidRequest("the request target cannot be forwarded", field="path",
-                                 expected="a URL path (from /) and query of printable ASCII",
-                                 actual=repr(raw_path[:80])) from exc
-        return url, headers
+        if target.startswith(b"/") and _PRINTABLE.fullmatch(raw_path):
+            with contextlib.suppress(ValueError):  # yarl refuses it after all
+                return URL(self.origin + raw_path.decode("ascii"), encoded=True), headers
+        raise InvalidRequest("the request target cannot be forwarded", field="path",
+                             expected="a URL path (from /) and query of printable ASCII",
+                             actual=repr(raw_path[:80]))
 
     async def _passthrough(self, scope: dict[str, Any], receive: Any, send: Any,
                            body: bytes | None = None, prefix: tuple[bytes, ...] = ()) -> None:
@@ -305,7 +300,7 @@ class Gateway:
             self._too_large(session_id, "request", declared)
             await self._passthrough(scope, receive, send)
             return
-        read = await _read_body(receive, self.max_turn_bytes)
+        read = await _gather(_stream_body(receive), self.max_turn_bytes)
         if isinstance(read, tuple):
             self._too_large(session_id, "request", sum(map(len, read)))
             await self._passthrough(scope, receive, send, prefix=read)
@@ -527,17 +522,17 @@ async def _parse_aside(session_id: str | None, body: bytes) -> Candidate | Unrec
     return await anyio.to_thread.run_sync(classify_request, session_id, body)
 
 
-async def _read_body(receive: Any, limit: int) -> bytes | tuple[bytes, ...]:
-    """The whole request body, or (past `limit` bytes) the chunks received so far, the
-    rest still to come from `receive`."""
-    chunks: list[bytes] = []
+async def _gather(chunks: AsyncIterator[bytes], limit: int) -> bytes | tuple[bytes, ...]:
+    """A body from its chunks, joined once at the end; or (past `limit` bytes) the
+    chunks gathered so far, the rest left in `chunks` for whoever relays it."""
+    gathered: list[bytes] = []
     size = 0
-    async for chunk in _stream_body(receive):
-        chunks.append(chunk)
+    async for chunk in chunks:
+        gathered.append(chunk)
         size += len(chunk)
         if size > limit:
-            return tuple(chunks)
-    return b"".join(chunks)
+            return tuple(gathered)
+    return b"".join(gathered)
 
 
 def _content_length(scope: dict[str, Any]) -> int | None:
@@ -614,7 +609,9 @@ async def _read_reply(response: aiohttp.ClientResponse,
     """
     declared = response.headers.get("content-length", "")
     if not declared.isdigit():
-        return await _read_chunks(response, limit)
+        # No declared length: chunks joined once (a buffer grown chunk by chunk would
+        # be copied again at each growth).
+        return await _gather(response.content.iter_any(), limit)
     size = int(declared)
     if size > limit:
         return ()
@@ -637,20 +634,6 @@ async def _read_reply(response: aiohttp.ClientResponse,
         raise
     del buffer[filled:]
     return buffer
-
-
-async def _read_chunks(response: aiohttp.ClientResponse,
-                       limit: int) -> bytes | tuple[bytes, ...]:
-    """`_read_reply` of a reply of no declared length: its chunks joined once at the end
-    (a buffer grown chunk by chunk would be copied again at each growth)."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_any():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            return tuple(chunks)
-    return b"".join(chunks)
 
 
 def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list[Any]:
