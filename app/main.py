@@ -15,7 +15,7 @@ from app.api.deps import Uploads
 from app.api.middleware import telemetry
 from app.api.middleware.auth import BearerAuth, TokenTable
 from app.api.middleware.guards import HeaderBounds, Loopback, QueryTokens
-from app.api.middleware.limits import BodyLimit
+from app.api.middleware.limits import BodyLimit, WriteDeadline
 from app.api.problems import JSONText
 from app.api.routes import (
     analytics,
@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     problems.install(app)
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.
+    app.add_middleware(WriteDeadline)  # from here on, a request's writes keep its deadline
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout_s)
     tokens = TokenTable(settings.access.api_tokens)
     app.add_middleware(BearerAuth, tokens=tokens)

@@ -187,3 +187,12 @@ class R3Pruned(DomainError):
     slug = "r3-pruned"
     status = 410
     title = "R3 was freed by retention"
+
+
+class DeadlineExceeded(DomainError):
+    """A write still uncommitted when its client's `X-Turnlog-Timeout` ran out: rolled
+    back, since its client has given up on it (app/domain/body/deadline.py)."""
+
+    slug = "deadline-exceeded"
+    status = 503
+    title = "Deadline exceeded"

@@ -576,3 +576,39 @@ async def test_a_label_the_store_refuses_is_left_out_not_the_sessions_labels(
     assert summary["labels"] == {"run_id": "run-9", "task": "math"}
     (warning,) = warnings.records
     assert "'b c' left out" in warning.getMessage() and "'long' left out" in warning.getMessage()
+
+
+async def test_every_hook_call_asks_the_store_to_commit_before_the_hook_gives_up(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    """A call the hook gave up on must not be carried out later (a late close could
+    overtake the gateway's spooled turns): each says so in `X-Turnlog-Timeout`, a value
+    below the hook's own deadline."""
+    timeouts: list[float] = []
+
+    async def refusing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                fields = {k.strip().lower(): v.strip() for k, _, v in
+                          (line.partition(":") for line in lines[1:] if line)}
+                timeouts.append(float(fields.get("x-turnlog-timeout", "nan")))
+                await reader.readexactly(int(fields.get("content-length", "0")))
+                body = b'{"type":"urn:turnlog:invalid-request","status":422,"title":"no"}'
+                writer.write(b"HTTP/1.1 422 Unprocessable Content\r\n"
+                             b"Content-Type: application/problem+json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(refusing, "127.0.0.1", 0)
+    async with server:
+        env.setenv("TURNLOG_URL", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+        sid = new_sid()
+        await run_agent(sid, {})
+        env.setattr(support, "fake_rm", lambda args, sample, **kw: 1.0)
+        await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
+    assert len(timeouts) >= 3  # the open, the close, the reward
+    assert all(0 < t < hooks.DEADLINE for t in timeouts), timeouts

@@ -54,6 +54,12 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 # DEADLINE; one call gives up after DEADLINE (its resends included).
 CONNECT_TIMEOUT = 2.0
 DEADLINE = 5.0
+# Each call also asks the store not to commit it once the hook has given up on it
+# (`X-Turnlog-Timeout`, a little before DEADLINE): a close carried out late, after the
+# database came back from a long lock, could overtake the gateway's spooled turns of
+# the same session, which would then meet a closed session and be lost.
+TIMEOUT_HEADER = "X-Turnlog-Timeout"
+COMMIT_WITHIN = 0.9
 RETRIES = 2
 # The agent's dict is stored as JSON this deep at most (deeper: a marker), and a
 # container met again inside itself is stored as a marker too.
@@ -125,6 +131,7 @@ class Settings:
         """A client for one hook call (a bad `TURNLOG_URL` raises ValueError here)."""
         return TurnlogClient(self.url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
                              timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
+                             headers={TIMEOUT_HEADER: f"{DEADLINE * COMMIT_WITHIN:.3f}"},
                              transport=httpx.AsyncHTTPTransport(verify=_tls()), wire="json")
 
 

@@ -29,6 +29,8 @@ from app.settings import Settings
 from app.store.engine import migrate
 from tests.gateway.conftest import Sent, chat, metric, scrape, send_turn, wait_for
 from tests.pg.stoppable import stoppable_cluster
+from tests.serverproc import turnlog_serve
+from turnlog_client import miles as hooks
 
 STORE_TIMEOUT = "1"
 
@@ -378,3 +380,59 @@ async def test_a_spooled_turn_that_meets_a_closed_session_is_counted_and_logged(
     async with api(f"sqlite+aiosqlite:///{path}") as store:
         events = (await store.get(f"/v1/sessions/{a.session_id}/events")).json()
     assert len([e for e in events if e["type"] == "turn_recorded"]) == 1
+
+
+# What `hooked_agent` drives: set by the test that names it as the hooks' agent.
+HOOKED: dict[str, Any] = {}
+
+
+async def hooked_agent(base_url: str, **_kwargs: Any) -> dict[str, Any]:
+    """The user's agent under the miles hook: one turn, then another while another process
+    locks the store (the gateway spools it); returns with the lock still held, released
+    only after the hook's close has given up."""
+    conversation: Conversation = HOOKED["conversation"]
+    assert base_url.endswith(f"/{conversation.session_id}")
+    async with httpx.AsyncClient(base_url=HOOKED["gateway"], timeout=60) as http:
+        assert (await conversation.turn(http)).status == 200
+        lock = sqlite_lock(HOOKED["path"])
+        lock.__enter__()
+        asyncio.get_running_loop().call_later(HOOKED["hold_s"], lock.__exit__, None, None, None)
+        assert (await conversation.turn(http)).status == 200  # answered, spooled
+    return {"reward": 1.0}
+
+
+async def test_a_hook_close_given_up_on_a_locked_store_never_overtakes_the_spool(
+        tmp_path, gateway_process, monkeypatch):
+    """The hooks' close times out while another process locks the SQLite file, and the
+    gateway holds a spooled turn of that session. The close must not be carried out
+    when the lock goes (it would close the session before the drain, and the answered
+    turn would be lost): it carries `X-Turnlog-Timeout`, so `turnlog serve` rolls it
+    back. Every answered turn is stored; the session stays open for a later close."""
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", STORE_TIMEOUT)
+    await gateway.wait_ready()
+    conversation = Conversation()
+    with turnlog_serve(f"sqlite:///{path}", tmp_path / "serve.log") as serve:
+        await serve.wait_ready()
+        monkeypatch.setenv("TURNLOG_URL", serve.url)
+        monkeypatch.setenv("TURNLOG_MILES_AGENT", f"{__name__}.hooked_agent")
+        monkeypatch.delenv("TURNLOG_TOKEN", raising=False)
+        monkeypatch.setattr(hooks, "DEADLINE", 1.0)  # the hook gives up after 1 s
+        HOOKED.update(conversation=conversation, gateway=gateway.url, path=path,
+                      hold_s=2.5)
+        result = await hooks.agent(base_url=f"http://miles/sessions/{conversation.session_id}",
+                                   prompt="hi", request_kwargs={}, metadata={})
+        assert result["reward"] == 1.0
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+            await wait_for(lambda: drained(http), what="the spool to drain")
+            await asyncio.sleep(1.5)  # time for a late close to land, were it to
+            assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                          'reason="session-closed"') == 0
+            assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 2
+    async with api(f"sqlite+aiosqlite:///{path}") as store:
+        await check_stored(store, conversation)
+        session = (await store.get(f"/v1/sessions/{conversation.session_id}")).json()
+        assert session["status"] == "open"
+        assert session["labels"] == {}  # the hook's open: no labels were asked for
+        closed = await store.post(f"/v1/sessions/{conversation.session_id}/close", json={})
+        assert closed.status_code == 200, closed.text

@@ -6,6 +6,10 @@ that declares 1,000 bytes and sends 10 no longer holds a connection forever.
 Once the body is complete, reads pass through untimed (a streaming reply
 listens for the disconnect for as long as it runs). One timer per request
 keeps the time (`ReadWatch`), not a timeout scope per read.
+
+`WriteDeadline` reads a request's `X-Turnlog-Timeout` (400 if malformed) and
+makes its writes commit within that many seconds or not at all (the store's
+`write_deadline`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.http_errors import RequestTimeout
 from app.api.problems import send_problem
-from app.domain.errors import TooLarge
+from app.domain.body.deadline import parse_timeout
+from app.domain.errors import InvalidRequest, TooLarge
+from app.store.engine.db import write_deadline
+
+TIMEOUT_HEADER_KEY = b"x-turnlog-timeout"
 
 
 class BodyLimit:
@@ -123,3 +131,27 @@ class ReadWatch:
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
+
+
+class WriteDeadline:
+    """A request's `X-Turnlog-Timeout`: its writes commit within it or not at all."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        value = next((v for k, v in scope.get("headers") or () if k == TIMEOUT_HEADER_KEY),
+                     None)
+        if value is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            seconds = parse_timeout(value.decode("latin-1"))
+        except InvalidRequest as error:
+            await send_problem(send, error)
+            return
+        with write_deadline(seconds):
+            await self.app(scope, receive, send)

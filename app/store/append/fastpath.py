@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from app.domain.log.events import StoredTurn
+from app.store.engine.db import remaining_s
 
 APPEND = "SELECT turnlog_append(" + ", ".join(f"${i}" for i in range(1, 39)) + ")"
 
@@ -79,9 +80,16 @@ def open_args(row: Mapping[str, Any], labels: Sequence[Mapping[str, Any]],
 
 async def open_session(pool: asyncpg.Pool, args: tuple[Any, ...]) -> str | None:
     """Call `turnlog_open` in its own transaction: None when it opened the session,
-    else the `open_fingerprint` of the session that already had the id."""
+    else the `open_fingerprint` of the session that already had the id. Under a
+    request's deadline (`remaining_s`) the call runs in a transaction of its own,
+    committed only while the deadline has not passed."""
     async with pool.acquire() as conn, discard_if_broken(conn):
-        stored = await conn.fetchval(OPEN, *args)
+        if remaining_s() is None:
+            stored = await conn.fetchval(OPEN, *args)
+        else:
+            async with conn.transaction():
+                stored = await conn.fetchval(OPEN, *args)
+                remaining_s()
     return None if stored is None else str(stored)
 
 

@@ -1,7 +1,8 @@
 """Transactions on one database: a writer and a reader engine, and the store's clock.
 
 `Database.write()` is one short write transaction (queued in process where
-the backend has a single writer), `Database.read()` a read-only one, and on
+the backend has a single writer, and never committed past its request's
+deadline, `write_deadline`), `Database.read()` a read-only one, and on
 PostgreSQL `Database.driver_pool()` the asyncpg pool the one-round-trip
 append calls its function on. How
 each backend's engines are configured is `dialect.py`'s; `now_us` is the one
@@ -13,14 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import asyncpg
 import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.domain.body.deadline import TIMEOUT_HEADER
+from app.domain.errors import DeadlineExceeded
 from app.settings import Settings
 from app.store.engine.dialect import (
     backend,
@@ -33,6 +37,37 @@ from app.store.engine.dialect import (
 log = structlog.get_logger("turnlog.store")
 # Seconds a warmed connection waits for the others before going back to the pool.
 WARM_HOLD_S = 1.0
+
+
+# When the request being served gives up on its writes (`time.monotonic()`), or None:
+# set per request from `X-Turnlog-Timeout` (app.api.middleware.limits.WriteDeadline).
+_deadline: ContextVar[float | None] = ContextVar("turnlog_write_deadline", default=None)
+
+
+@contextlib.contextmanager
+def write_deadline(seconds: float) -> Iterator[None]:
+    """Writes made inside commit only within `seconds` from now."""
+    token = _deadline.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def remaining_s() -> float | None:
+    """Seconds left before the current write's deadline (None: no deadline); raises
+    DeadlineExceeded once it has passed."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(
+            f"this write was not committed: its {TIMEOUT_HEADER} ran out while it waited "
+            "(a lock the database held, most likely); nothing was stored",
+            field=TIMEOUT_HEADER, expected="a commit within the timeout",
+            actual=f"not committed {-left:.3f} s after it")
+    return left
 
 
 def now_us() -> int:
@@ -118,13 +153,18 @@ class Database:
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncConnection]:
-        """One short write transaction; committed on success, rolled back on error."""
+        """One short write transaction; committed on success, rolled back on error,
+        and rolled back (DeadlineExceeded) if the request's deadline passed before the
+        commit: its client, gone, cannot be told, and later writes of other clients
+        must not be overtaken by it."""
         if self._write_lock is not None:
             async with self._write_lock, self.writer.begin() as conn:
                 yield conn
+                remaining_s()
         else:
             async with self.writer.begin() as conn:
                 yield conn
+                remaining_s()
 
     @asynccontextmanager
     async def sqlite_writer(self) -> AsyncIterator[Any]:

@@ -1,0 +1,36 @@
+"""A write's deadline: the `X-Turnlog-Timeout` request header.
+
+A client that gives up on a write after some seconds says so in this header;
+the store then never commits that write later than that many seconds after
+the request arrived (it is rolled back and answered 503 `deadline-exceeded`).
+Without it, a write that waited on a lock another process held (a SQLite file
+locked for a backup, say) is carried out whenever the lock goes, long after
+its client has moved on, and may overtake writes that other clients made in
+the meantime (docs/api.md §0.4).
+
+Owns the header's name and what its value may be; the store keeps the clock.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+
+from app.domain.errors import InvalidRequest
+
+TIMEOUT_HEADER = "X-Turnlog-Timeout"
+# A day: longer than any client waits for one write, short enough to be a typo's bound.
+MAX_TIMEOUT_S = 86400.0
+_EXPECTED = f"seconds, a decimal number > 0 and at most {MAX_TIMEOUT_S:g}"
+
+
+def parse_timeout(text: str) -> float:
+    """The header's seconds (InvalidRequest, 400, for anything but a decimal number in
+    (0, MAX_TIMEOUT_S]: no `inf`, `nan`, exponent or sign)."""
+    value = text.strip()
+    digits = value.replace(".", "", 1)
+    seconds = float(value) if digits.isdigit() and digits.isascii() else math.nan
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise InvalidRequest(f"{TIMEOUT_HEADER} must be {_EXPECTED}", field=TIMEOUT_HEADER,
+                             expected=_EXPECTED, actual=value[:80], status=400)
+    return seconds

@@ -1,0 +1,147 @@
+"""`X-Turnlog-Timeout`: a write is committed within its client's timeout or not at all
+(docs/api.md §0.4), on every backend.
+
+The oracle is the store afterwards: a write that waited on a lock another
+connection held (SQLite's file lock, PostgreSQL's table lock) past its
+deadline left nothing behind, even though the lock went and the write could
+have gone on; without the header the same write waits and commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app.store.engine.dialect import normalize_url
+from tests.api.helpers import append, assert_problem, close, opened
+from tests.factory import open_body, turn
+
+HEADER = "X-Turnlog-Timeout"
+# Lock held this long: past the 0.3 s deadline, well inside the store's lock waits.
+HELD_S = 1.2
+
+
+@contextlib.asynccontextmanager
+async def writes_held(db_url: str) -> AsyncIterator[None]:
+    """Another connection holds the lock every session write needs, as a backup or a
+    long transaction elsewhere would; released on exit."""
+    url = normalize_url(db_url)
+    if url.startswith("sqlite"):
+        conn = sqlite3.connect(url.split(":///", 1)[1], isolation_level=None, timeout=30)
+        conn.execute("BEGIN EXCLUSIVE")
+        try:
+            yield
+        finally:
+            conn.execute("ROLLBACK")
+            conn.close()
+        return
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn, conn.begin():
+            await conn.execute(text("LOCK TABLE sessions IN EXCLUSIVE MODE"))
+            yield
+    finally:
+        await engine.dispose()
+
+
+async def held_then_sent(db_url: str, send: Any) -> httpx.Response:
+    """`send()` started while the lock is held; the lock released after HELD_S."""
+    async with writes_held(db_url):
+        pending = asyncio.ensure_future(send())
+        await asyncio.sleep(HELD_S)
+        assert not pending.done(), "the write did not wait for the lock"
+    return await pending
+
+
+async def status_of(client: httpx.AsyncClient, sid: str) -> str:
+    r = await client.get(f"/v1/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return str(r.json()["status"])
+
+
+async def test_a_close_past_its_deadline_is_rolled_back_not_carried_out_late(client, db_url,
+                                                                             sid):
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3, 4]))
+    r = await held_then_sent(db_url, lambda: client.post(
+        f"/v1/sessions/{sid}/close", json={"metadata": {"reward": 1.0}},
+        headers={HEADER: "0.3"}))
+    body = assert_problem(r, 503, "deadline-exceeded")
+    assert body["field"] == HEADER
+    assert await status_of(client, sid) == "open"
+    # The session takes turns still (the writes its client's close would have overtaken).
+    await append(client, sid, turn([1, 2, 3, 4, 5], [6], parent=0))
+    await close(client, sid)
+    assert await status_of(client, sid) == "closed"
+
+
+async def test_the_same_close_without_a_deadline_waits_for_the_lock_and_commits(client,
+                                                                                db_url, sid):
+    await opened(client, sid)
+    r = await held_then_sent(db_url, lambda: client.post(f"/v1/sessions/{sid}/close",
+                                                         json={}))
+    assert r.status_code == 200, r.text
+    assert await status_of(client, sid) == "closed"
+
+
+async def test_a_reward_past_its_deadline_is_not_recorded(client, db_url, sid):
+    await opened(client, sid)
+    await append(client, sid, turn([1, 2], [3, 4]))
+    await close(client, sid)
+    r = await held_then_sent(db_url, lambda: client.post(
+        f"/v1/sessions/{sid}/rewards", json={"event_id": "rw-1", "reward": 0.5},
+        headers={HEADER: "0.3"}))
+    assert_problem(r, 503, "deadline-exceeded")
+    events = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    assert [e["type"] for e in events if e["type"] == "reward_recorded"] == []
+
+
+async def test_an_open_past_its_deadline_leaves_no_session(client, db_url, sid):
+    r = await held_then_sent(db_url, lambda: client.post(
+        "/v1/sessions", json=open_body(sid), headers={HEADER: "0.3"}))
+    assert_problem(r, 503, "deadline-exceeded")
+    assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
+    await opened(client, sid)  # and the id is free
+
+
+async def test_a_write_within_its_deadline_commits(client, sid):
+    r = await client.post("/v1/sessions", json=open_body(sid), headers={HEADER: "30"})
+    assert r.status_code == 201, r.text
+    r = await client.post(f"/v1/sessions/{sid}/close", json={}, headers={HEADER: "30"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "1e3", "", "soon", "86401",
+                                   "5 s"])
+async def test_a_malformed_timeout_is_a_400_naming_the_header_and_stores_nothing(
+        client, sid, value):
+    r = await client.post("/v1/sessions", json=open_body(sid), headers={HEADER: value})
+    body = assert_problem(r, 400, "invalid-request")
+    assert body["field"] == HEADER
+    assert "seconds" in body["expected"]
+    assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
+
+
+async def test_an_append_under_a_deadline_is_stored_once_or_refused_never_a_500(client,
+                                                                              db_url, sid):
+    """Appends may commit after the deadline (docs/api.md §0.4): either answer is fine,
+    and the retry a client makes after giving up finds the turn stored exactly once."""
+    await opened(client, sid)
+    body = turn([1, 2], [3, 4])
+    r = await held_then_sent(db_url, lambda: client.post(
+        f"/v1/sessions/{sid}/turns", json=body, headers={HEADER: "0.3"}))
+    assert r.status_code in (201, 503), r.text
+    if r.status_code == 503:
+        assert_problem(r, 503, "deadline-exceeded")
+    again = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert again.status_code in (200, 201), again.text
+    events = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    assert len([e for e in events if e["type"] == "turn_recorded"]) == 1
