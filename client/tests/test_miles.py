@@ -578,12 +578,12 @@ async def test_a_label_the_store_refuses_is_left_out_not_the_sessions_labels(
     assert "'b c' left out" in warning.getMessage() and "'long' left out" in warning.getMessage()
 
 
-async def test_every_hook_call_asks_the_store_to_commit_before_the_hook_gives_up(
+async def test_the_close_asks_the_store_to_commit_it_before_the_hook_gives_up(
         env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
-    """A call the hook gave up on must not be carried out later (a late close could
-    overtake the gateway's spooled turns): each says so in `X-Turnlog-Timeout`, a value
-    below the hook's own deadline."""
-    timeouts: list[float] = []
+    """A close the hook gave up on must not be carried out later (it could overtake the
+    gateway's spooled turns): it says so in `X-Turnlog-Timeout`, below the hook's own
+    deadline. Opens and rewards do not (carried out late, they lose nothing)."""
+    timeouts: dict[str, list[float | None]] = {}
 
     async def refusing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -592,7 +592,9 @@ async def test_every_hook_call_asks_the_store_to_commit_before_the_hook_gives_up
                 lines = head.decode("latin-1").split("\r\n")
                 fields = {k.strip().lower(): v.strip() for k, _, v in
                           (line.partition(":") for line in lines[1:] if line)}
-                timeouts.append(float(fields.get("x-turnlog-timeout", "nan")))
+                value = fields.get("x-turnlog-timeout")
+                route = lines[0].split()[1].rsplit("/", 1)[-1]
+                timeouts.setdefault(route, []).append(None if value is None else float(value))
                 await reader.readexactly(int(fields.get("content-length", "0")))
                 body = b'{"type":"urn:turnlog:invalid-request","status":422,"title":"no"}'
                 writer.write(b"HTTP/1.1 422 Unprocessable Content\r\n"
@@ -610,5 +612,7 @@ async def test_every_hook_call_asks_the_store_to_commit_before_the_hook_gives_up
         await run_agent(sid, {})
         env.setattr(support, "fake_rm", lambda args, sample, **kw: 1.0)
         await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
-    assert len(timeouts) >= 3  # the open, the close, the reward
-    assert all(0 < t < hooks.DEADLINE for t in timeouts), timeouts
+    assert set(timeouts) == {"sessions", "close", "rewards"}, timeouts
+    assert timeouts["close"] and all(t is not None and 0 < t < hooks.DEADLINE
+                                     for t in timeouts["close"]), timeouts
+    assert set(timeouts["sessions"]) == set(timeouts["rewards"]) == {None}, timeouts

@@ -36,7 +36,7 @@ import pybase64
 
 from turnlog_client.consumers import Claim, ConsumerCalls, bounds
 from turnlog_client.npy_stream import HttpReply, fast_path_url, get_npy, read_chunks
-from turnlog_client.transport import JSON, Transport, encode, error_from
+from turnlog_client.transport import JSON, TIMEOUT_HEADER, Transport, encode, error_from
 
 __all__ = [
     "Claim",
@@ -220,11 +220,18 @@ class TurnlogClient(ConsumerCalls):
         *,
         max_seq_len: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        commit_within: float | None = None,
     ) -> dict[str, Any]:
-        """Close a session; returns its samples without arrays. Repeats are idempotent."""
+        """Close a session; returns its samples without arrays. Repeats are idempotent.
+
+        `commit_within` (seconds): the store carries the close out within that long
+        of receiving it or not at all (503 `deadline-exceeded`), never later, when
+        this call may long have given up (`X-Turnlog-Timeout`). Keep it below the
+        client's timeout."""
         body: dict[str, Any] = {"max_seq_len": max_seq_len, "metadata": dict(metadata or {})}
+        headers = None if commit_within is None else {TIMEOUT_HEADER: f"{commit_within:.3f}"}
         result: dict[str, Any] = await self._transport.json(
-            "POST", f"/v1/sessions/{session_id}/close", body=body)
+            "POST", f"/v1/sessions/{session_id}/close", body=body, headers=headers)
         return result
 
     async def record_reward(

@@ -54,11 +54,12 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 # DEADLINE; one call gives up after DEADLINE (its resends included).
 CONNECT_TIMEOUT = 2.0
 DEADLINE = 5.0
-# Each call also asks the store not to commit it once the hook has given up on it
-# (`X-Turnlog-Timeout`, a little before DEADLINE): a close carried out late, after the
+# The close asks the store not to carry it out once the hook has given up on it
+# (`commit_within`, a little before DEADLINE): a close carried out late, after the
 # database came back from a long lock, could overtake the gateway's spooled turns of
-# the same session, which would then meet a closed session and be lost.
-TIMEOUT_HEADER = "X-Turnlog-Timeout"
+# the same session, which would then meet a closed session and be lost. Opens and
+# rewards carried out late lose nothing (a late open finds the session the gateway
+# opened meanwhile, or opens it with the hook's labels), so they keep that chance.
 COMMIT_WITHIN = 0.9
 RETRIES = 2
 # The agent's dict is stored as JSON this deep at most (deeper: a marker), and a
@@ -131,7 +132,6 @@ class Settings:
         """A client for one hook call (a bad `TURNLOG_URL` raises ValueError here)."""
         return TurnlogClient(self.url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
                              timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
-                             headers={TIMEOUT_HEADER: f"{DEADLINE * COMMIT_WITHIN:.3f}"},
                              transport=httpx.AsyncHTTPTransport(verify=_tls()), wire="json")
 
 
@@ -289,7 +289,7 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
                     "agent_error": close_metadata(None, error)["agent_error"]}
         problems.append(metadata["agent_unrecorded"])
     try:
-        await tl.close(sid, metadata=metadata)
+        await tl.close(sid, metadata=metadata, commit_within=DEADLINE * COMMIT_WITHIN)
     except TurnlogError as exc:
         if exc.slug == "session-closed":
             # Closed already (the gateway's idle close): the reward goes in as a §16 event.
@@ -299,7 +299,7 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
             metadata = {**metadata, "agent": None,
                         "agent_unrecorded": _problem("close with the agent's dict", exc)}
             problems.append(metadata["agent_unrecorded"])
-            await tl.close(sid, metadata=metadata)
+            await tl.close(sid, metadata=metadata, commit_within=DEADLINE * COMMIT_WITHIN)
         else:
             raise
     for response_id, value in branch_rewards(result).items():

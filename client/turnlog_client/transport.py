@@ -27,6 +27,9 @@ from turnlog_client.errors import Backoff, TurnlogConnectionError, TurnlogError,
 __all__ = ["JSON", "Transport", "decode", "encode", "error_from"]
 
 JSON = "application/json"
+# A write carried out within this many seconds of arriving or not at all (the store's
+# `X-Turnlog-Timeout`).
+TIMEOUT_HEADER = "X-Turnlog-Timeout"
 
 
 def decode(content: bytes) -> Any:
@@ -130,13 +133,16 @@ class Transport:
         event_id: str | None = None,
         timeout: httpx.Timeout | None = None,
         encoded: tuple[bytes, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         """One call with its retries: the body is encoded once, so a resend is
-        byte-identical; a non-2xx answer raises the `TurnlogError` it carries."""
+        byte-identical; a non-2xx answer raises the `TurnlogError` it carries.
+        `headers`: this call's own, beside the client's."""
         if encoded is None and body is not None:
             encoded = encode(body), JSON
         content = None if encoded is None else encoded[0]
-        headers = None if encoded is None else {"content-type": encoded[1]}
+        if encoded is not None:
+            headers = {**(headers or {}), "content-type": encoded[1]}
         query = {k: v for k, v in (params or {}).items() if v is not None}
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         async for attempt in self.retrying():
