@@ -25,6 +25,10 @@ the stored sizes are clean. Last, `--big-turn-mb`: one turn of that many MB
 of JSON (and its MessagePack twin) is appended to a fresh `serve --workers 1`
 and the server's peak resident memory growth is reported against the body.
 
+`--py-spy DIR` samples each turnlog phase's server into DIR (`$PY_SPY_RATE`
+samples/s, default 200; `$PY_SPY_FLAGS`, default `--subprocesses --gil`:
+the Python CPU; `--subprocesses --native` shows C frames and every thread).
+
 Beside each turnlog phase's ratios: the server's CPU per turn, the user +
 system CPU seconds of the `turnlog serve` process tree (/proc/<pid>/stat,
 read before and after the phase) divided by the turns appended. Unlike the
@@ -165,7 +169,7 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
             # Sample the server (and its worker processes) for the whole phase: where
             # its Python CPU goes (the thread holding the GIL).
             spy = start_py_spy(f"{py_spy}/{wire}-w{workers}.txt", proc.pid,
-                               "--subprocesses", "--gil")
+                               *os.environ.get("PY_SPY_FLAGS", "--subprocesses --gil").split())
             await asyncio.sleep(1.0)
         connections = [RawHttp(base) for _ in range(clients)]
         for conn in connections:
