@@ -569,9 +569,12 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     except (aiohttp.ClientError, TimeoutError) as exc:
-        # Headers are gone already: all that is left is to cut the connection.
-        log.warning("upstream reply broke off", path=scope["path"], error=type(exc).__name__)
-        raise
+        # Headers are gone already: all that is left is to cut the connection, which
+        # the server does for a reply left incomplete (one error line of its own), not
+        # with the traceback an exception escaping here would log: the fault is the
+        # upstream's, said here once.
+        log.warning("upstream reply broke off; the caller's connection is cut",
+                    path=scope["path"], error=type(exc).__name__)
     finally:
         watcher.cancel()
         response.close()

@@ -1,7 +1,8 @@
 """Replies a real router would rarely send, from a raw-socket upstream: a status that is
-not a final HTTP status, a 304 that declares a length, a body-less 204. The gateway
-answers each cleanly (a 502 problem, or the reply relayed) and its connection to the
-caller goes on serving; nothing reaches uvicorn that it would refuse with a traceback.
+not a final HTTP status, a 304 that declares a length, a body-less 204, a reply cut off
+mid-body. The gateway answers each cleanly (a 502 problem, the reply relayed, or the
+caller's connection cut as the upstream's was) and its connection to the caller goes on
+serving where it can; nothing reaches uvicorn that it would refuse with a traceback.
 
 These record nothing, so they run on one SQLite file.
 """
@@ -22,6 +23,8 @@ REPLIES = {
     b"/not-modified": b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1234\r\nETag: \"v1\"\r\n\r\n",
     b"/no-content": b"HTTP/1.1 204 No Content\r\nX-Kept: yes\r\n\r\n",
     b"/plain": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello",
+    # Fewer bytes than declared, then the connection closes (an upstream that died).
+    b"/broken": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial",
     # A verbose head: 300 headers and one line of 20 KB (a direct client reads it).
     b"/verbose": (b"HTTP/1.1 200 OK\r\n"
                   + b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(300))
@@ -44,6 +47,8 @@ async def odd_upstream() -> AsyncIterator[str]:
                 await reader.readexactly(length)
                 writer.write(REPLIES[path])
                 await writer.drain()
+                if path == b"/broken":
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -113,3 +118,21 @@ async def test_a_verbose_reply_head_is_relayed(tmp_path, gateway_process, odd_up
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and body == b"ok", reply[:200]
     assert head.count(b"\r\nx-h") == 300 and b"x-long: " + b"v" * 20_000 in head
+
+
+async def test_a_reply_that_breaks_off_cuts_the_callers_connection_with_one_log_line(
+        tmp_path, gateway_process, odd_upstream):
+    """The head is relayed already when the upstream's reply breaks off: the caller's
+    connection is cut (it sees fewer bytes than declared), the gateway says so in one
+    warning, and no traceback (an upstream's fault is not the gateway's bug)."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=odd_upstream)
+    await gateway.wait_ready()
+    reply = await _exchange(gateway.port, _get(b"/broken") + _get(b"/plain", last=True))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"content-length: 100" in head.lower()
+    assert body == b"partial"  # then the connection closed: the next request not served
+    again = await _exchange(gateway.port, _get(b"/plain", last=True))
+    assert again.startswith(b"HTTP/1.1 200") and again.endswith(b"hello")
+    log = gateway.log_tail(300)
+    assert "upstream reply broke off" in log, log
+    assert "Traceback" not in log
