@@ -102,3 +102,18 @@ def test_sync_client_records_rewards(server_url: str) -> None:
         event = tl.record_reward(sid, 0.5, sample=0)
         assert event["reward"]["sample"] == 0
         assert tl.samples(sid, arrays=False)["samples"][0]["reward"] == 0.5
+
+
+async def test_dot_ids_and_odd_characters_reach_their_own_session(server_url: str) -> None:
+    """`.` and `..` are valid session ids: they must not be folded into the path around
+    them (`/v1/sessions/..` is not `/v1/`), and an id with `?`, `#` or a space is that
+    id (an unknown session), not a path with a query."""
+    async with TurnlogClient(server_url) as tl:
+        for sid in (".", ".."):
+            await tl.open({"session_id": sid, "version": "v2"})  # a repeat on a rerun
+            assert (await tl.session(sid))["session_id"] == sid
+            assert (await tl.events(sid))[0]["type"] == "session_opened"
+        for odd in ("no?such", "no#such", "no such", "50%"):
+            with pytest.raises(TurnlogError) as caught:
+                await tl.session(odd)
+            assert caught.value.status == 404 and caught.value.slug == "unknown-session", odd

@@ -36,7 +36,14 @@ import pybase64
 
 from turnlog_client.consumers import Claim, ConsumerCalls, bounds
 from turnlog_client.npy_stream import HttpReply, fast_path_url, get_npy, read_chunks
-from turnlog_client.transport import JSON, TIMEOUT_HEADER, Transport, encode, error_from
+from turnlog_client.transport import (
+    JSON,
+    TIMEOUT_HEADER,
+    Transport,
+    encode,
+    error_from,
+    escape_path,
+)
 
 __all__ = [
     "Claim",
@@ -363,7 +370,7 @@ class TurnlogClient(ConsumerCalls):
         if rows is not None or layers is not None:
             return await self.r3_slice(session_id, index, rows=bounds(rows),
                                        layers=bounds(layers))
-        path = f"/v1/sessions/{session_id}/samples/{index}/r3"
+        path = escape_path(f"/v1/sessions/{session_id}/samples/{index}/r3")
         async for attempt in self._transport.retrying():
             with attempt:
                 if self._fast is not None:

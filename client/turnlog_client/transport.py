@@ -17,6 +17,7 @@ import contextlib
 import json
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -30,6 +31,18 @@ JSON = "application/json"
 # A write carried out within this many seconds of arriving or not at all (the store's
 # `X-Turnlog-Timeout`).
 TIMEOUT_HEADER = "X-Turnlog-Timeout"
+# What a path may carry as it is (RFC 3986's pchar, and "/" between segments).
+_PATH_SAFE = "/:@-._~!$&'()*+,;="
+
+
+def escape_path(path: str) -> str:
+    """`path` as it goes on the wire: what a URL path cannot carry as it is
+    percent-encoded (an id with `?`, `#`, `%` or a space means that id, not a query),
+    and a `.` or `..` segment (a valid session id) as `%2E`, which no client or
+    proxy folds into the path around it. The server decodes both back."""
+    escaped = quote(path, safe=_PATH_SAFE)
+    return "/".join(segment.replace(".", "%2E") if segment in (".", "..") else segment
+                    for segment in escaped.split("/"))
 
 
 def decode(content: bytes) -> Any:
@@ -148,7 +161,8 @@ class Transport:
         async for attempt in self.retrying():
             with attempt:
                 try:
-                    response = await self.http.request(method, path, content=content,
+                    response = await self.http.request(method, escape_path(path),
+                                                       content=content,
                                                        headers=headers, params=query, **extra)
                 except httpx.TransportError as exc:
                     raise self.unreachable(exc, event_id) from exc
