@@ -117,3 +117,21 @@ async def test_dot_ids_and_odd_characters_reach_their_own_session(server_url: st
             with pytest.raises(TurnlogError) as caught:
                 await tl.session(odd)
             assert caught.value.status == 404 and caught.value.slug == "unknown-session", odd
+
+
+async def test_a_close_that_missed_its_commit_within_is_refused_not_resent(
+        server_url: str) -> None:
+    sid = new_sid()
+    async with TurnlogClient(server_url) as tl:
+        await tl.open({"session_id": sid, "version": "v2"})
+        await tl.append_body(sid, turn([1, 2, 3], [4, 5]))
+        with pytest.raises(TurnlogError) as caught:
+            await tl.close(sid, commit_within=0.000001)  # no write can meet it
+        assert caught.value.slug == "deadline-exceeded" and not caught.value.retryable
+        assert (await tl.session(sid))["status"] == "open"
+        closed = await tl.close(sid, commit_within=30)
+        # A repeat of a close that committed is answered as one, whatever its deadline.
+        assert await tl.close(sid, commit_within=0.000001) == closed
+        for bad in (0, -1, float("nan"), 1e9):
+            with pytest.raises(ValueError):
+                await tl.close(sid, commit_within=bad)

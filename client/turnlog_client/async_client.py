@@ -43,6 +43,7 @@ from turnlog_client.transport import (
     encode,
     error_from,
     escape_path,
+    timeout_text,
 )
 
 __all__ = [
@@ -234,9 +235,10 @@ class TurnlogClient(ConsumerCalls):
         `commit_within` (seconds): the store carries the close out within that long
         of receiving it or not at all (503 `deadline-exceeded`), never later, when
         this call may long have given up (`X-Turnlog-Timeout`). Keep it below the
-        client's timeout."""
+        client's timeout. That 503 is not resent (a resend would get a new window);
+        a close that did commit is answered as a repeat, 200, as always."""
         body: dict[str, Any] = {"max_seq_len": max_seq_len, "metadata": dict(metadata or {})}
-        headers = None if commit_within is None else {TIMEOUT_HEADER: f"{commit_within:.3f}"}
+        headers = None if commit_within is None else {TIMEOUT_HEADER: timeout_text(commit_within)}
         result: dict[str, Any] = await self._transport.json(
             "POST", f"/v1/sessions/{session_id}/close", body=body, headers=headers)
         return result

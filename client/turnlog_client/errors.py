@@ -5,7 +5,8 @@ server's problem+json (`slug`, `status`, `field`, `expected`, `actual`), and
 `TurnlogConnectionError`, a transport failure that outlasted the retries —
 and the policy (tenacity): bounded exponential backoff with full jitter,
 never shorter than a `Retry-After`, resending only errors that are
-`retryable` (connection errors, timeouts, 5xx; never 4xx). Both error types
+`retryable` (connection errors, timeouts, 5xx but a write's own
+`deadline-exceeded`, whose resend would get a new deadline; never 4xx). Both error types
 carry the `event_id` of the turn they were appending, so a caller that did
 not choose one can still resend the same turn later without a duplicate.
 
@@ -62,7 +63,10 @@ class TurnlogError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.status is not None and self.status >= 500
+        # A write refused for its `X-Turnlog-Timeout` is not resent: the resend would be
+        # carried out within a new timeout, later than the caller asked for.
+        return self.status is not None and self.status >= 500 \
+            and self.slug != "deadline-exceeded"
 
 
 class TurnlogConnectionError(TurnlogError):

@@ -35,6 +35,15 @@ TIMEOUT_HEADER = "X-Turnlog-Timeout"
 _PATH_SAFE = "/:@-._~!$&'()*+,;="
 
 
+def timeout_text(seconds: float) -> str:
+    """`seconds` as the `X-Turnlog-Timeout` header says it (ValueError outside the
+    store's range: above 0, at most a day)."""
+    value = float(seconds)
+    if not 0.000_001 <= value <= 86400:
+        raise ValueError(f"commit_within must be between 1e-06 and 86400 seconds, not {seconds!r}")
+    return f"{value:.6f}"
+
+
 def escape_path(path: str) -> str:
     """`path` as it goes on the wire: what a URL path cannot carry as it is
     percent-encoded (an id with `?`, `#`, `%` or a space means that id, not a query),

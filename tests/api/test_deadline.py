@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -120,7 +121,7 @@ async def test_a_write_within_its_deadline_commits(client, sid):
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "1e3", "", "soon", "86401",
-                                   "5 s"])
+                                   "5 s", "1, 2", "\x1c1"])
 async def test_a_malformed_timeout_is_a_400_naming_the_header_and_stores_nothing(
         client, sid, value):
     r = await client.post("/v1/sessions", json=open_body(sid), headers={HEADER: value})
@@ -145,3 +146,53 @@ async def test_an_append_under_a_deadline_is_stored_once_or_refused_never_a_500(
     assert again.status_code in (200, 201), again.text
     events = (await client.get(f"/v1/sessions/{sid}/events")).json()
     assert len([e for e in events if e["type"] == "turn_recorded"]) == 1
+
+
+async def test_the_header_given_twice_is_a_400_whichever_value_comes_first(client, sid):
+    for values in (("1", "abc"), ("abc", "1"), ("1", "1")):
+        r = await client.post("/v1/sessions", json=open_body(sid),
+                              headers=[(HEADER, v) for v in values])
+        assert assert_problem(r, 400, "invalid-request")["field"] == HEADER
+    assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
+
+
+# A deadline no write can meet: every write under it is past it before its commit.
+MISSED = "0.000001"
+
+
+async def test_a_repeat_of_a_committed_write_is_answered_as_a_repeat_past_its_deadline(
+        client, sid):
+    """A client resending a close whose reply it lost (say) is answered 200 as always:
+    the repeat writes nothing, so no deadline applies to it; a first write is refused."""
+    assert_problem(await client.post("/v1/sessions", json=open_body(sid),
+                                     headers={HEADER: MISSED}), 503, "deadline-exceeded")
+    await opened(client, sid)
+    r = await client.post("/v1/sessions", json=open_body(sid), headers={HEADER: MISSED})
+    assert r.status_code == 200, r.text
+    await append(client, sid, turn([1, 2], [3, 4]))
+    first = await client.post(f"/v1/sessions/{sid}/close", json={})
+    assert first.status_code == 200, first.text
+    again = await client.post(f"/v1/sessions/{sid}/close", json={}, headers={HEADER: MISSED})
+    assert again.status_code == 200 and again.json() == first.json(), again.text
+    reward = {"event_id": "rw", "reward": 1.0}
+    assert_problem(await client.post(f"/v1/sessions/{sid}/rewards", json=reward,
+                                      headers={HEADER: MISSED}), 503, "deadline-exceeded")
+    first = await client.post(f"/v1/sessions/{sid}/rewards", json=reward)
+    assert first.status_code == 201, first.text
+    again = await client.post(f"/v1/sessions/{sid}/rewards", json=reward,
+                              headers={HEADER: MISSED})
+    assert again.status_code == 200 and again.json() == first.json(), again.text
+
+
+async def test_routes_other_than_the_sessions_ignore_the_header(client):
+    """Only session writes keep a deadline: a long-poll claim that waits longer than the
+    header's value is not refused for it, and no other route reads the header."""
+    r = await client.get("/healthz", headers={HEADER: "not a number"})
+    assert r.status_code == 200, r.text
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    r = await client.put(f"/v1/consumers/{group}", json={"from": "now"},
+                         headers={HEADER: "0.1"})
+    assert r.status_code in (200, 201), r.text
+    r = await client.post(f"/v1/consumers/{group}/claims",
+                          json={"claim_id": "c1", "wait": 0.5}, headers={HEADER: "0.1"})
+    assert r.status_code in (200, 201) and r.json()["sessions"] == [], r.text

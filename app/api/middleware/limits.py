@@ -7,9 +7,10 @@ Once the body is complete, reads pass through untimed (a streaming reply
 listens for the disconnect for as long as it runs). One timer per request
 keeps the time (`ReadWatch`), not a timeout scope per read.
 
-`WriteDeadline` reads a request's `X-Turnlog-Timeout` (400 if malformed) and
-makes its writes commit within that many seconds or not at all (the store's
-`write_deadline`).
+`WriteDeadline` reads the `X-Turnlog-Timeout` of a request to a session route
+(`/v1/sessions…`; 400 if malformed) and makes its writes commit within that
+many seconds or not at all (the store's `write_deadline`). Other routes ignore
+the header.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from app.domain.errors import InvalidRequest, TooLarge
 from app.store.engine.db import write_deadline
 
 TIMEOUT_HEADER_KEY = b"x-turnlog-timeout"
+# The routes whose writes keep a deadline: opens, turns, closes, rewards.
+SESSION_ROUTES = "/v1/sessions"
 
 
 class BodyLimit:
@@ -143,13 +146,13 @@ class WriteDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        value = next((v for k, v in scope.get("headers") or () if k == TIMEOUT_HEADER_KEY),
-                     None)
-        if value is None:
+        values = [v.decode("latin-1") for k, v in scope.get("headers") or ()
+                  if k == TIMEOUT_HEADER_KEY]
+        if not values or not scope["path"].startswith(SESSION_ROUTES):
             await self.app(scope, receive, send)
             return
         try:
-            seconds = parse_timeout(value.decode("latin-1"))
+            seconds = parse_timeout(values)
         except InvalidRequest as error:
             await send_problem(send, error)
             return

@@ -24,10 +24,15 @@ MAX_TIMEOUT_S = 86400.0
 _EXPECTED = f"seconds, a decimal number > 0 and at most {MAX_TIMEOUT_S:g}"
 
 
-def parse_timeout(text: str) -> float:
-    """The header's seconds (InvalidRequest, 400, for anything but a decimal number in
-    (0, MAX_TIMEOUT_S]: no `inf`, `nan`, exponent or sign)."""
-    value = text.strip()
+def parse_timeout(values: list[str]) -> float:
+    """The header's seconds, from its one value (InvalidRequest, 400, for anything but
+    one decimal number in (0, MAX_TIMEOUT_S]: no `inf`, `nan`, exponent or sign, nor
+    a second value, which a proxy may also have joined with a comma)."""
+    if len(values) != 1:
+        raise InvalidRequest(f"{TIMEOUT_HEADER} must be given once", field=TIMEOUT_HEADER,
+                             expected=f"one value: {_EXPECTED}",
+                             actual=f"{len(values)} values", status=400)
+    value = values[0].strip(" \t")  # HTTP's optional whitespace, nothing else
     digits = value.replace(".", "", 1)
     seconds = float(value) if digits.isdigit() and digits.isascii() else math.nan
     if not 0 < seconds <= MAX_TIMEOUT_S:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from app.domain.log.events import StoredTurn
-from app.store.engine.db import remaining_s
+from app.store.engine.db import has_deadline, remaining_s
 
 APPEND = "SELECT turnlog_append(" + ", ".join(f"${i}" for i in range(1, 39)) + ")"
 
@@ -84,12 +84,13 @@ async def open_session(pool: asyncpg.Pool, args: tuple[Any, ...]) -> str | None:
     request's deadline (`remaining_s`) the call runs in a transaction of its own,
     committed only while the deadline has not passed."""
     async with pool.acquire() as conn, discard_if_broken(conn):
-        if remaining_s() is None:
+        if not has_deadline():
             stored = await conn.fetchval(OPEN, *args)
         else:
             async with conn.transaction():
                 stored = await conn.fetchval(OPEN, *args)
-                remaining_s()
+                if stored is None:  # it opened the session (a repeat wrote nothing)
+                    remaining_s()
     return None if stored is None else str(stored)
 
 

@@ -231,6 +231,7 @@ class Writer:
                     .where(sessions.c.session_id == definition.session_id)
                 )).first()
                 if existing is not None:
+                    self.db.wrote_nothing()
                     return str(existing.open_fingerprint)
                 await conn.execute(sessions.insert().values(**row))
                 if definition.labels:
@@ -443,6 +444,7 @@ class Writer:
                         field="body", expected="the body the session was closed with",
                         actual="a different body",
                     )
+                self.db.wrote_nothing()
                 return False
             state = await load_state(conn, self.cache, row)
             closed = SessionState(definition=state.definition, nodes=state.nodes,
@@ -483,6 +485,7 @@ class Writer:
             row = await session_row(conn, session_id, lock=True)
             state = await load_state(conn, self.cache, row)
             if body.event_id in state.rewards or body.event_id in state.event_ids:
+                self.db.wrote_nothing()
                 return Written(await self._reward_repeat(conn, session_id, body), created=False)
             if state.close is None:
                 raise SessionOpen(f"session {session_id!r} is still open; rewards come after "

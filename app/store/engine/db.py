@@ -42,6 +42,9 @@ WARM_HOLD_S = 1.0
 # When the request being served gives up on its writes (`time.monotonic()`), or None:
 # set per request from `X-Turnlog-Timeout` (app.api.middleware.limits.WriteDeadline).
 _deadline: ContextVar[float | None] = ContextVar("turnlog_write_deadline", default=None)
+# Set inside a `write()` that turned out to write nothing (a repeat answered from what
+# is stored): its deadline does not apply, since nothing of it would commit late.
+_unwritten: ContextVar[bool] = ContextVar("turnlog_write_unwritten", default=False)
 
 
 @contextlib.contextmanager
@@ -52,6 +55,11 @@ def write_deadline(seconds: float) -> Iterator[None]:
         yield
     finally:
         _deadline.reset(token)
+
+
+def has_deadline() -> bool:
+    """Whether the writes being made keep a request's deadline."""
+    return _deadline.get() is not None
 
 
 def remaining_s() -> float | None:
@@ -68,6 +76,11 @@ def remaining_s() -> float | None:
             field=TIMEOUT_HEADER, expected="a commit within the timeout",
             actual=f"not committed {-left:.3f} s after it")
     return left
+
+
+def _before_commit() -> None:
+    if not _unwritten.get():
+        remaining_s()
 
 
 def now_us() -> int:
@@ -157,14 +170,24 @@ class Database:
         and rolled back (DeadlineExceeded) if the request's deadline passed before the
         commit: its client, gone, cannot be told, and later writes of other clients
         must not be overtaken by it."""
-        if self._write_lock is not None:
-            async with self._write_lock, self.writer.begin() as conn:
-                yield conn
-                remaining_s()
-        else:
-            async with self.writer.begin() as conn:
-                yield conn
-                remaining_s()
+        token = _unwritten.set(False)
+        try:
+            if self._write_lock is not None:
+                async with self._write_lock, self.writer.begin() as conn:
+                    yield conn
+                    _before_commit()
+            else:
+                async with self.writer.begin() as conn:
+                    yield conn
+                    _before_commit()
+        finally:
+            _unwritten.reset(token)
+
+    @staticmethod
+    def wrote_nothing() -> None:
+        """Inside `write()`: this transaction wrote nothing (a repeat answered from the
+        stored state), so it is answered even past its request's deadline."""
+        _unwritten.set(True)
 
     @asynccontextmanager
     async def sqlite_writer(self) -> AsyncIterator[Any]:
