@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 import anyio.to_thread
@@ -73,6 +74,8 @@ log = structlog.get_logger("turnlog.gateway")
 PROBLEM = b"application/problem+json"
 OWN_PREFIX = "/turnlog/"
 OWN_ROUTES = frozenset({"/turnlog/healthz", "/turnlog/readyz", "/turnlog/metrics"})
+# `/turnlog/sessions/{sid}`: what the gateway holds of a session (its spooled turns).
+OWN_SESSIONS = "/turnlog/sessions/"
 # A reply with one of these has no body (RFC 9110 §6.4.1): its Content-Length, if the
 # upstream sent one, describes another reply, and uvicorn would wait for those bytes.
 NO_BODY = frozenset({204, 304})
@@ -223,7 +226,8 @@ class Gateway:
 
     async def _own(self, scope: dict[str, Any], send: Any) -> None:
         path = _raw_path(scope).decode("latin-1")
-        if path in OWN_ROUTES and scope["method"] not in ("GET", "HEAD"):
+        own = path in OWN_ROUTES or path.startswith(OWN_SESSIONS)
+        if own and scope["method"] not in ("GET", "HEAD"):
             problem = {"type": "urn:turnlog:method-not-allowed", "title": "Method Not Allowed",
                        "status": 405, "detail": f"{path} answers GET (and HEAD) only",
                        "field": "method", "expected": "GET or HEAD",
@@ -243,10 +247,21 @@ class Gateway:
             await _send(send, 200 if ready else 503, b"application/json", body)
         elif path == "/turnlog/metrics":
             await _send(send, 200, CONTENT_TYPE.encode(), self.metrics.render())
+        elif path.startswith(OWN_SESSIONS) and path[len(OWN_SESSIONS):] \
+                and "/" not in path[len(OWN_SESSIONS):]:
+            # Whether a client may close the session now without overtaking a spooled
+            # turn of it (the miles hook asks before its close: docs/gateway.md).
+            assert self.recorder is not None
+            session_id = unquote(path[len(OWN_SESSIONS):])
+            body = jsonio.dumps_bytes({
+                "session_id": session_id,
+                "spooled_turns": self.recorder.spool.per_session.get(session_id, 0)})
+            await _send(send, 200, b"application/json", body)
         else:
             problem = {"type": "urn:turnlog:not-found", "title": "Not Found", "status": 404,
                        "detail": f"no gateway route {path} (its routes: /turnlog/healthz, "
-                                 "/turnlog/readyz, /turnlog/metrics)"}
+                                 "/turnlog/readyz, /turnlog/metrics, "
+                                 "/turnlog/sessions/{session_id})"}
             await _send(send, 404, PROBLEM, jsonio.dumps_bytes(problem))
 
     # -- forwarding ------------------------------------------------------------------------

@@ -31,6 +31,7 @@ SESSION_SERVER = "http://127.0.0.1:30000/sessions"
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, server_url: str) -> Iterator[pytest.MonkeyPatch]:
     for name in ("TURNLOG_TOKEN", "TURNLOG_RUN_ID", "TURNLOG_MILES_LABEL_KEYS",
+                 "TURNLOG_GATEWAY_URL",
                  "TURNLOG_MILES_VERSION", "TURNLOG_MILES_PAUSE_GENERATION_MODE",
                  "TURNLOG_MILES_NUM_LAYERS", "TURNLOG_MILES_MAX_TRIM_TOKENS",
                  "TURNLOG_MILES_SPECULATIVE"):
@@ -616,3 +617,42 @@ async def test_the_close_asks_the_store_to_commit_it_before_the_hook_gives_up(
     assert timeouts["close"] and all(t is not None and 0 < t < hooks.DEADLINE
                                      for t in timeouts["close"]), timeouts
     assert set(timeouts["sessions"]) == set(timeouts["rewards"]) == {None}, timeouts
+
+
+async def test_with_a_gateway_the_close_waits_until_it_holds_no_spooled_turn(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """`TURNLOG_GATEWAY_URL`: the hook asks the gateway (`GET /turnlog/sessions/<sid>`)
+    until it holds none of the session's turns, then closes; a gateway that cannot be
+    asked costs one warning, and the close goes ahead."""
+    answers = [2, 1, 0]
+    asked: list[str] = []
+
+    async def gateway(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                asked.append(head.split(b" ", 2)[1].decode())
+                body = f'{{"session_id": "x", "spooled_turns": {answers.pop(0)}}}'.encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    server = await asyncio.start_server(gateway, "127.0.0.1", 0)
+    async with server:
+        env.setenv("TURNLOG_GATEWAY_URL",
+                   f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/")
+        sid = new_sid()
+        await run_agent(sid, {})
+    assert asked == [f"/turnlog/sessions/{sid}"] * 3 and not answers
+    assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_closed"
+    assert not warnings.records
+
+    env.setenv("TURNLOG_GATEWAY_URL", f"http://127.0.0.1:{free_port()}")  # nobody there
+    sid = new_sid()
+    await run_agent(sid, {})
+    assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_closed"
+    (warning,) = warnings.records
+    assert "could not say whether it holds spooled turns" in warning.getMessage()

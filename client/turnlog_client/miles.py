@@ -43,6 +43,7 @@ import numpy as np
 
 from turnlog_client.async_client import TurnlogClient, new_event_id
 from turnlog_client.errors import TurnlogError
+from turnlog_client.transport import escape_path
 
 __all__ = ["Settings", "agent", "rm", "session_id_of"]
 
@@ -61,6 +62,8 @@ DEADLINE = 5.0
 # rewards carried out late lose nothing (a late open finds the session the gateway
 # opened meanwhile, or opens it with the hook's labels), so they keep that chance.
 COMMIT_WITHIN = 0.9
+# How often the agent hook asks the gateway whether it still holds spooled turns.
+SPOOL_POLL_S = 0.2
 RETRIES = 2
 # The agent's dict is stored as JSON this deep at most (deeper: a marker), and a
 # container met again inside itself is stored as a marker too.
@@ -74,6 +77,7 @@ class Settings:
 
     url: str = DEFAULT_URL
     token: str | None = None
+    gateway: str | None = None
     agent: str | None = None
     rm: str | None = None
     version: str = "v2"
@@ -115,6 +119,7 @@ class Settings:
         return cls(
             url=text("TURNLOG_URL") or DEFAULT_URL,
             token=text("TURNLOG_TOKEN"),
+            gateway=text("TURNLOG_GATEWAY_URL"),
             agent=text("TURNLOG_MILES_AGENT"),
             rm=text("TURNLOG_MILES_RM"),
             # The store's values are lower case; `V2` or `IN_PLACE` mean the same.
@@ -316,6 +321,34 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
     return problems
 
 
+async def spooled_turns_left(settings: Settings, sid: str, problems: list[str]) -> int:
+    """With `TURNLOG_GATEWAY_URL`: wait (up to DEADLINE) until the gateway holds no
+    spooled turn of the session, so that the close cannot overtake them; the turns
+    still held then (0: none, or no gateway to ask). A gateway that cannot be asked
+    is one problem, and the close goes ahead."""
+    if settings.gateway is None:
+        return 0
+    url = settings.gateway.rstrip("/") + escape_path(f"/turnlog/sessions/{sid}")
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + DEADLINE
+    held = 0
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
+                                     transport=httpx.AsyncHTTPTransport(verify=_tls())) as http:
+            while True:
+                reply = await http.get(url)
+                reply.raise_for_status()
+                held = int(reply.json()["spooled_turns"])
+                if held <= 0 or loop.time() >= give_up:
+                    return max(held, 0)
+                await asyncio.sleep(SPOOL_POLL_S)
+    except Exception as exc:  # noqa: BLE001 - never fails the rollout
+        problems.append(f"the gateway at {settings.gateway} could not say whether it holds "
+                        f"spooled turns of this session ({type(exc).__name__}: {exc}); "
+                        "closed anyway")
+        return 0
+
+
 async def _open(tl: TurnlogClient, body: dict[str, Any]) -> list[str]:
     """Open the session; a label the store refuses (a key outside its pattern, a value
     too long) is left out, and the open sent again, so one odd metadata key costs
@@ -394,7 +427,16 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
             # then the cancellation goes on.
             error = exc
         try:
-            problems += await _close(tl, sid, result, error, settings.agent[:SOURCE_MAX])
+            held = await spooled_turns_left(settings, sid, problems)
+            if held:
+                problems.append(
+                    f"close not sent: the gateway at {settings.gateway} still holds {held} "
+                    "spooled turn(s) of this session after waiting "
+                    f"{DEADLINE:g} s (its store is down or hanging); a close now could make "
+                    "them arrive at a closed session. Close the session once the gateway "
+                    "has drained them (GET /turnlog/sessions/<sid> says 0)")
+            else:
+                problems += await _close(tl, sid, result, error, settings.agent[:SOURCE_MAX])
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:

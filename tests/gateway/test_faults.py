@@ -387,9 +387,9 @@ HOOKED: dict[str, Any] = {}
 
 
 async def hooked_agent(base_url: str, **_kwargs: Any) -> dict[str, Any]:
-    """The user's agent under the miles hook: one turn, then another while another process
-    locks the store (the gateway spools it); returns with the lock still held, released
-    only after the hook's close has given up."""
+    """The user's agent under the miles hook: one turn, then `HOOKED["spooled"]` more
+    while another process locks the store (the gateway spools them); returns with the
+    lock still held, released `HOOKED["hold_s"]` after it was taken."""
     conversation: Conversation = HOOKED["conversation"]
     assert base_url.endswith(f"/{conversation.session_id}")
     async with httpx.AsyncClient(base_url=HOOKED["gateway"], timeout=60) as http:
@@ -397,17 +397,16 @@ async def hooked_agent(base_url: str, **_kwargs: Any) -> dict[str, Any]:
         lock = sqlite_lock(HOOKED["path"])
         lock.__enter__()
         asyncio.get_running_loop().call_later(HOOKED["hold_s"], lock.__exit__, None, None, None)
-        assert (await conversation.turn(http)).status == 200  # answered, spooled
+        for _ in range(HOOKED.get("spooled", 1)):
+            assert (await conversation.turn(http)).status == 200  # answered, spooled
     return {"reward": 1.0}
 
 
-async def test_a_hook_close_given_up_on_a_locked_store_never_overtakes_the_spool(
-        tmp_path, gateway_process, monkeypatch):
-    """The hooks' close times out while another process locks the SQLite file, and the
-    gateway holds a spooled turn of that session. The close must not be carried out
-    when the lock goes (it would close the session before the drain, and the answered
-    turn would be lost): it carries `X-Turnlog-Timeout`, so `turnlog serve` rolls it
-    back. Every answered turn is stored; the session stays open for a later close."""
+@contextlib.asynccontextmanager
+async def hooked_run(tmp_path: Path, gateway_process: Any, monkeypatch: pytest.MonkeyPatch,
+                     **hooked: Any) -> AsyncIterator[tuple[Any, Conversation, Any]]:
+    """A gateway and a `turnlog serve` on one SQLite file, the miles hook pointed at
+    them, and `hooked_agent` as the user's agent: yields (gateway, conversation, serve)."""
     path = tmp_path / "store.db"
     gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", STORE_TIMEOUT)
     await gateway.wait_ready()
@@ -417,22 +416,85 @@ async def test_a_hook_close_given_up_on_a_locked_store_never_overtakes_the_spool
         monkeypatch.setenv("TURNLOG_URL", serve.url)
         monkeypatch.setenv("TURNLOG_MILES_AGENT", f"{__name__}.hooked_agent")
         monkeypatch.delenv("TURNLOG_TOKEN", raising=False)
+        monkeypatch.delenv("TURNLOG_GATEWAY_URL", raising=False)
+        HOOKED.clear()
+        HOOKED.update(conversation=conversation, gateway=gateway.url, path=path, **hooked)
+        yield gateway, conversation, serve
+
+
+async def run_hooked(conversation: Conversation) -> dict[str, Any]:
+    result = await hooks.agent(base_url=f"http://miles/sessions/{conversation.session_id}",
+                               prompt="hi", request_kwargs={}, metadata={})
+    assert result["reward"] == 1.0
+    return result
+
+
+async def test_a_hook_close_given_up_on_a_locked_store_never_overtakes_the_spool(
+        tmp_path, gateway_process, monkeypatch):
+    """The hooks' close times out while another process locks the SQLite file, and the
+    gateway holds a spooled turn of that session. The close must not be carried out
+    when the lock goes (it would close the session before the drain, and the answered
+    turn would be lost): it carries `X-Turnlog-Timeout`, so `turnlog serve` rolls it
+    back. Every answered turn is stored; the session stays open for a later close."""
+    async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=2.5) as (
+            gateway, conversation, _serve):
         monkeypatch.setattr(hooks, "DEADLINE", 1.0)  # the hook gives up after 1 s
-        HOOKED.update(conversation=conversation, gateway=gateway.url, path=path,
-                      hold_s=2.5)
-        result = await hooks.agent(base_url=f"http://miles/sessions/{conversation.session_id}",
-                                   prompt="hi", request_kwargs={}, metadata={})
-        assert result["reward"] == 1.0
+        await run_hooked(conversation)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             await wait_for(lambda: drained(http), what="the spool to drain")
             await asyncio.sleep(1.5)  # time for a late close to land, were it to
             assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
                           'reason="session-closed"') == 0
             assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 2
-    async with api(f"sqlite+aiosqlite:///{path}") as store:
+    async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
         await check_stored(store, conversation)
         session = (await store.get(f"/v1/sessions/{conversation.session_id}")).json()
         assert session["status"] == "open"
         assert session["labels"] == {}  # the hook's open: no labels were asked for
         closed = await store.post(f"/v1/sessions/{conversation.session_id}/close", json={})
         assert closed.status_code == 200, closed.text
+
+
+async def test_the_hook_closes_only_once_the_gateway_holds_no_spooled_turn(
+        tmp_path, gateway_process, monkeypatch):
+    """The lock goes while the hook could still close in time: with the gateway's
+    address (`TURNLOG_GATEWAY_URL`) the hook first waits until the gateway holds no
+    spooled turn of the session, so the close lands after them, never before (without
+    it the close and the drain raced for the lock, and the close could win)."""
+    async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=2.0,
+                          spooled=2) as (gateway, conversation, _serve):
+        monkeypatch.setenv("TURNLOG_GATEWAY_URL", gateway.url)
+        monkeypatch.setattr(hooks, "DEADLINE", 4.0)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+            held = await http.get(f"/turnlog/sessions/{conversation.session_id}")
+            assert held.json() == {"session_id": conversation.session_id, "spooled_turns": 0}
+            await run_hooked(conversation)
+            assert await spooled(http) == 0  # drained before the hook closed
+            assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                          'reason="session-closed"') == 0
+    async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
+        await check_stored(store, conversation)
+        events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()
+        assert [e["type"] for e in events][-1] == "session_closed"
+        assert len([e for e in events if e["type"] == "turn_recorded"]) == 3
+
+
+async def test_the_hook_leaves_the_session_open_while_the_gateway_still_holds_its_turns(
+        tmp_path, gateway_process, monkeypatch, caplog):
+    """The store stays locked past the hook's wait: the close is not sent (it could
+    overtake the spooled turns), the warning says why and what to do; the turns are
+    appended once the lock goes, the session open for a later close."""
+    caplog.set_level("WARNING", logger="turnlog_client.miles")
+    async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=4.0) as (
+            gateway, conversation, _serve):
+        monkeypatch.setenv("TURNLOG_GATEWAY_URL", gateway.url)
+        monkeypatch.setattr(hooks, "DEADLINE", 1.0)
+        await run_hooked(conversation)
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert "close not sent" in warning and "1 spooled turn(s)" in warning, warning
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+            await wait_for(lambda: drained(http), what="the spool to drain")
+    async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
+        await check_stored(store, conversation)
+        session = (await store.get(f"/v1/sessions/{conversation.session_id}")).json()
+        assert session["status"] == "open"

@@ -258,7 +258,8 @@ async def test_a_path_goes_up_as_sent_and_only_the_recorded_path_is_a_turn(forwa
 
 async def test_own_routes_answer_get_and_head_only(forwarder):
     async with httpx.AsyncClient(base_url=forwarder.url, timeout=30) as http:
-        for route in ("/turnlog/healthz", "/turnlog/readyz", "/turnlog/metrics"):
+        for route in ("/turnlog/healthz", "/turnlog/readyz", "/turnlog/metrics",
+                      "/turnlog/sessions/s-1"):
             assert (await http.head(route)).status_code == 200
             for method in ("POST", "PUT", "DELETE", "OPTIONS"):
                 reply = await http.request(method, route, content=b"{}")
@@ -269,6 +270,20 @@ async def test_own_routes_answer_get_and_head_only(forwarder):
                 assert (problem["field"], problem["actual"]) == ("method", method)
         # An escaped own route is not one: it is the upstream's (here, its echo).
         assert (await http.get("/turnlog%2Fhealthz")).json()["path"] == "/turnlog%2Fhealthz"
+
+
+async def test_a_session_route_says_how_many_spooled_turns_the_gateway_holds(forwarder):
+    """`GET /turnlog/sessions/{sid}`: what a client closing the session asks first
+    (the miles hook); none here, the store being up. The id is read percent-decoded."""
+    async with httpx.AsyncClient(base_url=forwarder.url, timeout=30) as http:
+        for raw, sid in (("s-1", "s-1"), ("%2E%2E", ".."), ("a%3Ab", "a:b")):
+            reply = await http.get(f"/turnlog/sessions/{raw}")
+            assert reply.status_code == 200, reply.text
+            assert reply.json() == {"session_id": sid, "spooled_turns": 0}
+        for missing in ("/turnlog/sessions/a/b", "/turnlog/sessions/"):
+            reply = await http.get(missing)
+            assert reply.status_code == 404, reply.text
+        assert "/turnlog/sessions/{session_id}" in (await http.get("/turnlog/x")).json()["detail"]
 
 
 async def test_a_websocket_handshake_is_refused_not_a_500(forwarder):
