@@ -226,8 +226,9 @@ class Gateway:
 
     async def _own(self, scope: dict[str, Any], send: Any) -> None:
         path = _raw_path(scope).decode("latin-1")
-        own = path in OWN_ROUTES or path.startswith(OWN_SESSIONS)
-        if own and scope["method"] not in ("GET", "HEAD"):
+        rest = path[len(OWN_SESSIONS):] if path.startswith(OWN_SESSIONS) else ""
+        session_route = bool(rest) and "/" not in rest
+        if (path in OWN_ROUTES or session_route) and scope["method"] not in ("GET", "HEAD"):
             problem = {"type": "urn:turnlog:method-not-allowed", "title": "Method Not Allowed",
                        "status": 405, "detail": f"{path} answers GET (and HEAD) only",
                        "field": "method", "expected": "GET or HEAD",
@@ -247,12 +248,11 @@ class Gateway:
             await _send(send, 200 if ready else 503, b"application/json", body)
         elif path == "/turnlog/metrics":
             await _send(send, 200, CONTENT_TYPE.encode(), self.metrics.render())
-        elif path.startswith(OWN_SESSIONS) and path[len(OWN_SESSIONS):] \
-                and "/" not in path[len(OWN_SESSIONS):]:
+        elif session_route:
             # Whether a client may close the session now without overtaking a spooled
             # turn of it (the miles hook asks before its close: docs/gateway.md).
             assert self.recorder is not None
-            session_id = unquote(path[len(OWN_SESSIONS):])
+            session_id = unquote(rest)
             body = jsonio.dumps_bytes({
                 "session_id": session_id,
                 "spooled_turns": self.recorder.spool.per_session.get(session_id, 0)})

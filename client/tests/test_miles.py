@@ -622,8 +622,9 @@ async def test_the_close_asks_the_store_to_commit_it_before_the_hook_gives_up(
 async def test_with_a_gateway_the_close_waits_until_it_holds_no_spooled_turn(
         env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
     """`TURNLOG_GATEWAY_URL`: the hook asks the gateway (`GET /turnlog/sessions/<sid>`)
-    until it holds none of the session's turns, then closes; a gateway that cannot be
-    asked costs one warning, and the close goes ahead."""
+    until it holds none of the session's turns, then closes. A gateway that cannot be
+    asked (down, restarting: its spool may hold turns) is asked again until the
+    deadline; then the close is not sent, and one warning says why."""
     answers = [2, 1, 0]
     asked: list[str] = []
 
@@ -651,8 +652,32 @@ async def test_with_a_gateway_the_close_waits_until_it_holds_no_spooled_turn(
     assert not warnings.records
 
     env.setenv("TURNLOG_GATEWAY_URL", f"http://127.0.0.1:{free_port()}")  # nobody there
+    env.setattr(hooks, "DEADLINE", 1.0)
     sid = new_sid()
+    started = asyncio.get_running_loop().time()
     await run_agent(sid, {})
-    assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_closed"
+    assert asyncio.get_running_loop().time() - started < 3 * hooks.DEADLINE
+    assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_opened"
     (warning,) = warnings.records
+    assert "close not sent" in warning.getMessage()
     assert "could not say whether it holds spooled turns" in warning.getMessage()
+
+
+async def test_a_silent_gateway_costs_the_close_at_most_the_deadline(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    """A gateway that accepts and never answers: the whole wait is bounded by DEADLINE
+    (not a read timeout per question), and the close is not sent."""
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(60)
+
+    env.setattr(hooks, "DEADLINE", 1.0)
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    async with server:
+        env.setenv("TURNLOG_GATEWAY_URL", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        started = asyncio.get_running_loop().time()
+        await run_agent(new_sid(), {})
+        waited = asyncio.get_running_loop().time() - started
+    assert waited < 2.5 * hooks.DEADLINE, waited  # the open, and the gateway's wait
+    (warning,) = warnings.records
+    assert "close not sent" in warning.getMessage()

@@ -321,32 +321,37 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
     return problems
 
 
-async def spooled_turns_left(settings: Settings, sid: str, problems: list[str]) -> int:
-    """With `TURNLOG_GATEWAY_URL`: wait (up to DEADLINE) until the gateway holds no
-    spooled turn of the session, so that the close cannot overtake them; the turns
-    still held then (0: none, or no gateway to ask). A gateway that cannot be asked
-    is one problem, and the close goes ahead."""
+async def spooled_turns_left(settings: Settings, sid: str) -> str | None:
+    """With `TURNLOG_GATEWAY_URL`: wait (DEADLINE at most, in all) until the gateway
+    holds no spooled turn of the session, so that the close cannot overtake them.
+    None when the close may go (no gateway set, or it holds none); else why it may
+    not: the gateway still holds some, or could not be asked (a gateway that is down
+    or restarting may hold some in its spool, which it drains once it is back)."""
     if settings.gateway is None:
-        return 0
+        return None
     url = settings.gateway.rstrip("/") + escape_path(f"/turnlog/sessions/{sid}")
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + DEADLINE
-    held = 0
+    held: int | None = None
+    failure = "no answer"
     try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
-                                     transport=httpx.AsyncHTTPTransport(verify=_tls())) as http:
+        async with asyncio.timeout(DEADLINE), httpx.AsyncClient(
+                timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
+                transport=httpx.AsyncHTTPTransport(verify=_tls())) as http:
             while True:
-                reply = await http.get(url)
-                reply.raise_for_status()
-                held = int(reply.json()["spooled_turns"])
-                if held <= 0 or loop.time() >= give_up:
-                    return max(held, 0)
+                try:
+                    reply = await http.get(url)
+                    reply.raise_for_status()
+                    held = int(reply.json()["spooled_turns"])
+                    if held <= 0:
+                        return None
+                except Exception as exc:  # noqa: BLE001 - asked again until the deadline
+                    held, failure = None, f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(SPOOL_POLL_S)
-    except Exception as exc:  # noqa: BLE001 - never fails the rollout
-        problems.append(f"the gateway at {settings.gateway} could not say whether it holds "
-                        f"spooled turns of this session ({type(exc).__name__}: {exc}); "
-                        "closed anyway")
-        return 0
+    except TimeoutError:
+        pass
+    if held is None:
+        return (f"the gateway at {settings.gateway} could not say whether it holds spooled "
+                f"turns of this session ({failure})")
+    return f"the gateway at {settings.gateway} still holds {held} spooled turn(s) of it"
 
 
 async def _open(tl: TurnlogClient, body: dict[str, Any]) -> list[str]:
@@ -427,14 +432,14 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
             # then the cancellation goes on.
             error = exc
         try:
-            held = await spooled_turns_left(settings, sid, problems)
-            if held:
+            held = await spooled_turns_left(settings, sid)
+            if held is not None:
                 problems.append(
-                    f"close not sent: the gateway at {settings.gateway} still holds {held} "
-                    "spooled turn(s) of this session after waiting "
-                    f"{DEADLINE:g} s (its store is down or hanging); a close now could make "
-                    "them arrive at a closed session. Close the session once the gateway "
-                    "has drained them (GET /turnlog/sessions/<sid> says 0)")
+                    f"close not sent after {DEADLINE:g} s: {held}. A close now could make "
+                    "them arrive at a closed session, and they would be lost; the session "
+                    "stays open (its reward and the reward hook's are not recorded). Close "
+                    "it once GET /turnlog/sessions/<sid> on the gateway says 0 (check that "
+                    "TURNLOG_GATEWAY_URL names the gateway that records these turns)")
             else:
                 problems += await _close(tl, sid, result, error, settings.agent[:SOURCE_MAX])
         except Exception as exc:

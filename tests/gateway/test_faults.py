@@ -491,7 +491,8 @@ async def test_the_hook_leaves_the_session_open_while_the_gateway_still_holds_it
         monkeypatch.setattr(hooks, "DEADLINE", 1.0)
         await run_hooked(conversation)
         (warning,) = [r.getMessage() for r in caplog.records]
-        assert "close not sent" in warning and "1 spooled turn(s)" in warning, warning
+        assert "close not sent" in warning and "still holds 1 spooled turn(s)" in warning, \
+            warning
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             await wait_for(lambda: drained(http), what="the spool to drain")
     async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
