@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import ssl
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,7 +45,7 @@ from turnlog_client.async_client import TurnlogClient, new_event_id
 from turnlog_client.errors import TurnlogError
 from turnlog_client.transport import escape_path
 
-__all__ = ["Settings", "agent", "rm", "session_id_of"]
+__all__ = ["Settings", "agent", "finish", "rm", "session_id_of"]
 
 log = logging.getLogger("turnlog_client.miles")
 
@@ -64,6 +64,10 @@ DEADLINE = 5.0
 COMMIT_WITHIN = 0.9
 # How often the agent hook asks the gateway whether it still holds spooled turns.
 SPOOL_POLL_S = 0.2
+# A close deferred for them is sent once the gateway holds none, asked this often, for
+# this long at most (in the background of the process: `finish`).
+CLOSE_LATER_S = 600.0
+CLOSE_LATER_POLL_S = 2.0
 RETRIES = 2
 # The agent's dict is stored as JSON this deep at most (deeper: a marker), and a
 # container met again inside itself is stored as a marker too.
@@ -321,9 +325,11 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
     return problems
 
 
-async def spooled_turns_left(settings: Settings, sid: str) -> str | None:
-    """With `TURNLOG_GATEWAY_URL`: wait (DEADLINE at most, in all) until the gateway
-    holds no spooled turn of the session, so that the close cannot overtake them.
+async def spooled_turns_left(settings: Settings, sid: str, wait: float | None = None,
+                             poll: float = SPOOL_POLL_S) -> str | None:
+    """With `TURNLOG_GATEWAY_URL`: wait (`wait` seconds at most in all, DEADLINE by
+    default; asking every `poll`) until the gateway holds no spooled turn of the
+    session, so that the close cannot overtake them.
     None when the close may go (no gateway set, or it holds none); else why it may
     not: the gateway still holds some, or could not be asked (a gateway that is down
     or restarting may hold some in its spool, which it drains once it is back)."""
@@ -333,7 +339,7 @@ async def spooled_turns_left(settings: Settings, sid: str) -> str | None:
     held: int | None = None
     failure = "no answer"
     try:
-        async with asyncio.timeout(DEADLINE), httpx.AsyncClient(
+        async with asyncio.timeout(DEADLINE if wait is None else wait), httpx.AsyncClient(
                 timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
                 transport=httpx.AsyncHTTPTransport(verify=_tls())) as http:
             while True:
@@ -345,13 +351,74 @@ async def spooled_turns_left(settings: Settings, sid: str) -> str | None:
                         return None
                 except Exception as exc:  # noqa: BLE001 - asked again until the deadline
                     held, failure = None, f"{type(exc).__name__}: {exc}"
-                await asyncio.sleep(SPOOL_POLL_S)
+                await asyncio.sleep(poll)
     except TimeoutError:
         pass
     if held is None:
         return (f"the gateway at {settings.gateway} could not say whether it holds spooled "
                 f"turns of this session ({failure})")
     return f"the gateway at {settings.gateway} still holds {held} spooled turn(s) of it"
+
+
+# Work the hooks left to finish in the background (`later`), and the sessions whose close
+# waits for the gateway to drain their spooled turns: session id -> that close.
+_LATER: set[asyncio.Task[None]] = set()
+_CLOSING: dict[str, asyncio.Task[None]] = {}
+
+
+def later(work: Coroutine[Any, Any, None], closing: str | None = None) -> None:
+    """Run `work` in the background of this process (`finish` waits for it); with
+    `closing`, it is that session's deferred close."""
+    task = asyncio.get_running_loop().create_task(work)
+    _LATER.add(task)
+    task.add_done_callback(_LATER.discard)
+    if closing is not None:
+        _CLOSING[closing] = task
+        task.add_done_callback(lambda _t: _CLOSING.pop(closing, None))
+
+
+async def finish(timeout: float | None = None) -> None:
+    """Wait (`timeout` seconds at most) for the closes and rewards the hooks deferred
+    until the gateway had drained a session's spooled turns: call it before the
+    process exits, or they are lost with it."""
+    async with asyncio.timeout(timeout):
+        while _LATER:
+            await asyncio.wait(set(_LATER))
+
+
+async def _close_later(settings: Settings, sid: str, result: Any,
+                       error: BaseException | None, source: str) -> None:
+    """The agent hook's close, once the gateway holds no spooled turn of the session
+    (CLOSE_LATER_S at most); logged either way, never raised."""
+    held = await spooled_turns_left(settings, sid, CLOSE_LATER_S, CLOSE_LATER_POLL_S)
+    if held is not None:
+        log.warning("turnlog at %s: session %s left open: after %g s %s. Close it once "
+                    "GET /turnlog/sessions/<sid> on the gateway says 0 (check that "
+                    "TURNLOG_GATEWAY_URL names the gateway that records these turns)",
+                    settings.url, sid, CLOSE_LATER_S, held)
+        return
+    try:
+        async with settings.client() as tl:
+            problems = await _close(tl, sid, result, error, source)
+    except Exception as exc:  # noqa: BLE001 - logged, as every hook failure
+        problems = [_problem("close", exc)]
+    if problems:
+        log.warning("turnlog at %s did not record session %s: %s", settings.url, sid,
+                    "; ".join(problems))
+    else:
+        log.info("turnlog: session %s closed once the gateway had drained its turns", sid)
+
+
+async def _reward_later(settings: Settings, closing: asyncio.Task[None], sid: str,
+                        response_id: str | None, value: float, source: str) -> None:
+    """A reward for a session whose close was deferred: recorded after that close."""
+    await asyncio.wait({closing})
+    failed, problems = await record_rewards(
+        settings, [({"metadata": {"turnlog_session_id": sid,
+                                  "leaf": {"response_id": response_id}}}, value)], source)
+    if problems:
+        log.warning("turnlog at %s did not record %d reward(s): %s", settings.url, failed,
+                    "; ".join(problems))
 
 
 async def _open(tl: TurnlogClient, body: dict[str, Any]) -> list[str]:
@@ -434,12 +501,13 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
         try:
             held = await spooled_turns_left(settings, sid)
             if held is not None:
+                later(_close_later(settings, sid, result, error, settings.agent[:SOURCE_MAX]),
+                      sid)
                 problems.append(
-                    f"close not sent after {DEADLINE:g} s: {held}. A close now could make "
-                    "them arrive at a closed session, and they would be lost; the session "
-                    "stays open (its reward and the reward hook's are not recorded). Close "
-                    "it once GET /turnlog/sessions/<sid> on the gateway says 0 (check that "
-                    "TURNLOG_GATEWAY_URL names the gateway that records these turns)")
+                    f"close deferred after {DEADLINE:g} s: {held}, and a close now could make "
+                    "them arrive at a closed session. It is sent from this process once the "
+                    f"gateway holds none (waiting up to {CLOSE_LATER_S:g} s; the reward "
+                    "hook's rewards for the session wait for it)")
             else:
                 problems += await _close(tl, sid, result, error, settings.agent[:SOURCE_MAX])
         except Exception as exc:
@@ -479,6 +547,12 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
                ((reward_target(sample), finite(reward)) for sample, reward in scored)
                if target is not None and value is not None]  # else nothing to record
     failed, problems = 0, []
+    def deferred(sid: str) -> bool:  # its session's close waits for the gateway
+        return sid in _CLOSING and not _CLOSING[sid].done()
+
+    for (sid, response_id), value in [(t, v) for t, v in targets if deferred(t[0])]:
+        later(_reward_later(settings, _CLOSING[sid], sid, response_id, value, source))
+    targets = [(target, value) for target, value in targets if not deferred(target[0])]
     async with settings.client() as tl:
         for i, ((sid, response_id), value) in enumerate(targets):
             try:

@@ -479,23 +479,40 @@ async def test_the_hook_closes_only_once_the_gateway_holds_no_spooled_turn(
         assert len([e for e in events if e["type"] == "turn_recorded"]) == 3
 
 
-async def test_the_hook_leaves_the_session_open_while_the_gateway_still_holds_its_turns(
+def hooked_rm(_args: Any, _sample: Any, **_kwargs: Any) -> float:
+    """The user's reward function under the miles reward hook."""
+    return 0.25
+
+
+async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns(
         tmp_path, gateway_process, monkeypatch, caplog):
-    """The store stays locked past the hook's wait: the close is not sent (it could
-    overtake the spooled turns), the warning says why and what to do; the turns are
-    appended once the lock goes, the session open for a later close."""
-    caplog.set_level("WARNING", logger="turnlog_client.miles")
+    """The store stays locked past the hook's wait: the close is not sent then (it could
+    overtake the spooled turns) but deferred, and sent once the gateway has drained
+    them; a reward the reward hook records meanwhile waits for that close. In the
+    end every answered turn is stored, the session closed with the agent's reward,
+    and the reward model's reward recorded after it."""
+    caplog.set_level("INFO", logger="turnlog_client.miles")
     async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=4.0) as (
             gateway, conversation, _serve):
         monkeypatch.setenv("TURNLOG_GATEWAY_URL", gateway.url)
+        monkeypatch.setenv("TURNLOG_MILES_RM", f"{__name__}.hooked_rm")
         monkeypatch.setattr(hooks, "DEADLINE", 1.0)
-        await run_hooked(conversation)
-        (warning,) = [r.getMessage() for r in caplog.records]
-        assert "close not sent" in warning and "still holds 1 spooled turn(s)" in warning, \
-            warning
+        monkeypatch.setattr(hooks, "CLOSE_LATER_POLL_S", 0.2)
+        result = await run_hooked(conversation)
+        (deferred,) = [r.getMessage() for r in caplog.records]
+        assert "close deferred" in deferred and "still holds 1 spooled turn(s)" in deferred
+        sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"]}}
+        assert await hooks.rm(None, sample) == 0.25  # answered at once, recorded later
+        await hooks.finish(60)
+        assert any("closed once the gateway had drained" in r.getMessage()
+                   for r in caplog.records)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
-            await wait_for(lambda: drained(http), what="the spool to drain")
+            assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                          'reason="session-closed"') == 0
     async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
         await check_stored(store, conversation)
-        session = (await store.get(f"/v1/sessions/{conversation.session_id}")).json()
-        assert session["status"] == "open"
+        events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()
+        kinds = [e["type"] for e in events]
+        assert kinds[-2:] == ["session_closed", "reward_recorded"], kinds
+        assert events[-2]["close"]["metadata"]["reward"] == 1.0
+        assert events[-1]["reward"]["reward"] == 0.25
