@@ -10,9 +10,11 @@ answers what `metadata["behaviour"]` asks. Nothing here imports the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# What a `fake_http` server answers one request with: (status line, extra header lines,
+# body), from the request's target and its headers (names in lower case).
+Answer = Callable[[str, dict[str, str]], tuple[bytes, bytes, bytes]]
+
+
+@contextlib.asynccontextmanager
+async def fake_http(answer: Answer) -> AsyncIterator[str]:
+    """A loopback HTTP/1.1 server (keep-alive) answering each request with `answer`;
+    yields its base URL. For a store or a gateway that answers what a test needs."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+                lines = head.split("\r\n")
+                fields = {k.strip().lower(): v.strip() for k, _, v in
+                          (line.partition(":") for line in lines[1:] if line)}
+                await reader.readexactly(int(fields.get("content-length", "0")))
+                status, headers, body = answer(lines[0].split()[1], fields)
+                writer.write(b"HTTP/1.1 %s\r\n%sContent-Length: %d\r\n\r\n%s"
+                             % (status, headers, len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
 def new_sid() -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import support
-from support import LossyProxy, Sample, free_port, new_sid
+from support import LossyProxy, Sample, fake_http, free_port, new_sid
 
 from turnlog_client import TurnlogClient
 from turnlog_client import miles as hooks
@@ -494,27 +494,15 @@ async def test_a_store_answering_5xx_costs_a_batch_one_call_not_one_per_sample(
         env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
     calls = 0
 
-    async def failing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def failing(_target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
         nonlocal calls
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
-                calls += 1
-                body = b'{"type":"urn:turnlog:unavailable","status":503,"title":"down"}'
-                writer.write(b"HTTP/1.1 503 Service Unavailable\r\n"
-                             b"Content-Type: application/problem+json\r\n"
-                             b"Retry-After: 30\r\nContent-Length: %d\r\n\r\n%s"
-                             % (len(body), body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
+        calls += 1
+        return (b"503 Service Unavailable",
+                b"Content-Type: application/problem+json\r\nRetry-After: 30\r\n",
+                b'{"type":"urn:turnlog:unavailable","status":503,"title":"down"}')
 
-    server = await asyncio.start_server(failing, "127.0.0.1", 0)
-    async with server:
-        env.setenv("TURNLOG_URL", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    async with fake_http(failing) as url:
+        env.setenv("TURNLOG_URL", url)
         samples = [Sample(metadata={"turnlog_session_id": f"s-{i}"}) for i in range(16)]
         env.setattr(support, "fake_rm", lambda args, batch, **kw: [1.0] * len(batch))
         started = asyncio.get_running_loop().time()
@@ -586,28 +574,15 @@ async def test_the_close_asks_the_store_to_commit_it_before_the_hook_gives_up(
     deadline. Opens and rewards do not (carried out late, they lose nothing)."""
     timeouts: dict[str, list[float | None]] = {}
 
-    async def refusing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                fields = {k.strip().lower(): v.strip() for k, _, v in
-                          (line.partition(":") for line in lines[1:] if line)}
-                value = fields.get("x-turnlog-timeout")
-                route = lines[0].split()[1].rsplit("/", 1)[-1]
-                timeouts.setdefault(route, []).append(None if value is None else float(value))
-                await reader.readexactly(int(fields.get("content-length", "0")))
-                body = b'{"type":"urn:turnlog:invalid-request","status":422,"title":"no"}'
-                writer.write(b"HTTP/1.1 422 Unprocessable Content\r\n"
-                             b"Content-Type: application/problem+json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
+    def refusing(target: str, fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        value = fields.get("x-turnlog-timeout")
+        route = target.rsplit("/", 1)[-1]
+        timeouts.setdefault(route, []).append(None if value is None else float(value))
+        return (b"422 Unprocessable Content", b"Content-Type: application/problem+json\r\n",
+                b'{"type":"urn:turnlog:invalid-request","status":422,"title":"no"}')
 
-    server = await asyncio.start_server(refusing, "127.0.0.1", 0)
-    async with server:
-        env.setenv("TURNLOG_URL", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    async with fake_http(refusing) as url:
+        env.setenv("TURNLOG_URL", url)
         env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
         sid = new_sid()
         await run_agent(sid, {})
@@ -628,23 +603,14 @@ async def test_with_a_gateway_the_close_waits_until_it_holds_no_spooled_turn(
     answers = [2, 1, 0]
     asked: list[str] = []
 
-    async def gateway(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                asked.append(head.split(b" ", 2)[1].decode())
-                body = f'{{"session_id": "x", "spooled_turns": {answers.pop(0)}}}'.encode()
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
+    def gateway(target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        asked.append(target)
+        return (b"200 OK", b"Content-Type: application/json\r\n",
+                f'{{"session_id": "x", "spooled_turns": {answers.pop(0)}}}'.encode())
 
     env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
-    server = await asyncio.start_server(gateway, "127.0.0.1", 0)
-    async with server:
-        env.setenv("TURNLOG_GATEWAY_URL",
-                   f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/")
+    async with fake_http(gateway) as url:
+        env.setenv("TURNLOG_GATEWAY_URL", url + "/")
         sid = new_sid()
         await run_agent(sid, {})
     assert asked == [f"/turnlog/sessions/{sid}"] * 3 and not answers
