@@ -74,6 +74,10 @@ def start_py_spy(out: str, pid: int, *extra: str) -> subprocess.Popen[bytes]:
     gets SIGINT. `--gil` among `extra`: only the thread holding the GIL is sampled,
     i.e. where the Python CPU goes (worker threads waiting for work are left out)."""
     rate = os.environ.get("PY_SPY_RATE", "200")
+    # `$PY_SPY_FLAGS` replaces the caller's flags, e.g. `--subprocesses --native` for
+    # C frames in every thread (where CPU goes with the GIL released).
+    extra = tuple(os.environ["PY_SPY_FLAGS"].split()) if os.environ.get("PY_SPY_FLAGS") \
+        else extra
     return subprocess.Popen([py_spy_exe(), "record", "--format", "raw", "--rate", rate,
                              *extra, "-p", str(pid), "-o", out],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -166,10 +166,10 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
     spy = None
     try:
         if py_spy:
-            # Sample the server (and its worker processes) for the whole phase: where
-            # its Python CPU goes (the thread holding the GIL).
+            # Sample the server (and its worker processes) for the whole phase: by
+            # default where its Python CPU goes (the thread holding the GIL).
             spy = start_py_spy(f"{py_spy}/{wire}-w{workers}.txt", proc.pid,
-                               *os.environ.get("PY_SPY_FLAGS", "--subprocesses --gil").split())
+                               "--subprocesses", "--gil")
             await asyncio.sleep(1.0)
         connections = [RawHttp(base) for _ in range(clients)]
         for conn in connections:

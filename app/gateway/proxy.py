@@ -255,7 +255,7 @@ class Gateway:
             session_id = unquote(rest)
             body = jsonio.dumps_bytes({
                 "session_id": session_id,
-                "spooled_turns": self.recorder.spool.per_session.get(session_id, 0)})
+                "spooled_turns": self.recorder.spool.count(session_id)})
             await _send(send, 200, b"application/json", body)
         else:
             problem = {"type": "urn:turnlog:not-found", "title": "Not Found", "status": 404,

@@ -85,6 +85,10 @@ class Spool:
         self.bytes += entry.size
         self.per_session[entry.session_id] = self.per_session.get(entry.session_id, 0) + 1
 
+    def count(self, session_id: str) -> int:
+        """The turns of this session the spool holds (0: none)."""
+        return self.per_session.get(session_id, 0)
+
     def holds(self, session_id: str) -> bool:
         """Whether turns of this session wait here (its next turns must queue behind them)."""
         return session_id in self.per_session

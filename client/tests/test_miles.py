@@ -10,11 +10,12 @@ batched; a `Sample` is an object with a `.metadata` dict.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import types
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -42,6 +43,16 @@ def env(monkeypatch: pytest.MonkeyPatch, server_url: str) -> Iterator[pytest.Mon
     support.AGENT_CALLS.clear()
     support.RM_CALLS.clear()
     yield monkeypatch
+
+
+@pytest.fixture(autouse=True)
+async def no_work_left() -> AsyncIterator[None]:
+    """What a test's hooks deferred (a close retried in the background) ends with it."""
+    yield
+    for task in list(hooks._TASKS):
+        task.cancel()
+    with contextlib.suppress(Exception):
+        await hooks.finish(5)
 
 
 @pytest.fixture
@@ -651,6 +662,58 @@ async def test_a_silent_gateway_costs_the_close_at_most_the_deadline(
     assert waited < 2.5 * hooks.DEADLINE, waited  # the open, and the gateway's wait
     (warning,) = warnings.records
     assert "close deferred" in warning.getMessage()
-    for task in list(hooks._LATER):  # the deferred close, waiting on the silent gateway
+    for task in list(hooks._TASKS):  # the deferred close, waiting on the silent gateway
         task.cancel()
     await hooks.finish(10)
+    assert "left open" in warnings.records[-1].getMessage()
+
+
+async def test_a_close_the_store_could_not_commit_in_time_is_sent_again_later(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    """A close answered 503 `deadline-exceeded` (a lock held the store past the close's
+    own deadline) is not resent at once (a resend would get a new deadline) but
+    deferred: sent again from the background until the store takes it."""
+    closes: list[str | None] = []
+
+    def store(target: str, fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        if target.endswith("/close"):
+            closes.append(fields.get("x-turnlog-timeout"))
+            if len(closes) == 1:
+                return (b"503 Service Unavailable",
+                        b"Content-Type: application/problem+json\r\n",
+                        b'{"type":"urn:turnlog:deadline-exceeded","status":503,"title":"t"}')
+            return b"200 OK", b"Content-Type: application/json\r\n", b'{"samples": []}'
+        return b"201 Created", b"Content-Type: application/json\r\n", b"{}"
+
+    env.setattr(hooks, "CLOSE_LATER_POLL_S", 0.05)
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    async with fake_http(store) as url:
+        env.setenv("TURNLOG_URL", url)
+        await run_agent(new_sid(), {})
+        (warning,) = warnings.records
+        assert "close deferred" in warning.getMessage() and "deadline-exceeded" in \
+            warning.getMessage()
+        await hooks.finish(10)
+    assert len(closes) == 2 and all(c is not None for c in closes), closes
+    assert len(warnings.records) == 1  # the deferred close went through: nothing more
+
+
+async def test_a_gateway_url_that_names_no_gateway_closes_at_once_with_a_warning(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """An older gateway, or a URL of something else (a 404 to the gateway's route), or
+    not a URL at all: the close is not held back for it, and a warning says so."""
+    def not_a_gateway(_target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        return b"404 Not Found", b"Content-Type: text/plain\r\n", b"no such route"
+
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    async with fake_http(not_a_gateway) as url:
+        for gateway in (url, "gateway-host:30010"):
+            env.setenv("TURNLOG_GATEWAY_URL", gateway)
+            sid = new_sid()
+            started = asyncio.get_running_loop().time()
+            await run_agent(sid, {})
+            assert asyncio.get_running_loop().time() - started < hooks.DEADLINE
+            assert [e["type"] for e in await events_of(server_url, sid)][-1] == \
+                "session_closed"
+            assert "closed without asking it" in warnings.records[-1].getMessage()
+    assert not hooks._TASKS

@@ -14,12 +14,18 @@ the sample's leaf `response_id` when its metadata names one, else
 session-wide), returning the rewards unchanged. Every setting is read from
 the environment at each call (the table in client/README.md).
 
+Also owns keeping the close behind the turns the recording gateway spooled
+(with `TURNLOG_GATEWAY_URL` it asks the gateway first), and a close that
+cannot go yet — the gateway still holds turns of the session, or the store is
+unreachable, failing or locked — deferred to the background of the process,
+the session's rewards queued behind it (`finish` waits for that work).
+
 Refuses to stand in the rollout's way: it adds no request to a turn's path
 (the open comes before the agent's first turn, the close and rewards after
-its last), uses short timeouts and few retries, and turnlog unreachable or
-answering an error never fails a rollout — the hook logs one warning per
-call and goes on. Refuses to own any rule of the store: what a close or a
-reward means is the server's.
+its last), uses short timeouts and few retries, leaves what must wait to the
+background, and turnlog unreachable or answering an error never fails a
+rollout — the hook logs one warning per call and goes on. Refuses to own any
+rule of the store: what a close or a reward means is the server's.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ import logging
 import math
 import os
 import ssl
-from collections.abc import Coroutine, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -62,12 +68,21 @@ DEADLINE = 5.0
 # rewards carried out late lose nothing (a late open finds the session the gateway
 # opened meanwhile, or opens it with the hook's labels), so they keep that chance.
 COMMIT_WITHIN = 0.9
+
+
+def _commit_within() -> float:
+    """The close's `commit_within`: a little before the hook's own DEADLINE."""
+    return DEADLINE * COMMIT_WITHIN
 # How often the agent hook asks the gateway whether it still holds spooled turns.
 SPOOL_POLL_S = 0.2
-# A close deferred for them is sent once the gateway holds none, asked this often, for
-# this long at most (in the background of the process: `finish`).
+# A close deferred (the gateway still holds turns of the session, or the store could not
+# take it) is tried again this often, for this long at most, in the background of the
+# process (`finish`); at most this many are pending at once.
 CLOSE_LATER_S = 600.0
 CLOSE_LATER_POLL_S = 2.0
+MAX_DEFERRED = 1000
+# The store's answer to a close not committed within its `commit_within`.
+DEADLINE_MISSED = "deadline-exceeded"
 RETRIES = 2
 # The agent's dict is stored as JSON this deep at most (deeper: a marker), and a
 # container met again inside itself is stored as a marker too.
@@ -298,7 +313,7 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
                     "agent_error": close_metadata(None, error)["agent_error"]}
         problems.append(metadata["agent_unrecorded"])
     try:
-        await tl.close(sid, metadata=metadata, commit_within=DEADLINE * COMMIT_WITHIN)
+        await tl.close(sid, metadata=metadata, commit_within=_commit_within())
     except TurnlogError as exc:
         if exc.slug == "session-closed":
             # Closed already (the gateway's idle close): the reward goes in as a §16 event.
@@ -308,7 +323,7 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
             metadata = {**metadata, "agent": None,
                         "agent_unrecorded": _problem("close with the agent's dict", exc)}
             problems.append(metadata["agent_unrecorded"])
-            await tl.close(sid, metadata=metadata, commit_within=DEADLINE * COMMIT_WITHIN)
+            await tl.close(sid, metadata=metadata, commit_within=_commit_within())
         else:
             raise
     for response_id, value in branch_rewards(result).items():
@@ -325,100 +340,188 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
     return problems
 
 
-async def spooled_turns_left(settings: Settings, sid: str, wait: float | None = None,
-                             poll: float = SPOOL_POLL_S) -> str | None:
-    """With `TURNLOG_GATEWAY_URL`: wait (`wait` seconds at most in all, DEADLINE by
-    default; asking every `poll`) until the gateway holds no spooled turn of the
-    session, so that the close cannot overtake them.
-    None when the close may go (no gateway set, or it holds none); else why it may
-    not: the gateway still holds some, or could not be asked (a gateway that is down
-    or restarting may hold some in its spool, which it drains once it is back)."""
+async def gateway_verdict(settings: Settings, sid: str, wait: float | None = None,
+                          poll: float = SPOOL_POLL_S) -> tuple[bool, str | None]:
+    """May the close go now? With `TURNLOG_GATEWAY_URL`, wait (`wait` seconds at most
+    in all, DEADLINE by default; asking every `poll`) until the gateway holds no
+    spooled turn of the session, so that the close cannot overtake them.
+
+    (True, None): it may (no gateway set, or it holds none). (False, why): not yet —
+    the gateway still holds some, or could not be asked (down or restarting, its spool
+    may hold some). (True, why): it may, but the gateway was misnamed (a 4xx: an older
+    gateway, or not a gateway at all; a URL that is not one), which `why` says."""
     if settings.gateway is None:
-        return None
-    url = settings.gateway.rstrip("/") + escape_path(f"/turnlog/sessions/{sid}")
+        return True, None
     held: int | None = None
     failure = "no answer"
     try:
+        url = settings.gateway.rstrip("/") + escape_path(f"/turnlog/sessions/{sid}")
         async with asyncio.timeout(DEADLINE if wait is None else wait), httpx.AsyncClient(
                 timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
                 transport=httpx.AsyncHTTPTransport(verify=_tls())) as http:
             while True:
                 try:
                     reply = await http.get(url)
+                    if 400 <= reply.status_code < 500:
+                        return True, (f"TURNLOG_GATEWAY_URL={settings.gateway} answered "
+                                      f"{reply.status_code} to {url}: not a turnlog gateway "
+                                      "of this version; closed without asking it")
                     reply.raise_for_status()
                     held = int(reply.json()["spooled_turns"])
                     if held <= 0:
-                        return None
+                        return True, None
+                except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+                    return True, (f"TURNLOG_GATEWAY_URL={settings.gateway} is not a URL to "
+                                  f"ask ({exc}); closed without asking it")
                 except Exception as exc:  # noqa: BLE001 - asked again until the deadline
                     held, failure = None, f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(poll)
     except TimeoutError:
         pass
+    except ValueError as exc:  # a URL httpx refuses outright
+        return True, (f"TURNLOG_GATEWAY_URL={settings.gateway} is not a URL to ask ({exc}); "
+                      "closed without asking it")
     if held is None:
-        return (f"the gateway at {settings.gateway} could not say whether it holds spooled "
-                f"turns of this session ({failure})")
-    return f"the gateway at {settings.gateway} still holds {held} spooled turn(s) of it"
+        return False, (f"the gateway at {settings.gateway} could not say whether it holds "
+                       f"spooled turns of this session ({failure})")
+    return False, f"the gateway at {settings.gateway} still holds {held} spooled turn(s) of it"
 
 
-# Work the hooks left to finish in the background (`later`), and the sessions whose close
-# waits for the gateway to drain their spooled turns: session id -> that close.
-_LATER: set[asyncio.Task[None]] = set()
-_CLOSING: dict[str, asyncio.Task[None]] = {}
+def close_later_helps(exc: BaseException) -> bool:
+    """A close that failed this way may well go through later: turnlog unreachable or
+    silent, a 5xx (its database down), or the close's own deadline missed (a lock)."""
+    return isinstance(exc, TurnlogError) and (exc.retryable or exc.slug == DEADLINE_MISSED)
 
 
-def later(work: Coroutine[Any, Any, None], closing: str | None = None) -> None:
-    """Run `work` in the background of this process (`finish` waits for it); with
-    `closing`, it is that session's deferred close."""
-    task = asyncio.get_running_loop().create_task(work)
-    _LATER.add(task)
-    task.add_done_callback(_LATER.discard)
-    if closing is not None:
-        _CLOSING[closing] = task
-        task.add_done_callback(lambda _t: _CLOSING.pop(closing, None))
+@dataclass
+class DeferredClose:
+    """A session's close the agent hook could not send yet, and the reward hook's
+    rewards for that session, kept in the order they came, to record after it."""
+
+    settings: Settings
+    sid: str
+    result: Any
+    error: BaseException | None
+    source: str
+    rewards: list[tuple[str | None, float, str]] = field(default_factory=list)
+
+
+# The closes the hooks deferred, by session, and the background tasks sending them.
+_DEFERRED: dict[str, DeferredClose] = {}
+_TASKS: set[asyncio.Task[None]] = set()
+
+
+def defer_close(settings: Settings, sid: str, result: Any, error: BaseException | None,
+                source: str) -> bool:
+    """Send the close from the background of this process (`finish` waits for it);
+    False when MAX_DEFERRED closes are pending already (the session is left open)."""
+    if sid in _DEFERRED:
+        return True
+    if len(_DEFERRED) >= MAX_DEFERRED:
+        return False
+    deferred = DeferredClose(settings, sid, result, error, source)
+    _DEFERRED[sid] = deferred
+    task = asyncio.get_running_loop().create_task(_send_deferred(deferred))
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
+    task.add_done_callback(lambda _t: _forget(deferred))
+    return True
+
+
+def _forget(deferred: DeferredClose) -> None:
+    if _DEFERRED.get(deferred.sid) is deferred:
+        del _DEFERRED[deferred.sid]
 
 
 async def finish(timeout: float | None = None) -> None:
-    """Wait (`timeout` seconds at most) for the closes and rewards the hooks deferred
-    until the gateway had drained a session's spooled turns: call it before the
-    process exits, or they are lost with it."""
-    async with asyncio.timeout(timeout):
-        while _LATER:
-            await asyncio.wait(set(_LATER))
-
-
-async def _close_later(settings: Settings, sid: str, result: Any,
-                       error: BaseException | None, source: str) -> None:
-    """The agent hook's close, once the gateway holds no spooled turn of the session
-    (CLOSE_LATER_S at most); logged either way, never raised."""
-    held = await spooled_turns_left(settings, sid, CLOSE_LATER_S, CLOSE_LATER_POLL_S)
-    if held is not None:
-        log.warning("turnlog at %s: session %s left open: after %g s %s. Close it once "
-                    "GET /turnlog/sessions/<sid> on the gateway says 0 (check that "
-                    "TURNLOG_GATEWAY_URL names the gateway that records these turns)",
-                    settings.url, sid, CLOSE_LATER_S, held)
-        return
+    """Wait (`timeout` seconds at most; then TimeoutError, with the sessions still
+    pending logged) for the closes the hooks deferred, and the rewards waiting for
+    them. They live in this process: call it before the process exits, or they are
+    lost with it (each then logged as left open)."""
     try:
-        async with settings.client() as tl:
-            problems = await _close(tl, sid, result, error, source)
-    except Exception as exc:  # noqa: BLE001 - logged, as every hook failure
-        problems = [_problem("close", exc)]
-    if problems:
-        log.warning("turnlog at %s did not record session %s: %s", settings.url, sid,
-                    "; ".join(problems))
-    else:
-        log.info("turnlog: session %s closed once the gateway had drained its turns", sid)
+        async with asyncio.timeout(timeout):
+            while _TASKS:
+                await asyncio.wait(set(_TASKS))
+    except TimeoutError:
+        log.warning("turnlog: %d deferred close(s) still pending: %s", len(_DEFERRED),
+                    ", ".join(sorted(_DEFERRED)[:20]))
+        raise
 
 
-async def _reward_later(settings: Settings, closing: asyncio.Task[None], sid: str,
-                        response_id: str | None, value: float, source: str) -> None:
-    """A reward for a session whose close was deferred: recorded after that close."""
-    await asyncio.wait({closing})
-    failed, problems = await record_rewards(
-        settings, [({"metadata": {"turnlog_session_id": sid,
-                                  "leaf": {"response_id": response_id}}}, value)], source)
-    if problems:
-        log.warning("turnlog at %s did not record %d reward(s): %s", settings.url, failed,
-                    "; ".join(problems))
+async def _send_deferred(deferred: DeferredClose) -> None:
+    """Close once the gateway holds no spooled turn of the session and the store takes
+    the close (tried every CLOSE_LATER_POLL_S, the first time one interval after the
+    hook's own try, for CLOSE_LATER_S at most), then record the rewards that waited for
+    it, in order. Logged either way, never raised."""
+    settings, sid = deferred.settings, deferred.sid
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + CLOSE_LATER_S
+    why = "not tried"
+    try:
+        while True:
+            await asyncio.sleep(CLOSE_LATER_POLL_S)
+            if loop.time() >= give_up:
+                break
+            may, why_not = await gateway_verdict(settings, sid,
+                                                 max(give_up - loop.time(), 0.001),
+                                                 CLOSE_LATER_POLL_S)
+            if may:
+                try:
+                    async with settings.client() as tl:
+                        problems = await _close(tl, sid, deferred.result, deferred.error,
+                                                deferred.source)
+                        _forget(deferred)  # from now on a reward goes straight in
+                        problems += await _record_waiting(tl, deferred)
+                except Exception as exc:  # noqa: BLE001 - asked again, or said, below
+                    if not close_later_helps(exc):
+                        log.warning("turnlog at %s did not record session %s: %s",
+                                    settings.url, sid, _problem("close", exc))
+                        return
+                    why = _problem("close", exc)
+                else:
+                    for problem in [why_not, *problems]:
+                        if problem:
+                            log.warning("turnlog at %s: session %s: %s", settings.url, sid,
+                                        problem)
+                    log.info("turnlog: session %s closed (deferred)", sid)
+                    return
+            else:
+                why = why_not or why
+    except asyncio.CancelledError:
+        why = "cancelled (the process is shutting down)"
+        _left_open(deferred, why)
+        raise
+    _left_open(deferred, f"after {CLOSE_LATER_S:g} s: {why}")
+
+
+def _left_open(deferred: DeferredClose, why: str) -> None:
+    log.warning("turnlog at %s: session %s left open, %d reward(s) not recorded: %s. "
+                "Close it with POST /v1/sessions/<sid>/close (with a gateway, once "
+                "GET /turnlog/sessions/<sid> on it says 0)", deferred.settings.url,
+                deferred.sid, len(deferred.rewards), why)
+
+
+async def _record_waiting(tl: TurnlogClient, deferred: DeferredClose) -> list[str]:
+    """The rewards that waited for the deferred close, in the order they came."""
+    problems = []
+    for response_id, value, source in deferred.rewards:
+        try:
+            await tl.record_reward(deferred.sid, value, response_id=response_id,
+                                   source=source, event_id=new_event_id())
+        except Exception as exc:  # noqa: BLE001 - said, as every hook failure
+            problems.append(_problem(f"reward for {deferred.sid}", exc))
+    return problems
+
+
+def _deferral(settings: Settings, sid: str, result: Any, error: BaseException | None,
+              source: str, why: str | None) -> str:
+    """Defer the close (`defer_close`); the problem that says so, or that it could not."""
+    if not defer_close(settings, sid, result, error, source):
+        return (f"close not sent ({why}) and not deferred either: {MAX_DEFERRED} closes "
+                "are pending already; the session stays open")
+    return (f"close deferred ({why}): it is sent from this process once it can go "
+            f"(asked every {CLOSE_LATER_POLL_S:g} s, for up to {CLOSE_LATER_S:g} s); the "
+            "reward hook's rewards for the session wait for it")
 
 
 async def _open(tl: TurnlogClient, body: dict[str, Any]) -> list[str]:
@@ -498,18 +601,21 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
             # A cancelled rollout (miles' timeout, a shutdown) still closes its session,
             # then the cancellation goes on.
             error = exc
+        source = settings.agent[:SOURCE_MAX]
         try:
-            held = await spooled_turns_left(settings, sid)
-            if held is not None:
-                later(_close_later(settings, sid, result, error, settings.agent[:SOURCE_MAX]),
-                      sid)
-                problems.append(
-                    f"close deferred after {DEADLINE:g} s: {held}, and a close now could make "
-                    "them arrive at a closed session. It is sent from this process once the "
-                    f"gateway holds none (waiting up to {CLOSE_LATER_S:g} s; the reward "
-                    "hook's rewards for the session wait for it)")
+            may, why = await gateway_verdict(settings, sid)
+            if may:
+                if why:
+                    problems.append(why)
+                try:
+                    problems += await _close(tl, sid, result, error, source)
+                except Exception as exc:
+                    if not close_later_helps(exc):
+                        raise
+                    problems.append(_deferral(settings, sid, result, error, source,
+                                              _problem("close", exc)))
             else:
-                problems += await _close(tl, sid, result, error, settings.agent[:SOURCE_MAX])
+                problems.append(_deferral(settings, sid, result, error, source, why))
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:
@@ -547,12 +653,10 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
                ((reward_target(sample), finite(reward)) for sample, reward in scored)
                if target is not None and value is not None]  # else nothing to record
     failed, problems = 0, []
-    def deferred(sid: str) -> bool:  # its session's close waits for the gateway
-        return sid in _CLOSING and not _CLOSING[sid].done()
-
-    for (sid, response_id), value in [(t, v) for t, v in targets if deferred(t[0])]:
-        later(_reward_later(settings, _CLOSING[sid], sid, response_id, value, source))
-    targets = [(target, value) for target, value in targets if not deferred(target[0])]
+    for (sid, response_id), value in targets:
+        if sid in _DEFERRED:  # its close waits: the reward goes in after it, in order
+            _DEFERRED[sid].rewards.append((response_id, value, source))
+    targets = [(target, value) for target, value in targets if target[0] not in _DEFERRED]
     async with settings.client() as tl:
         for i, ((sid, response_id), value) in enumerate(targets):
             try:

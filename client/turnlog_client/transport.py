@@ -7,8 +7,10 @@ failed answer into a `TurnlogError` (a refused or timed-out connection into a
 — the session calls (`async_client.py`) and the trainer calls
 (`consumers.py`) — hold the same `Transport`, so neither imports the other.
 
-Refuses to own any call: paths, bodies and what a reply means are the
-callers'; R3 streaming is `npy_stream.py`'s.
+Also owns how a path and a write's deadline go on the wire (`escape_path`,
+`timeout_text` for `X-Turnlog-Timeout`). Refuses to own any call: which paths,
+bodies and what a reply means are the callers'; R3 streaming is
+`npy_stream.py`'s.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from tenacity import AsyncRetrying
 
 from turnlog_client.errors import Backoff, TurnlogConnectionError, TurnlogError, retrying
 
-__all__ = ["JSON", "Transport", "decode", "encode", "error_from"]
+__all__ = ["JSON", "TIMEOUT_HEADER", "Transport", "decode", "encode", "error_from",
+           "escape_path", "timeout_text"]
 
 JSON = "application/json"
 # A write carried out within this many seconds of arriving or not at all (the store's

@@ -439,7 +439,9 @@ async def test_a_hook_close_given_up_on_a_locked_store_never_overtakes_the_spool
     async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=2.5) as (
             gateway, conversation, _serve):
         monkeypatch.setattr(hooks, "DEADLINE", 1.0)  # the hook gives up after 1 s
+        monkeypatch.setattr(hooks, "CLOSE_LATER_S", 0.0)  # and does not try again
         await run_hooked(conversation)
+        await hooks.finish(10)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             await wait_for(lambda: drained(http), what="the spool to drain")
             await asyncio.sleep(1.5)  # time for a late close to land, were it to
@@ -479,9 +481,9 @@ async def test_the_hook_closes_only_once_the_gateway_holds_no_spooled_turn(
         assert len([e for e in events if e["type"] == "turn_recorded"]) == 3
 
 
-def hooked_rm(_args: Any, _sample: Any, **_kwargs: Any) -> float:
-    """The user's reward function under the miles reward hook."""
-    return 0.25
+def hooked_rm(_args: Any, sample: Any, **_kwargs: Any) -> float:
+    """The user's reward function under the miles reward hook: the sample's "score"."""
+    return float(sample["metadata"]["score"])
 
 
 async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns(
@@ -492,20 +494,21 @@ async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns
     end every answered turn is stored, the session closed with the agent's reward,
     and the reward model's reward recorded after it."""
     caplog.set_level("INFO", logger="turnlog_client.miles")
-    async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=4.0) as (
+    async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=5.0) as (
             gateway, conversation, _serve):
         monkeypatch.setenv("TURNLOG_GATEWAY_URL", gateway.url)
         monkeypatch.setenv("TURNLOG_MILES_RM", f"{__name__}.hooked_rm")
-        monkeypatch.setattr(hooks, "DEADLINE", 1.0)
+        monkeypatch.setattr(hooks, "DEADLINE", 2.0)  # ends well before the lock does
         monkeypatch.setattr(hooks, "CLOSE_LATER_POLL_S", 0.2)
         result = await run_hooked(conversation)
         (deferred,) = [r.getMessage() for r in caplog.records]
         assert "close deferred" in deferred and "still holds 1 spooled turn(s)" in deferred
-        sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"]}}
-        assert await hooks.rm(None, sample) == 0.25  # answered at once, recorded later
+        for score in (0.25, 0.75):  # answered at once, recorded after the close, in order
+            sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"],
+                                   "score": score}}
+            assert await hooks.rm(None, sample) == score
         await hooks.finish(60)
-        assert any("closed once the gateway had drained" in r.getMessage()
-                   for r in caplog.records)
+        assert any("closed (deferred)" in r.getMessage() for r in caplog.records)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
                           'reason="session-closed"') == 0
@@ -513,6 +516,6 @@ async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns
         await check_stored(store, conversation)
         events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()
         kinds = [e["type"] for e in events]
-        assert kinds[-2:] == ["session_closed", "reward_recorded"], kinds
-        assert events[-2]["close"]["metadata"]["reward"] == 1.0
-        assert events[-1]["reward"]["reward"] == 0.25
+        assert kinds[-3:] == ["session_closed", "reward_recorded", "reward_recorded"], kinds
+        assert events[-3]["close"]["metadata"]["reward"] == 1.0
+        assert [e["reward"]["reward"] for e in events[-2:]] == [0.25, 0.75]

@@ -7,15 +7,16 @@ Once the body is complete, reads pass through untimed (a streaming reply
 listens for the disconnect for as long as it runs). One timer per request
 keeps the time (`ReadWatch`), not a timeout scope per read.
 
-`WriteDeadline` reads the `X-Turnlog-Timeout` of a request to a session route
-(`/v1/sessions…`; 400 if malformed) and makes its writes commit within that
-many seconds or not at all (the store's `write_deadline`). Other routes ignore
-the header.
+`WriteDeadline` reads the `X-Turnlog-Timeout` of an open, a close or a reward
+(400 if malformed) and makes its writes commit within that many seconds or not
+at all (the store's `write_deadline`). Other routes ignore the header: a turn's
+append, a repeat of which is answered as one, needs no deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,8 +28,8 @@ from app.domain.errors import InvalidRequest, TooLarge
 from app.store.engine.db import write_deadline
 
 TIMEOUT_HEADER_KEY = b"x-turnlog-timeout"
-# The routes whose writes keep a deadline: opens, turns, closes, rewards.
-SESSION_ROUTES = "/v1/sessions"
+# The routes whose writes keep a deadline: opens, closes, rewards.
+_DEADLINE_ROUTE = re.compile(r"/v1/sessions(/[^/]+/(close|rewards))?")
 
 
 class BodyLimit:
@@ -148,7 +149,7 @@ class WriteDeadline:
             return
         values = [v.decode("latin-1") for k, v in scope.get("headers") or ()
                   if k == TIMEOUT_HEADER_KEY]
-        if not values or not scope["path"].startswith(SESSION_ROUTES):
+        if not values or not _DEADLINE_ROUTE.fullmatch(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:

@@ -16,7 +16,10 @@ concurrent calls of other sessions, and answers the same way.
 
 `turnlog_open` (migration 0010) inserts a session's row, labels and
 `session_opened` event, or answers the `open_fingerprint` of the session
-that already has the id, for the caller to compare.
+that already has the id, for the caller to compare. An open under a request's
+deadline (`X-Turnlog-Timeout`) runs as its own transaction instead (BEGIN, the
+call, COMMIT: two more round trips) so that an open past the deadline is rolled
+back, not committed.
 
 Owns: binding the rows the domain computed to the functions' arguments, and
 the single calls.
@@ -33,7 +36,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from app.domain.log.events import StoredTurn
-from app.store.engine.db import has_deadline, remaining_s
+from app.store.engine.db import check_deadline, has_deadline
 
 APPEND = "SELECT turnlog_append(" + ", ".join(f"${i}" for i in range(1, 39)) + ")"
 
@@ -81,7 +84,7 @@ def open_args(row: Mapping[str, Any], labels: Sequence[Mapping[str, Any]],
 async def open_session(pool: asyncpg.Pool, args: tuple[Any, ...]) -> str | None:
     """Call `turnlog_open` in its own transaction: None when it opened the session,
     else the `open_fingerprint` of the session that already had the id. Under a
-    request's deadline (`remaining_s`) the call runs in a transaction of its own,
+    request's deadline (`check_deadline`) the call runs in a transaction of its own,
     committed only while the deadline has not passed."""
     async with pool.acquire() as conn, discard_if_broken(conn):
         if not has_deadline():
@@ -90,7 +93,7 @@ async def open_session(pool: asyncpg.Pool, args: tuple[Any, ...]) -> str | None:
             async with conn.transaction():
                 stored = await conn.fetchval(OPEN, *args)
                 if stored is None:  # it opened the session (a repeat wrote nothing)
-                    remaining_s()
+                    check_deadline()
     return None if stored is None else str(stored)
 
 

@@ -62,12 +62,12 @@ def has_deadline() -> bool:
     return _deadline.get() is not None
 
 
-def remaining_s() -> float | None:
-    """Seconds left before the current write's deadline (None: no deadline); raises
-    DeadlineExceeded once it has passed."""
+def check_deadline() -> None:
+    """Raise DeadlineExceeded if the current write's deadline has passed (nothing if
+    it has none)."""
     deadline = _deadline.get()
     if deadline is None:
-        return None
+        return
     left = deadline - time.monotonic()
     if left <= 0:
         raise DeadlineExceeded(
@@ -75,12 +75,11 @@ def remaining_s() -> float | None:
             "(a lock the database held, most likely); nothing was stored",
             field=TIMEOUT_HEADER, expected="a commit within the timeout",
             actual=f"not committed {-left:.3f} s after it")
-    return left
 
 
 def _before_commit() -> None:
     if not _unwritten.get():
-        remaining_s()
+        check_deadline()
 
 
 def now_us() -> int:
