@@ -481,6 +481,11 @@ async def test_the_hook_closes_only_once_the_gateway_holds_no_spooled_turn(
         assert len([e for e in events if e["type"] == "turn_recorded"]) == 3
 
 
+def said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the miles hooks logged (other loggers, httpx's say, may be captured too)."""
+    return [r.getMessage() for r in caplog.records if r.name == "turnlog_client.miles"]
+
+
 def hooked_rm(_args: Any, sample: Any, **_kwargs: Any) -> float:
     """The user's reward function under the miles reward hook: the sample's "score"."""
     return float(sample["metadata"]["score"])
@@ -501,14 +506,14 @@ async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns
         monkeypatch.setattr(hooks, "DEADLINE", 2.0)  # ends well before the lock does
         monkeypatch.setattr(hooks, "CLOSE_LATER_POLL_S", 0.2)
         result = await run_hooked(conversation)
-        (deferred,) = [r.getMessage() for r in caplog.records]
+        (deferred,) = said(caplog)
         assert "close deferred" in deferred and "still holds 1 spooled turn(s)" in deferred
         for score in (0.25, 0.75):  # answered at once, recorded after the close, in order
             sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"],
                                    "score": score}}
             assert await hooks.rm(None, sample) == score
         await hooks.finish(60)
-        assert any("closed (deferred)" in r.getMessage() for r in caplog.records)
+        assert any("closed (deferred)" in line for line in said(caplog))
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
                           'reason="session-closed"') == 0
