@@ -717,3 +717,39 @@ async def test_a_gateway_url_that_names_no_gateway_closes_at_once_with_a_warning
                 "session_closed"
             assert "closed without asking it" in warnings.records[-1].getMessage()
     assert not hooks._TASKS
+
+
+async def test_a_call_gives_up_at_the_deadline_even_with_a_resend_in_flight(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    """A store that answers 503 just before the hook's deadline and then never answers:
+    the resend started after the 503 is cut at the deadline, not run to its own read
+    timeout (one call took up to twice the deadline)."""
+    async def flaky(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if not answered:
+                answered.append(True)
+                await asyncio.sleep(0.8 * hooks.DEADLINE)
+                body = b'{"type":"urn:turnlog:unavailable","status":503,"title":"down"}'
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\n"
+                             b"Content-Type: application/problem+json\r\nRetry-After: 0\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+            await asyncio.sleep(60)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+    answered: list[bool] = []
+    env.setattr(hooks, "DEADLINE", 1.0)
+    server = await asyncio.start_server(flaky, "127.0.0.1", 0)
+    async with server:
+        env.setenv("TURNLOG_URL", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        started = asyncio.get_running_loop().time()
+        await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": "s-x"}))
+        elapsed = asyncio.get_running_loop().time() - started
+    assert answered and elapsed < 1.5 * hooks.DEADLINE, elapsed
+    (warning,) = warnings.records
+    assert "did not record 1 reward(s)" in warning.getMessage()

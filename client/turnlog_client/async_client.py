@@ -129,7 +129,8 @@ class TurnlogClient(ConsumerCalls):
     """Async client. Use as `async with TurnlogClient(url) as tl: ...` (or call `aclose`).
 
     `retries` is the number of resends after the first attempt; `retry_deadline`
-    (seconds, optional) bounds the total time spent retrying one call.
+    (seconds, optional) bounds the whole call, resends and the one in flight included
+    (past it: a `TurnlogConnectionError`, as for a server that never answered).
     `backoff` / `max_backoff` shape the jittered exponential wait between
     attempts. `transport` lets tests plug in `httpx.ASGITransport(app=...)`.
     `wire` is how turns are sent: "msgpack" (default, R3 as raw int32 bytes) or

@@ -58,7 +58,7 @@ log = logging.getLogger("turnlog_client.miles")
 DEFAULT_URL = "http://127.0.0.1:8000"
 # A store that is down must not stall a rollout: a refused connection fails at
 # once, a silent one after CONNECT_TIMEOUT, one that accepts and never answers after
-# DEADLINE; one call gives up after DEADLINE (its resends included).
+# DEADLINE; one call gives up after DEADLINE, its resends and the one in flight included.
 CONNECT_TIMEOUT = 2.0
 DEADLINE = 5.0
 # The close asks the store not to carry it out once the hook has given up on it
@@ -474,8 +474,10 @@ async def _send_deferred(deferred: DeferredClose) -> None:
                         problems += await _record_waiting(tl, deferred)
                 except Exception as exc:  # noqa: BLE001 - asked again, or said, below
                     if not close_later_helps(exc):
-                        log.warning("turnlog at %s did not record session %s: %s",
-                                    settings.url, sid, _problem("close", exc))
+                        log.warning("turnlog at %s did not record session %s (%d reward(s) "
+                                    "that waited for its close not recorded either): %s",
+                                    settings.url, sid, len(deferred.rewards),
+                                    _problem("close", exc))
                         return
                     why = _problem("close", exc)
                 else:

@@ -15,6 +15,7 @@ bodies and what a reply means are the callers'; R3 streaming is
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Mapping
@@ -99,7 +100,8 @@ class Transport:
     """One httpx client, its retry policy and its error mapping.
 
     `retries` is the number of resends after the first attempt; `retry_deadline`
-    (seconds, optional) bounds the total time spent retrying one call;
+    (seconds, optional) bounds the whole call, resends and the one in flight
+    included;
     `backoff` / `max_backoff` shape the jittered exponential wait between them.
     """
 
@@ -170,17 +172,25 @@ class Transport:
             headers = {**(headers or {}), "content-type": encoded[1]}
         query = {k: v for k, v in (params or {}).items() if v is not None}
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        async for attempt in self.retrying():
-            with attempt:
-                try:
-                    response = await self.http.request(method, escape_path(path),
-                                                       content=content,
-                                                       headers=headers, params=query, **extra)
-                except httpx.TransportError as exc:
-                    raise self.unreachable(exc, event_id) from exc
-                if response.status_code >= 400:
-                    raise error_from(response, event_id)
-                return response
+        # `retry_deadline` bounds the whole call: a resend started just before it runs
+        # no longer than what is left (tenacity only stops starting new ones).
+        try:
+            async with asyncio.timeout(self.retry_deadline):
+                async for attempt in self.retrying():
+                    with attempt:
+                        try:
+                            response = await self.http.request(
+                                method, escape_path(path), content=content,
+                                headers=headers, params=query, **extra)
+                        except httpx.TransportError as exc:
+                            raise self.unreachable(exc, event_id) from exc
+                        if response.status_code >= 400:
+                            raise error_from(response, event_id)
+                        return response
+        except TimeoutError as exc:
+            raise self.unreachable(httpx.ReadTimeout(
+                f"no answer within {self.retry_deadline} s, resends included"),
+                event_id) from exc
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def json(self, method: str, path: str, **kwargs: Any) -> Any:
