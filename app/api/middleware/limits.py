@@ -16,20 +16,15 @@ append, a repeat of which is answered as one, needs no deadline.
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.http_errors import RequestTimeout
 from app.api.problems import send_problem
-from app.domain.body.deadline import parse_timeout
+from app.domain.body.deadline import TIMEOUT_HEADER_KEY, keeps_deadline, parse_timeout
 from app.domain.errors import InvalidRequest, TooLarge
 from app.store.engine.db import write_deadline
-
-TIMEOUT_HEADER_KEY = b"x-turnlog-timeout"
-# The routes whose writes keep a deadline: opens, closes, rewards.
-_DEADLINE_ROUTE = re.compile(r"/v1/sessions(/[^/]+/(close|rewards))?")
 
 
 class BodyLimit:
@@ -149,7 +144,7 @@ class WriteDeadline:
             return
         values = [v.decode("latin-1") for k, v in scope.get("headers") or ()
                   if k == TIMEOUT_HEADER_KEY]
-        if not values or not _DEADLINE_ROUTE.fullmatch(scope["path"]):
+        if not values or not keeps_deadline(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:

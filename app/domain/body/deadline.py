@@ -8,20 +8,32 @@ locked for a backup, say) is carried out whenever the lock goes, long after
 its client has moved on, and may overtake writes that other clients made in
 the meantime (docs/api.md §0.4).
 
-Owns the header's name and what its value may be; the store keeps the clock.
+Owns the header's name, what its value may be and which requests it applies
+to (opens, closes, rewards: `keeps_deadline`); the store keeps the clock.
 Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 from app.domain.errors import InvalidRequest
 
 TIMEOUT_HEADER = "X-Turnlog-Timeout"
+# As an ASGI server gives header names: lower case bytes.
+TIMEOUT_HEADER_KEY = TIMEOUT_HEADER.lower().encode("ascii")
+# The requests whose writes keep a deadline: opens, closes, rewards. A turn's append
+# needs none (a repeat of it is answered as one, so one carried out late is harmless).
+_KEEPS_DEADLINE = re.compile(r"/v1/sessions(/[^/]+/(close|rewards))?")
 # A day: longer than any client waits for one write, short enough to be a typo's bound.
 MAX_TIMEOUT_S = 86400.0
 _EXPECTED = f"seconds, a decimal number > 0 and at most {MAX_TIMEOUT_S:g}"
+
+
+def keeps_deadline(path: str) -> bool:
+    """Whether a request to `path` reads `X-Turnlog-Timeout` (other routes ignore it)."""
+    return _KEEPS_DEADLINE.fullmatch(path) is not None
 
 
 def parse_timeout(values: list[str]) -> float:
