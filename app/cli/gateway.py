@@ -128,8 +128,10 @@ def gateway(
     err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
                 f"(store {mask(url)}, spool {spool_dir})")
     if len(spool):
-        err().print(f"{len(spool)} spooled turns ({spool.bytes} bytes) are appended as soon "
-                    "as the store answers")
+        others = len(spool) - spool.turns
+        err().print(f"{spool.turns} spooled turns"
+                    + (f" and {others} closes or rewards" if others else "")
+                    + f" ({spool.bytes} bytes) are written as soon as the store answers")
     from app.allocator import keep_turn_buffers_resident
 
     keep_turn_buffers_resident()

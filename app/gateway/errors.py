@@ -1,9 +1,10 @@
 """Errors of the recording gateway's transport, not of any rule of the data.
 
-Owns the two conditions only the gateway meets: its upstream did not answer
-(502 `upstream-unavailable`) and a turn can be neither stored nor spooled
+Owns the conditions only the gateway meets: its upstream did not answer
+(502 `upstream-unavailable`), a turn can be neither stored nor spooled
 (503 `spool-full`; the spool raises it when a turn would take it past its byte
-bound, the proxy answers it). They subclass `DomainError` only to carry the
+bound, the proxy answers it), and a method one of its own routes does not
+answer (405 `method-not-allowed`). They subclass `DomainError` only to carry the
 same problem+json shape (`DomainError.problem`), which `proxy._problem` sends.
 Refuses every rule of the data: those errors are `app/domain/errors.py`'s.
 """
@@ -27,3 +28,11 @@ class SpoolFull(DomainError):
     slug = "spool-full"
     status = 503
     title = "Gateway spool full"
+
+
+class MethodNotAllowed(DomainError):
+    """A method one of the gateway's own routes (`/turnlog/…`) does not answer."""
+
+    slug = "method-not-allowed"
+    status = 405
+    title = "Method Not Allowed"

@@ -32,21 +32,26 @@ class GatewayMetrics:
         self.spooled_turns = Gauge(
             "turnlog_gateway_spooled_turns", "Turns waiting in the spool for the store",
             registry=self.registry)
+        self.spooled_writes = Gauge(
+            "turnlog_gateway_spooled_writes",
+            "Writes waiting in the spool for the store: turns, and the closes and rewards "
+            "queued behind them", registry=self.registry)
         self.spooled_bytes = Gauge(
-            "turnlog_gateway_spooled_bytes", "Bytes of the turns waiting in the spool",
+            "turnlog_gateway_spooled_bytes", "Bytes of the writes waiting in the spool",
             registry=self.registry)
         self.drain_lag = Gauge(
             "turnlog_gateway_drain_lag_seconds",
-            "Age of the oldest turn waiting in the spool (0 when it is empty)",
+            "Age of the oldest write waiting in the spool (0 when it is empty)",
             registry=self.registry)
         self.added = Histogram(
             "turnlog_gateway_added_seconds",
             "Latency the gateway adds to a recorded turn: reply sent minus upstream reply "
             "complete", buckets=ADDED_BUCKETS, registry=self.registry)
 
-    def watch_spool(self, turns: Callable[[], float], size: Callable[[], float],
-                    lag: Callable[[], float]) -> None:
+    def watch_spool(self, turns: Callable[[], float], writes: Callable[[], float],
+                    size: Callable[[], float], lag: Callable[[], float]) -> None:
         self.spooled_turns.set_function(turns)
+        self.spooled_writes.set_function(writes)
         self.spooled_bytes.set_function(size)
         self.drain_lag.set_function(lag)
 

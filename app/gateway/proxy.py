@@ -41,6 +41,8 @@ import structlog
 import zstandard
 from yarl import URL
 
+from app.api.http_errors import Forbidden, Unauthorized, UnsupportedMediaType
+from app.api.middleware.auth import TokenTable, authorize, bearer_token, challenge
 from app.domain.body.gateway import (
     LABELS_HEADER,
     NO_SESSION,
@@ -59,12 +61,12 @@ from app.domain.body.gateway import (
     parse_reply,
     turn_body,
 )
-from app.domain.errors import DomainError, InvalidRequest
+from app.domain.errors import DomainError, InvalidRequest, TooLarge, UnknownSession
 from app.domain.wire import jsonio
-from app.gateway.errors import SpoolFull, UpstreamUnavailable
+from app.gateway.errors import MethodNotAllowed, SpoolFull, UpstreamUnavailable
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from app.gateway.recorder import SPOOL_FULL, Recorder
-from app.gateway.spool import Spool
+from app.gateway.recorder import QUEUED, REPEAT, SPOOL_FULL, WRITTEN, Recorder
+from app.gateway.spool import CLOSE, REWARD, Spool
 from app.services import Services, build_services
 from app.settings import Settings
 from app.settle import settle
@@ -76,6 +78,11 @@ OWN_PREFIX = "/turnlog/"
 OWN_ROUTES = frozenset({"/turnlog/healthz", "/turnlog/readyz", "/turnlog/metrics"})
 # `/turnlog/sessions/{sid}`: what the gateway holds of a session (its spooled turns).
 OWN_SESSIONS = "/turnlog/sessions/"
+# `POST /turnlog/v1/sessions/{sid}/close` and `…/rewards`: the store's close and reward,
+# carried out in order behind the session's spooled turns (`Recorder.carry_out`).
+OWN_WRITES = re.compile(r"/turnlog/v1/sessions/([^/]+)/(close|rewards)")
+OWN_WRITE_KINDS = {"close": CLOSE, "rewards": REWARD}
+STATUS_OF = {WRITTEN: 201, REPEAT: 200, QUEUED: 202}
 # A reply with one of these has no body (RFC 9110 §6.4.1): its Content-Length, if the
 # upstream sent one, describes another reply, and uvicorn would wait for those bytes.
 NO_BODY = frozenset({204, 304})
@@ -128,6 +135,7 @@ class Gateway:
         self.client: aiohttp.ClientSession | None = None
         self.services: Services | None = None
         self.recorder: Recorder | None = None
+        self.tokens = TokenTable(settings.access.api_tokens)
         self._warming: asyncio.Task[None] | None = None
 
     # -- lifespan --------------------------------------------------------------------
@@ -206,7 +214,7 @@ class Gateway:
         path = _raw_path(scope).decode("latin-1")
         try:
             if path.startswith(OWN_PREFIX):
-                await self._own(scope, send)
+                await self._own(scope, receive, send)
             elif scope["method"] == "POST" and path in self.record_paths:
                 await self._recorded_path(scope, receive, send)
             elif path in self.record_paths:
@@ -224,27 +232,33 @@ class Gateway:
 
     # -- own routes ----------------------------------------------------------------------
 
-    async def _own(self, scope: dict[str, Any], send: Any) -> None:
+    async def _own(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = _raw_path(scope).decode("latin-1")
+        write = OWN_WRITES.fullmatch(path)
+        if write is not None:
+            try:
+                await self._own_write(scope, receive, send, unquote(write[1]),
+                                      OWN_WRITE_KINDS[write[2]])
+            except (Unauthorized, Forbidden) as exc:
+                await _problem(send, exc, (b"www-authenticate", challenge(exc).encode()))
+            except DomainError as exc:
+                await _problem(send, exc)
+            return
         rest = path[len(OWN_SESSIONS):] if path.startswith(OWN_SESSIONS) else ""
         session_route = bool(rest) and "/" not in rest
         if (path in OWN_ROUTES or session_route) and scope["method"] not in ("GET", "HEAD"):
-            problem = {"type": "urn:turnlog:method-not-allowed", "title": "Method Not Allowed",
-                       "status": 405, "detail": f"{path} answers GET (and HEAD) only",
-                       "field": "method", "expected": "GET or HEAD",
-                       "actual": scope["method"]}
-            body = jsonio.dumps_bytes(problem)
-            await _send_raw(send, 405, [(b"content-type", PROBLEM),
-                                        (b"content-length", str(len(body)).encode()),
-                                        (b"allow", b"GET, HEAD")], body)
+            await _not_allowed(send, MethodNotAllowed(
+                f"{path} answers GET (and HEAD) only", field="method",
+                expected="GET or HEAD", actual=scope["method"]), b"GET, HEAD")
         elif path == "/turnlog/healthz":
             await _send(send, 200, b"application/json", b'{"status":"ok"}')
         elif path == "/turnlog/readyz":
             assert self.recorder is not None
             ready, detail = await self.recorder.ready()
+            spool = self.recorder.spool
             body = jsonio.dumps_bytes({"status": "ready" if ready else "unavailable",
-                                       "detail": detail,
-                                       "spooled_turns": len(self.recorder.spool)})
+                                       "detail": detail, "spooled_turns": spool.turns,
+                                       "spooled_writes": len(spool)})
             await _send(send, 200 if ready else 503, b"application/json", body)
         elif path == "/turnlog/metrics":
             await _send(send, 200, CONTENT_TYPE.encode(), self.metrics.render())
@@ -255,14 +269,51 @@ class Gateway:
             session_id = unquote(rest)
             body = jsonio.dumps_bytes({
                 "session_id": session_id,
-                "spooled_turns": self.recorder.spool.count(session_id)})
+                "spooled_turns": self.recorder.spool.count(session_id),
+                "spooled_writes": self.recorder.spool.count_all(session_id)})
             await _send(send, 200, b"application/json", body)
         else:
             problem = {"type": "urn:turnlog:not-found", "title": "Not Found", "status": 404,
                        "detail": f"no gateway route {path} (its routes: /turnlog/healthz, "
                                  "/turnlog/readyz, /turnlog/metrics, "
-                                 "/turnlog/sessions/{session_id})"}
+                                 "/turnlog/sessions/{session_id}, "
+                                 "/turnlog/v1/sessions/{session_id}/close and /rewards)"}
             await _send(send, 404, PROBLEM, jsonio.dumps_bytes(problem))
+
+    async def _own_write(self, scope: dict[str, Any], receive: Any, send: Any,
+                         session_id: str, kind: str) -> None:
+        """A close or a reward for the store, carried out behind the session's spooled
+        turns: 201 written, 200 an identical repeat, 202 queued in the spool; a refusal
+        as the store's own (problem+json), nothing spooled. Needs a write token when
+        the store has tokens (`TURNLOG_API_TOKENS`), as the store's route does."""
+        if scope["method"] != "POST":
+            await _not_allowed(send, MethodNotAllowed(
+                f"{_raw_path(scope).decode('latin-1')} answers POST only", field="method",
+                expected="POST", actual=scope["method"]), b"POST")
+            return
+        if self.tokens:
+            authorize(self.tokens, "POST", bearer_token(scope["headers"]))
+        if not names_session(session_id):
+            raise UnknownSession(f"no session {session_id!r}: not a session id",
+                                 field="session_id", expected="a session id (docs/api.md §1)",
+                                 actual=session_id[:80])
+        kind_of_body = (_header(scope, b"content-type") or "").partition(";")[0].strip().lower()
+        if kind_of_body not in ("", "application/json"):
+            raise UnsupportedMediaType(f"this route reads JSON, not {kind_of_body}",
+                                       field="content-type", expected="application/json",
+                                       actual=kind_of_body[:80])
+        limit = self.settings.limits.max_body_bytes
+        declared = _content_length(scope)
+        read = b"" if declared == 0 else await _gather(_stream_body(receive), limit)
+        if (declared is not None and declared > limit) or isinstance(read, tuple):
+            raise TooLarge(f"the body is larger than {limit} bytes", field="body",
+                           expected=f"at most {limit} bytes", actual="larger")
+        body = {} if not read.strip() else jsonio.loads(read)
+        assert self.recorder is not None
+        outcome = await self.recorder.carry_out(kind, session_id, body)
+        await _send(send, STATUS_OF[outcome], b"application/json", jsonio.dumps_bytes({
+            "session_id": session_id, "kind": kind, "outcome": outcome,
+            "spooled_writes": self.recorder.spool.count_all(session_id)}))
 
     # -- forwarding ------------------------------------------------------------------------
 
@@ -738,5 +789,13 @@ async def _send(send: Any, status: int, content_type: bytes, body: bytes) -> Non
                                    (b"content-length", str(len(body)).encode())], body)
 
 
-async def _problem(send: Any, error: DomainError) -> None:
-    await _send(send, error.http_status, PROBLEM, jsonio.dumps_bytes(error.problem()))
+async def _problem(send: Any, error: DomainError, *headers: tuple[bytes, bytes]) -> None:
+    body = jsonio.dumps_bytes(error.problem())
+    await _send_raw(send, error.http_status, [
+        (b"content-type", PROBLEM), (b"content-length", str(len(body)).encode()), *headers],
+        body)
+
+
+async def _not_allowed(send: Any, error: MethodNotAllowed, allow: bytes) -> None:
+    await _problem(send, error, (b"allow", allow))
+

@@ -1,4 +1,5 @@
-"""Making a turn durable: commit it to the store, or spool it; drain the spool; idle close.
+"""Making a turn durable: commit it to the store, or spool it; drain the spool; idle close;
+closes and rewards clients hand the gateway, carried out in order behind the spool.
 
 `Recorder.record` answers one of five outcomes for a turn the proxy holds:
 - `recorded`: committed (the session auto-opened first if the store did not
@@ -21,6 +22,12 @@ An error the store would raise again for the same turn (a value the
 database cannot hold: SQLSTATE classes 22 and 54, SQLite's "too big") is a
 verdict too, `rejected`: spooled, such a turn would block its session's
 queue for good.
+
+`Recorder.carry_out` takes a close or a reward a client sends the gateway
+(the miles hook does, so that its close never overtakes the session's spooled
+turns): carried out at once when the spool holds nothing of the session and
+the store answers, else spooled behind them (`queued`); the store's verdict
+(a §1 4xx) is the caller's answer either way it is met at once.
 
 A background drainer appends spooled turns in order with their original
 event ids (an append already committed answers as an idempotent repeat, so
@@ -48,14 +55,21 @@ import sqlalchemy as sa
 import sqlalchemy.exc
 import structlog
 
-from app.domain.body.gateway import IDLE_CLOSE, OPENED_BY, REJECTED, SESSION_CLOSED
-from app.domain.body.session import SessionDefinition, parse_open
+from app.domain.body.gateway import (
+    IDLE_CLOSE,
+    OPENED_BY,
+    REJECTED,
+    SESSION_CLOSED,
+    reward_of_late_close,
+)
+from app.domain.body.rewards import parse_reward
+from app.domain.body.session import SessionDefinition, parse_close, parse_open
 from app.domain.body.turn import TurnBody, parse_turn
 from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
 from app.domain.log.tree import check_first_turn
 from app.gateway.errors import SpoolFull
 from app.gateway.metrics import GatewayMetrics
-from app.gateway.spool import Spool
+from app.gateway.spool import CLOSE, REWARD, TURN, Spool, Spooled
 from app.services import Services
 from app.store.append.writes import Opened
 from app.store.read.gateway import open_sessions_opened_by
@@ -65,6 +79,9 @@ log = structlog.get_logger("turnlog.gateway")
 RECORDED = "recorded"
 SPOOLED = "spooled"
 SPOOL_FULL = "spool-full"
+# `carry_out`'s answers for a close or a reward: done now, an identical repeat, or left
+# in the spool for the drainer.
+WRITTEN, REPEAT, QUEUED = "written", "repeat", "queued"
 # Parse and encode larger turns on a worker thread. A 4 MB turn's ~4 ms of it is
 # cheaper inline: the two thread hand-offs cost ~1.5 ms of CPU and the loop waits on
 # the worker's GIL anyway (bench.gateway, 1 and 8 sessions); a 100 MB one would hold
@@ -134,7 +151,8 @@ class Recorder:
         self._tasks: list[asyncio.Task[None]] = []
         # The drainer's attempt: (entry, its store call, monotonic time it began).
         self._attempt: tuple[Any, asyncio.Future[None], float] | None = None
-        metrics.watch_spool(lambda: len(spool), lambda: spool.bytes, spool.oldest_age)
+        metrics.watch_spool(lambda: spool.turns, lambda: len(spool), lambda: spool.bytes,
+                            spool.oldest_age)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -143,8 +161,8 @@ class Recorder:
         if self.idle_close_seconds:
             self._tasks.append(asyncio.create_task(self._idle_loop(), name="gateway-idle"))
         if len(self.spool):
-            log.info("draining the spool left by a previous gateway", turns=len(self.spool),
-                     bytes=self.spool.bytes)
+            log.info("draining the spool left by a previous gateway", turns=self.spool.turns,
+                     writes=len(self.spool), bytes=self.spool.bytes)
             self.drain_failing = True  # not ready until a drain gets through
             self.wake.set()
 
@@ -302,6 +320,70 @@ class Recorder:
         self.wake.set()
         return SPOOLED
 
+    # -- closes and rewards handed to the gateway ---------------------------------------
+
+    async def carry_out(self, kind: str, session_id: str, body: Any) -> str:
+        """A close (`CLOSE`) or a reward (`REWARD`) of the session, in order behind its
+        spooled writes: carried out now (`WRITTEN`, or `REPEAT` for an identical
+        repeat), or `QUEUED` — spooled, for the drainer — when the spool holds writes of the session
+        or the store gives no verdict. A refusal of the body or the store's verdict (a
+        §1 4xx) raises its `DomainError`, and nothing is spooled; `SpoolFull` when it
+        can be neither done nor spooled. A write abandoned after the store timeout may
+        still commit; the caller's resend is then answered as a repeat (a close by its
+        body, a reward by its `event_id`), never a second write."""
+        if kind == CLOSE:
+            parse_close(body)
+        else:
+            parse_reward(body)  # refused before anything is spooled
+        if self.spool.holds(session_id) or self.store_hangs():
+            return self._queue(kind, session_id, body)
+        try:
+            wrote = await bounded(self._write(kind, session_id, body), self.store_timeout)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if self._is_verdict(exc):
+                raise
+            log.warning(f"store gave no verdict; queueing the {kind}", session_id=session_id,
+                        error=type(exc).__name__, detail=str(exc)[:200])
+            self.drain_failing = True
+            return self._queue(kind, session_id, body)
+        return WRITTEN if wrote else REPEAT
+
+    def _queue(self, kind: str, session_id: str, body: Any) -> str:
+        try:
+            self.spool.add(session_id, body, None, kind)
+        except (OSError, TypeError, ValueError) as exc:
+            raise SpoolFull(f"cannot write the spool ({type(exc).__name__}: {exc})") from None
+        log.info(f"{kind} queued behind the session's spooled writes", session_id=session_id)
+        self.wake.set()
+        return QUEUED
+
+    async def _write(self, kind: str, session_id: str, body: Any) -> bool:
+        writer = self.services.writer
+        if kind == CLOSE:
+            wrote = await writer.close_session(session_id, body)
+            if wrote:
+                self.services.reader.notify()
+            return wrote
+        created = (await writer.record_reward(session_id, body)).created
+        if created:
+            self.services.reader.notify()
+        return created
+
+    async def _drain_write(self, entry: Spooled) -> None:
+        """A queued close or reward. A close that finds its session closed already
+        leaves its reward as a reward event (`reward_of_late_close`), then raises."""
+        try:
+            await self._write(entry.kind, entry.session_id, entry.body)
+        except SessionClosed:
+            reward = reward_of_late_close(parse_close(entry.body)) \
+                if entry.kind == CLOSE else None
+            if reward is not None:
+                await self._write(REWARD, entry.session_id, reward)
+                log.warning("a queued close found its session closed already: its reward "
+                            "is recorded as a reward event", session_id=entry.session_id,
+                            reward=reward["reward"])
+            raise
+
     # -- the drainer -------------------------------------------------------------------
 
     async def _drain_loop(self) -> None:
@@ -324,9 +406,9 @@ class Recorder:
         """
         entry = self.spool.entries[0]
         if self._attempt is None or self._attempt[0] is not entry:
-            self._attempt = (entry, asyncio.ensure_future(
-                self._store(entry.session_id, entry.body, entry.open_body, entry.size)),
-                time.monotonic())
+            work = self._drain_write(entry) if entry.kind != TURN else \
+                self._store(entry.session_id, entry.body, entry.open_body or {}, entry.size)
+            self._attempt = (entry, asyncio.ensure_future(work), time.monotonic())
         task = self._attempt[1]
         done, _ = await asyncio.wait({task}, timeout=self.store_timeout)
         if not done:
@@ -334,7 +416,14 @@ class Recorder:
         self._attempt = None
         exc = task.exception()
         if exc is None:
-            self.metrics.recorded.inc()
+            if entry.kind == TURN:
+                self.metrics.recorded.inc()
+        elif self._is_verdict(exc) and entry.kind != TURN:
+            # The caller was answered 202 long ago: said here, for the operator.
+            log.error(f"a queued {entry.kind} was refused by the store",
+                      session_id=entry.session_id, spooled_at=entry.spooled_at,
+                      problem=f"urn:turnlog:{getattr(exc, 'slug', 'store-error')}",
+                      detail=str(exc)[:300])
         elif self._is_verdict(exc):
             self._verdict(entry.session_id, exc)
             if isinstance(exc, SessionClosed):
@@ -374,7 +463,9 @@ class Recorder:
         except Exception as exc:
             return False, f"the store is unreachable ({type(exc).__name__})"
         if len(self.spool) and self.drain_failing:
-            return False, f"the spool holds {len(self.spool)} turns the store does not take"
+            return False, (f"the spool holds {self.spool.turns} turns and "
+                           f"{len(self.spool) - self.spool.turns} closes or rewards the "
+                           "store does not take")
         return True, "ready"
 
     # -- idle close ------------------------------------------------------------------------

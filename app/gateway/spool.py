@@ -1,14 +1,18 @@
-"""The gateway's spool: turns that could not be stored yet, durable on local disk.
+"""The gateway's spool: writes that could not be stored yet, durable on local disk.
 
-One file per turn, `<sequence>.turn` (20 digits, so names sort in arrival
-order; per session that is the order the turns were answered in). A file is
-written to a temporary name, fsynced, renamed into place and the directory
-fsynced before `add` returns, so a turn the caller was answered for survives
-a crash of the gateway. Each file holds the session id, the append body
-(with its original `event_id`) and the auto-open body to use if the session
-does not exist yet. `remove` deletes a file once the store has acknowledged
-it; a crash in between makes the next drain repeat an append the store
-answers as an idempotent repeat.
+One file per write, `<sequence>.turn` (20 digits, so names sort in arrival
+order; per session that is the order the writes were answered in). A write
+is a turn (`kind` "turn"), or a close or a reward a client handed the gateway
+to carry out behind the session's spooled turns ("close", "reward";
+docs/gateway.md). A file is written to a temporary name, fsynced, renamed
+into place and the directory fsynced before `add` returns, so a write the
+caller was answered for survives a crash of the gateway. Each file holds the
+kind, the session id, the body (a turn's with its original `event_id`) and,
+for a turn, the auto-open body to use if the session does not exist yet.
+`remove` deletes a file once the store has acknowledged it; a crash in
+between makes the next drain repeat a write the store answers as an
+idempotent repeat (a close or a reward the same way: a close repeated with
+its body, a reward with its `event_id`).
 
 Refuses: deciding what to spool or when to drain (app.gateway.recorder).
 """
@@ -28,6 +32,8 @@ from app.domain.wire import jsonio
 from app.gateway.errors import SpoolFull
 
 SUFFIX = ".turn"
+TURN, CLOSE, REWARD = "turn", "close", "reward"
+KINDS = frozenset({TURN, CLOSE, REWARD})
 LOCK_NAME = ".lock"
 NAME_DIGITS = 20
 
@@ -36,10 +42,11 @@ NAME_DIGITS = 20
 class Spooled:
     sequence: int
     session_id: str
-    body: dict[str, Any]  # the append body, event_id included
-    open_body: dict[str, Any]  # how to open the session if the store does not know it
+    body: dict[str, Any]  # the append body (event_id included), close body or reward body
+    open_body: dict[str, Any] | None  # a turn's: how to open the session if it is unknown
     size: int  # bytes on disk
     spooled_at: float  # unix seconds
+    kind: str = TURN
 
 
 class SpoolInUse(Exception):
@@ -61,7 +68,9 @@ class Spool:
                              "give each gateway its own --spool-dir") from None
         self.entries: deque[Spooled] = deque()
         self.bytes = 0
-        self.per_session: dict[str, int] = {}
+        self.turns = 0  # the entries that are turns
+        self.per_session: dict[str, int] = {}  # entries of any kind
+        self.turns_per_session: dict[str, int] = {}
         self.next_sequence = 0
         self._load()
 
@@ -76,21 +85,30 @@ class Spool:
             data = path.read_bytes()
             entry = jsonio.loads(data)
             sequence = int(path.name[: -len(SUFFIX)])
-            self._track(Spooled(sequence, entry["session_id"], entry["body"], entry["open"],
-                                len(data), float(entry["spooled_at"])))
+            # A file of a gateway before closes and rewards were spooled has no kind.
+            self._track(Spooled(sequence, entry["session_id"], entry["body"], entry.get("open"),
+                                len(data), float(entry["spooled_at"]),
+                                entry.get("kind", TURN)))
             self.next_sequence = max(self.next_sequence, sequence + 1)
 
     def _track(self, entry: Spooled) -> None:
         self.entries.append(entry)
         self.bytes += entry.size
-        self.per_session[entry.session_id] = self.per_session.get(entry.session_id, 0) + 1
+        _count(self.per_session, entry.session_id, 1)
+        if entry.kind == TURN:
+            self.turns += 1
+            _count(self.turns_per_session, entry.session_id, 1)
 
     def count(self, session_id: str) -> int:
         """The turns of this session the spool holds (0: none)."""
+        return self.turns_per_session.get(session_id, 0)
+
+    def count_all(self, session_id: str) -> int:
+        """The writes of this session the spool holds, closes and rewards included."""
         return self.per_session.get(session_id, 0)
 
     def holds(self, session_id: str) -> bool:
-        """Whether turns of this session wait here (its next turns must queue behind them)."""
+        """Whether writes of this session wait here (its next ones must queue behind them)."""
         return session_id in self.per_session
 
     def __len__(self) -> int:
@@ -99,16 +117,19 @@ class Spool:
     def oldest_age(self) -> float:
         return 0.0 if not self.entries else max(0.0, time.time() - self.entries[0].spooled_at)
 
-    def add(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any]) -> Spooled:
-        """Write one turn durably (file and directory fsynced), or SpoolFull."""
+    def add(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any] | None,
+            kind: str = TURN) -> Spooled:
+        """Write one write durably (file and directory fsynced), or SpoolFull."""
+        assert kind in KINDS, kind
         spooled_at = time.time()
         # An R3 payload handed over as bytes is spooled as the base64 JSON carries.
-        body = {**body, "record": json_carried(body["record"])} if "record" in body else body
-        data = jsonio.dumps_bytes({"session_id": session_id, "body": body, "open": open_body,
-                                   "spooled_at": spooled_at})
+        if kind == TURN and "record" in body:
+            body = {**body, "record": json_carried(body["record"])}
+        data = jsonio.dumps_bytes({"kind": kind, "session_id": session_id, "body": body,
+                                   "open": open_body, "spooled_at": spooled_at})
         if self.bytes + len(data) > self.max_bytes:
-            raise SpoolFull(f"spool holds {self.bytes} bytes; this turn needs {len(data)} more "
-                            f"than the bound {self.max_bytes} allows")
+            raise SpoolFull(f"spool holds {self.bytes} bytes; this {kind} needs {len(data)} "
+                            f"more than the bound {self.max_bytes} allows")
         sequence = self.next_sequence
         self.next_sequence += 1
         path = self._path(sequence)
@@ -128,21 +149,20 @@ class Spool:
             tmp.unlink(missing_ok=True)  # a full disk keeps no half-written turn
             path.unlink(missing_ok=True)  # renamed but not known durable: not spooled
             raise
-        entry = Spooled(sequence, session_id, body, open_body, len(data), spooled_at)
+        entry = Spooled(sequence, session_id, body, open_body, len(data), spooled_at, kind)
         self._track(entry)
         return entry
 
     def remove(self, entry: Spooled) -> None:
-        """Forget the oldest turn once the store acknowledged it."""
+        """Forget the oldest write once the store acknowledged it."""
         assert self.entries and self.entries[0] is entry, "the spool drains in order"
         self.entries.popleft()
         self._path(entry.sequence).unlink(missing_ok=True)
         self.bytes -= entry.size
-        left = self.per_session[entry.session_id] - 1
-        if left:
-            self.per_session[entry.session_id] = left
-        else:
-            del self.per_session[entry.session_id]
+        _count(self.per_session, entry.session_id, -1)
+        if entry.kind == TURN:
+            self.turns -= 1
+            _count(self.turns_per_session, entry.session_id, -1)
 
     def close(self) -> None:
         self._lock.close()  # releases the lock
@@ -153,3 +173,11 @@ class Spool:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _count(counts: dict[str, int], session_id: str, step: int) -> None:
+    left = counts.get(session_id, 0) + step
+    if left:
+        counts[session_id] = left
+    else:
+        del counts[session_id]

@@ -36,9 +36,10 @@ Answer = Callable[[str, dict[str, str]], tuple[bytes, bytes, bytes]]
 
 
 @contextlib.asynccontextmanager
-async def fake_http(answer: Answer) -> AsyncIterator[str]:
-    """A loopback HTTP/1.1 server (keep-alive) answering each request with `answer`;
-    yields its base URL. For a store or a gateway that answers what a test needs."""
+async def fake_http(answer: Any, with_body: bool = False) -> AsyncIterator[str]:
+    """A loopback HTTP/1.1 server (keep-alive) answering each request with `answer`
+    (an `Answer`; with `with_body`, called with the request body too); yields its base
+    URL. For a store or a gateway that answers what a test needs."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -46,8 +47,9 @@ async def fake_http(answer: Answer) -> AsyncIterator[str]:
                 lines = head.split("\r\n")
                 fields = {k.strip().lower(): v.strip() for k, _, v in
                           (line.partition(":") for line in lines[1:] if line)}
-                await reader.readexactly(int(fields.get("content-length", "0")))
-                status, headers, body = answer(lines[0].split()[1], fields)
+                sent = await reader.readexactly(int(fields.get("content-length", "0")))
+                status, headers, body = answer(lines[0].split()[1], fields, sent) \
+                    if with_body else answer(lines[0].split()[1], fields)
                 writer.write(b"HTTP/1.1 %s\r\n%sContent-Length: %d\r\n\r\n%s"
                              % (status, headers, len(body), body))
                 await writer.drain()

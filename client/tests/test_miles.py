@@ -607,14 +607,17 @@ async def test_the_close_asks_the_store_to_commit_it_before_the_hook_gives_up(
 
 async def test_with_a_gateway_the_close_waits_until_it_holds_no_spooled_turn(
         env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
-    """`TURNLOG_GATEWAY_URL`: the hook asks the gateway (`GET /turnlog/sessions/<sid>`)
-    until it holds none of the session's turns, then closes. A gateway that cannot be
-    asked (down, restarting: its spool may hold turns) is asked again until the
-    deadline; then the close is not sent, and one warning says why."""
+    """`TURNLOG_GATEWAY_URL` naming a gateway that does not take closes (one before that
+    route): the hook asks it (`GET /turnlog/sessions/<sid>`) until it holds none of the
+    session's turns, then closes through the store. A gateway that cannot be reached
+    (down, restarting: its spool may hold turns) is not asked again: the close is
+    deferred, and one warning says why."""
     answers = [2, 1, 0]
     asked: list[str] = []
 
     def gateway(target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        if target.startswith("/turnlog/v1/"):  # a gateway without the close route
+            return b"404 Not Found", b"Content-Type: text/plain\r\n", b"no such route"
         asked.append(target)
         return (b"200 OK", b"Content-Type: application/json\r\n",
                 f'{{"session_id": "x", "spooled_turns": {answers.pop(0)}}}'.encode())
@@ -638,7 +641,8 @@ async def test_with_a_gateway_the_close_waits_until_it_holds_no_spooled_turn(
     assert asyncio.get_running_loop().time() - started < 3 * hooks.DEADLINE
     (warning,) = warnings.records
     assert "close deferred" in warning.getMessage()
-    assert "could not say whether it holds spooled turns" in warning.getMessage()
+    assert "did not take the close" in warning.getMessage()
+    assert "connection" in warning.getMessage().lower()
     await hooks.finish(10)  # the deferred close gives up: the session is left open
     assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_opened"
     assert "left open" in warnings.records[-1].getMessage()
@@ -753,3 +757,61 @@ async def test_a_call_gives_up_at_the_deadline_even_with_a_resend_in_flight(
     assert answered and elapsed < 1.5 * hooks.DEADLINE, elapsed
     (warning,) = warnings.records
     assert "did not record 1 reward(s)" in warning.getMessage()
+
+
+async def test_with_a_gateway_that_takes_closes_the_close_and_rewards_go_to_it(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """A gateway with the close route takes the close (here: queued, 202) and the
+    rewards: the store sees the open only, nothing waits in this process, nothing is
+    logged. The close is the store's body, the rewards carry one event id each."""
+    import json
+
+    took: list[tuple[str, dict[str, Any]]] = []
+
+    def gateway(target: str, fields: dict[str, str], body: bytes) -> tuple[bytes, bytes, bytes]:
+        took.append((target, json.loads(body)))
+        return (b"202 Accepted", b"Content-Type: application/json\r\n",
+                b'{"outcome": "queued"}')
+
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 0.5,
+                                                         "rewards": {"resp-1": 1.0}}))
+    async with fake_http(gateway, with_body=True) as url:
+        env.setenv("TURNLOG_GATEWAY_URL", url)
+        sid = new_sid()
+        await run_agent(sid, {})
+        env.setattr(support, "fake_rm", lambda args, sample, **kw: 0.25)
+        await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
+    assert [target for target, _ in took] == [f"/turnlog/v1/sessions/{sid}/close",
+                                              f"/turnlog/v1/sessions/{sid}/rewards",
+                                              f"/turnlog/v1/sessions/{sid}/rewards"]
+    close, branch, model = (body for _, body in took)
+    assert close["metadata"]["reward"] == 0.5 and close["metadata"]["agent"]["reward"] == 0.5
+    assert (branch["reward"], branch["response_id"]) == (1.0, "resp-1")
+    assert (model["reward"], model["response_id"], model["source"]) == (
+        0.25, None, "support:fake_rm")
+    assert branch["event_id"] != model["event_id"]
+    assert [e["type"] for e in await events_of(server_url, sid)] == ["session_opened"]
+    assert not hooks._TASKS and not hooks._DEFERRED and not warnings.records
+
+
+async def test_a_gateway_with_a_full_spool_leaves_the_close_to_the_store(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """The gateway answers the close 503 `spool-full`: the hook asks it whether it holds
+    spooled turns of the session (none), closes through the store, and says so once."""
+    def gateway(target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        if target.startswith("/turnlog/v1/"):
+            return (b"503 Service Unavailable", b"Content-Type: application/problem+json\r\n"
+                    b"Retry-After: 0\r\n",
+                    b'{"type":"urn:turnlog:spool-full","status":503,"title":"full"}')
+        return (b"200 OK", b"Content-Type: application/json\r\n",
+                b'{"session_id": "x", "spooled_turns": 0}')
+
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    async with fake_http(gateway) as url:
+        env.setenv("TURNLOG_GATEWAY_URL", url)
+        sid = new_sid()
+        await run_agent(sid, {})
+    assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_closed"
+    (warning,) = warnings.records
+    assert "did not take the close" in warning.getMessage()
+    assert "spool-full" in warning.getMessage()

@@ -14,11 +14,16 @@ the sample's leaf `response_id` when its metadata names one, else
 session-wide), returning the rewards unchanged. Every setting is read from
 the environment at each call (the table in client/README.md).
 
-Also owns keeping the close behind the turns the recording gateway spooled
-(with `TURNLOG_GATEWAY_URL` it asks the gateway first), and a close that
-cannot go yet — the gateway still holds turns of the session, or the store is
-unreachable, failing or locked — deferred to the background of the process,
-the session's rewards queued behind it (`finish` waits for that work).
+Also owns keeping the close behind the turns the recording gateway spooled.
+With `TURNLOG_GATEWAY_URL` the close and the rewards are handed to the gateway
+(`POST /turnlog/v1/sessions/<sid>/close`, `…/rewards`), which carries them
+out behind the session's spooled turns, or keeps them in its spool, on disk,
+until it can. When the gateway cannot take them (down, its spool full, a
+gateway without those routes) or no gateway is named, the close goes to the
+store — after asking the gateway, if one is named, whether it still holds
+turns of the session — and a close that cannot go yet is deferred to the
+background of the process, the session's rewards queued behind it (`finish`
+waits for that work).
 
 Refuses to stand in the rollout's way: it adds no request to a turn's path
 (the open comes before the agent's first turn, the close and rewards after
@@ -31,6 +36,7 @@ rule of the store: what a close or a reward means is the server's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -84,6 +90,9 @@ MAX_DEFERRED = 1000
 # The store's answer to a close not committed within its `commit_within`.
 DEADLINE_MISSED = "deadline-exceeded"
 RETRIES = 2
+# The gateway answers the store's close and reward routes under this prefix, in order
+# behind the session's spooled turns.
+GATEWAY_PREFIX = "/turnlog"
 # The agent's dict is stored as JSON this deep at most (deeper: a marker), and a
 # container met again inside itself is stored as a marker too.
 AGENT_DEPTH = 32
@@ -154,7 +163,23 @@ class Settings:
 
     def client(self) -> TurnlogClient:
         """A client for one hook call (a bad `TURNLOG_URL` raises ValueError here)."""
-        return TurnlogClient(self.url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
+        return self._client(self.url)
+
+    def gateway_client(self) -> TurnlogClient | None:
+        """A client of the gateway's close and reward routes (the store's, under
+        `/turnlog`), or None: no gateway named, or a name that is not a URL."""
+        if self.gateway is None:
+            return None
+        parts = urlsplit(self.gateway)
+        if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+            return None  # said by `gateway_verdict`, which the close then goes through
+        try:
+            return self._client(self.gateway.rstrip("/") + GATEWAY_PREFIX)
+        except ValueError:
+            return None
+
+    def _client(self, url: str) -> TurnlogClient:
+        return TurnlogClient(url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
                              timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
                              transport=httpx.AsyncHTTPTransport(verify=_tls()), wire="json")
 
@@ -340,6 +365,56 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
     return problems
 
 
+def gateway_missed(exc: BaseException) -> bool:
+    """The gateway could not take a close or a reward, which then goes to the store: it
+    is unreachable or failing (its spool full among them), or it has no such route (a
+    gateway before them, or not a gateway at all)."""
+    if not isinstance(exc, TurnlogError):
+        return False
+    if exc.status is None or exc.status >= 500:
+        return True
+    return exc.status in (404, 405) and exc.slug != "unknown-session"
+
+
+@dataclass(frozen=True)
+class GatewayMiss:
+    """The gateway did not take a close: why, and whether it answered at all (one that
+    did not — down, silent — is not asked about its spool either)."""
+
+    why: str
+    status: int | None  # its answer's; None: no answer
+
+    @property
+    def answered(self) -> bool:
+        return self.status is not None
+
+
+async def hand_to_gateway(settings: Settings, sid: str, result: Any,
+                          error: BaseException | None, source: str,
+                          waiting: DeferredClose | None = None,
+                          ) -> list[str] | GatewayMiss | None:
+    """The close and the agent's per-branch rewards (and `waiting`'s rewards, queued
+    behind a deferred close) handed to the gateway, which carries them out behind the
+    session's spooled turns or keeps them in its spool until it can: their problems.
+    A `GatewayMiss` when the gateway could not take the close (`gateway_missed`), None
+    when none is named; a refusal of the close raises, as the store's."""
+    gateway = settings.gateway_client()
+    if gateway is None:
+        return None
+    async with gateway:
+        try:
+            problems = await _close(gateway, sid, result, error, source)
+        except TurnlogError as exc:
+            if gateway_missed(exc):
+                return GatewayMiss(f"the gateway at {settings.gateway} did not take the "
+                                   f"close ({exc})", exc.status)
+            raise
+        if waiting is not None:
+            _forget(waiting)  # from now on a reward goes straight in
+            problems += await _record_waiting(gateway, waiting)
+        return problems
+
+
 async def gateway_verdict(settings: Settings, sid: str, wait: float | None = None,
                           poll: float = SPOOL_POLL_S) -> tuple[bool, str | None]:
     """May the close go now? With `TURNLOG_GATEWAY_URL`, wait (`wait` seconds at most
@@ -449,10 +524,9 @@ async def finish(timeout: float | None = None) -> None:
 
 
 async def _send_deferred(deferred: DeferredClose) -> None:
-    """Close once the gateway holds no spooled turn of the session and the store takes
-    the close (tried every CLOSE_LATER_POLL_S, the first time one interval after the
-    hook's own try, for CLOSE_LATER_S at most), then record the rewards that waited for
-    it, in order. Logged either way, never raised."""
+    """Close (`_try_deferred`, every CLOSE_LATER_POLL_S, the first time one interval after
+    the hook's own try, for CLOSE_LATER_S at most), then record the rewards that waited
+    for it, in order. Logged either way, never raised."""
     settings, sid = deferred.settings, deferred.sid
     loop = asyncio.get_running_loop()
     give_up = loop.time() + CLOSE_LATER_S
@@ -462,38 +536,51 @@ async def _send_deferred(deferred: DeferredClose) -> None:
             await asyncio.sleep(CLOSE_LATER_POLL_S)
             if loop.time() >= give_up:
                 break
-            may, why_not = await gateway_verdict(settings, sid,
-                                                 max(give_up - loop.time(), 0.001),
-                                                 CLOSE_LATER_POLL_S)
-            if may:
-                try:
-                    async with settings.client() as tl:
-                        problems = await _close(tl, sid, deferred.result, deferred.error,
-                                                deferred.source)
-                        _forget(deferred)  # from now on a reward goes straight in
-                        problems += await _record_waiting(tl, deferred)
-                except Exception as exc:  # noqa: BLE001 - asked again, or said, below
-                    if not close_later_helps(exc):
-                        log.warning("turnlog at %s did not record session %s (%d reward(s) "
-                                    "that waited for its close not recorded either): %s",
-                                    settings.url, sid, len(deferred.rewards),
-                                    _problem("close", exc))
-                        return
-                    why = _problem("close", exc)
-                else:
-                    for problem in [why_not, *problems]:
-                        if problem:
-                            log.warning("turnlog at %s: session %s: %s", settings.url, sid,
-                                        problem)
-                    log.info("turnlog: session %s closed (deferred)", sid)
+            try:
+                done, said = await _try_deferred(deferred, give_up - loop.time())
+            except Exception as exc:  # noqa: BLE001 - asked again, or said, below
+                if not close_later_helps(exc):
+                    log.warning("turnlog at %s did not record session %s (%d reward(s) "
+                                "that waited for its close not recorded either): %s",
+                                settings.url, sid, len(deferred.rewards),
+                                _problem("close", exc))
                     return
-            else:
-                why = why_not or why
+                why = _problem("close", exc)
+                continue
+            if not done:
+                why = said[0]
+                continue
+            for problem in said:
+                log.warning("turnlog at %s: session %s: %s", settings.url, sid, problem)
+            log.info("turnlog: session %s closed (deferred)", sid)
+            return
     except asyncio.CancelledError:
         why = "cancelled (the process is shutting down)"
         _left_open(deferred, why)
         raise
     _left_open(deferred, f"after {CLOSE_LATER_S:g} s: {why}")
+
+
+async def _try_deferred(deferred: DeferredClose, wait: float) -> tuple[bool, list[str]]:
+    """One try of a deferred close: handed to the gateway, else sent to the store once
+    the gateway (if one is named) holds no spooled turn of the session (asked for
+    `wait` seconds at most). (True, problems): done; (False, [why]): not yet. A close
+    that fails raises."""
+    settings, sid = deferred.settings, deferred.sid
+    handed = await hand_to_gateway(settings, sid, deferred.result, deferred.error,
+                                   deferred.source, deferred)
+    if isinstance(handed, list):
+        return True, handed
+    if handed is not None and not handed.answered:
+        return False, [handed.why]  # nor would it say what its spool holds
+    may, why_not = await gateway_verdict(settings, sid, max(wait, 0.001), CLOSE_LATER_POLL_S)
+    if not may:
+        return False, [why_not or "the gateway holds turns of it"]
+    async with settings.client() as tl:
+        problems = await _close(tl, sid, deferred.result, deferred.error, deferred.source)
+        _forget(deferred)  # from now on a reward goes straight in
+        problems += await _record_waiting(tl, deferred)
+    return True, [why_not, *problems] if why_not else problems
 
 
 def _left_open(deferred: DeferredClose, why: str) -> None:
@@ -605,19 +692,17 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
             error = exc
         source = settings.agent[:SOURCE_MAX]
         try:
-            may, why = await gateway_verdict(settings, sid)
-            if may:
-                if why:
-                    problems.append(why)
-                try:
-                    problems += await _close(tl, sid, result, error, source)
-                except Exception as exc:
-                    if not close_later_helps(exc):
-                        raise
-                    problems.append(_deferral(settings, sid, result, error, source,
-                                              _problem("close", exc)))
+            handed = await hand_to_gateway(settings, sid, result, error, source)
+            if isinstance(handed, list):
+                problems += handed
+            elif handed is not None and not handed.answered:
+                # Down or silent: nor would it say what its spool holds.
+                problems.append(_deferral(settings, sid, result, error, source, handed.why))
             else:
-                problems.append(_deferral(settings, sid, result, error, source, why))
+                if handed is not None and handed.status is not None and handed.status >= 500:
+                    problems.append(handed.why)  # (a gateway without the route: quietly)
+                problems += await _close_through_store(settings, tl, sid, result, error,
+                                                       source)
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:
@@ -626,6 +711,24 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     if error is not None:
         raise error
     return with_session_id(result, sid)
+
+
+async def _close_through_store(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
+                               error: BaseException | None, source: str) -> list[str]:
+    """The close sent to the store — once the gateway, if one is named, holds no spooled
+    turn of the session — or deferred (`_deferral`): its problems."""
+    may, why = await gateway_verdict(settings, sid)
+    if not may:
+        return [_deferral(settings, sid, result, error, source, why)]
+    problems = [why] if why else []
+    try:
+        problems += await _close(tl, sid, result, error, source)
+    except Exception as exc:
+        if not close_later_helps(exc):
+            raise
+        problems.append(_deferral(settings, sid, result, error, source,
+                                  _problem("close", exc)))
+    return problems
 
 
 def sample_metadata(sample: Any) -> Mapping[str, Any]:
@@ -649,8 +752,9 @@ def reward_target(sample: Any) -> tuple[str, str | None] | None:
 
 async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
                          source: str) -> tuple[int, list[str]]:
-    """Record each (sample, reward); returns how many were not recorded and why
-    (never raises)."""
+    """Record each (sample, reward) — through the gateway when one is named and takes
+    them (behind its spooled writes of the session: a close it queued among them), else
+    in the store; returns how many were not recorded and why (never raises)."""
     targets = [(target, value) for target, value in
                ((reward_target(sample), finite(reward)) for sample, reward in scored)
                if target is not None and value is not None]  # else nothing to record
@@ -659,24 +763,37 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
         if sid in _DEFERRED:  # its close waits: the reward goes in after it, in order
             _DEFERRED[sid].rewards.append((response_id, value, source))
     targets = [(target, value) for target, value in targets if target[0] not in _DEFERRED]
-    async with settings.client() as tl:
+    if not targets:
+        return 0, []
+    gateway = settings.gateway_client()
+    async with contextlib.AsyncExitStack() as stack:
+        tl = await stack.enter_async_context(gateway or settings.client())
         for i, ((sid, response_id), value) in enumerate(targets):
-            try:
-                # One event_id per reward: the client's retries resend this very body.
-                await tl.record_reward(sid, value, response_id=response_id, source=source,
-                                       event_id=new_event_id())
-            except TurnlogError as exc:
-                if exc.status is None or exc.status >= 500:
-                    # Unreachable, silent or failing (a 503 while its database is down):
-                    # do not wait on it once per sample.
-                    failed += len(targets) - i
+            # One event_id per reward: the client's retries, and the store after a
+            # gateway that could not take it, get this very body.
+            event_id = new_event_id()
+            while True:
+                try:
+                    await tl.record_reward(sid, value, response_id=response_id,
+                                           source=source, event_id=event_id)
+                except TurnlogError as exc:
+                    if tl is gateway and gateway_missed(exc):
+                        log.info("turnlog: the gateway at %s did not take a reward (%s): "
+                                 "rewards go to the store", settings.gateway, exc)
+                        tl = await stack.enter_async_context(settings.client())
+                        continue
+                    if exc.status is None or exc.status >= 500:
+                        # Unreachable, silent or failing (a 503 while its database is
+                        # down): do not wait on it once per sample.
+                        failed += len(targets) - i
+                        problems.append(_problem(f"reward for {sid}", exc))
+                        return failed, problems
+                    failed += 1  # this reward's own refusal (a 404 sample): the others count
                     problems.append(_problem(f"reward for {sid}", exc))
-                    break
-                failed += 1  # this reward's own refusal (a 404 sample): the others count
-                problems.append(_problem(f"reward for {sid}", exc))
-            except Exception as exc:
-                failed += 1
-                problems.append(_problem(f"reward for {sid}", exc))
+                except Exception as exc:
+                    failed += 1
+                    problems.append(_problem(f"reward for {sid}", exc))
+                break
     return failed, problems
 
 

@@ -20,16 +20,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serverproc import ServerProcess, free_port
+from tests.serverproc import ServerProcess, free_port, server_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def python_server(argv: list[str], log_path: Path, ready_path: str) -> ServerProcess:
-    """`python argv --port P` on a free loopback port P, run from the checkout."""
+def python_server(argv: list[str], log_path: Path, ready_path: str,
+                  env: dict[str, str] | None = None) -> ServerProcess:
+    """`python argv --port P` on a free loopback port P, run from the checkout (`env`:
+    settings of its own, e.g. `TURNLOG_API_TOKENS`)."""
     port = free_port()
     return ServerProcess([sys.executable, *argv, "--port", str(port)], log_path, port=port,
-                         ready_path=ready_path, cwd=ROOT)
+                         ready_path=ready_path, cwd=ROOT, env=server_env(env))
 
 
 @pytest.fixture(scope="session")
@@ -44,16 +46,18 @@ def fake_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture
 def gateway_process(tmp_path: Path, fake_sglang: ServerProcess) -> Iterator[Any]:
-    """A factory `spawn(database_url, *flags, spool=None, upstream=None) -> ServerProcess`,
-    started (not yet ready); all are stopped at teardown."""
+    """A factory `spawn(database_url, *flags, spool=None, upstream=None, env=None) ->
+    ServerProcess`, started (not yet ready); all are stopped at teardown."""
     made: list[ServerProcess] = []
 
     def spawn(database_url: str, *flags: str, spool: Path | None = None,
-              upstream: str | None = None) -> ServerProcess:
+              upstream: str | None = None, env: dict[str, str] | None = None,
+              ) -> ServerProcess:
         spool_dir = spool or tmp_path / f"spool-{len(made)}"
         argv = ["-m", "app", "gateway", "--upstream", upstream or fake_sglang.url,
                 "--database-url", database_url, "--spool-dir", str(spool_dir), *flags]
-        process = python_server(argv, tmp_path / f"gateway-{len(made)}.log", "/turnlog/healthz")
+        process = python_server(argv, tmp_path / f"gateway-{len(made)}.log", "/turnlog/healthz",
+                                env)
         made.append(process)
         process.start()
         return process

@@ -457,28 +457,43 @@ async def test_a_hook_close_given_up_on_a_locked_store_never_overtakes_the_spool
         assert closed.status_code == 200, closed.text
 
 
-async def test_the_hook_closes_only_once_the_gateway_holds_no_spooled_turn(
-        tmp_path, gateway_process, monkeypatch):
-    """The lock goes while the hook could still close in time: with the gateway's
-    address (`TURNLOG_GATEWAY_URL`) the hook first waits until the gateway holds no
-    spooled turn of the session, so the close lands after them, never before (without
-    it the close and the drain raced for the lock, and the close could win)."""
-    async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=2.0,
+async def test_the_hooks_hand_the_close_and_rewards_to_the_gateway_behind_its_turns(
+        tmp_path, gateway_process, monkeypatch, caplog):
+    """With the gateway's address (`TURNLOG_GATEWAY_URL`) the agent hook hands its close
+    to the gateway while the store is locked and the gateway holds two spooled turns of
+    the session: the gateway queues it behind them (202), so the hook returns at once,
+    and the reward hook's rewards — which need the session closed — queue behind the
+    close, from whichever process they come. When the lock goes, everything lands in
+    order: the turns, the close with the agent's reward, the rewards."""
+    caplog.set_level("INFO", logger="turnlog_client.miles")
+    async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=4.0,
                           spooled=2) as (gateway, conversation, _serve):
         monkeypatch.setenv("TURNLOG_GATEWAY_URL", gateway.url)
-        monkeypatch.setattr(hooks, "DEADLINE", 4.0)
+        monkeypatch.setenv("TURNLOG_MILES_RM", f"{__name__}.hooked_rm")
+        sid = conversation.session_id
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
-            held = await http.get(f"/turnlog/sessions/{conversation.session_id}")
-            assert held.json() == {"session_id": conversation.session_id, "spooled_turns": 0}
-            await run_hooked(conversation)
-            assert await spooled(http) == 0  # drained before the hook closed
+            result = await run_hooked(conversation)
+            assert (await http.get(f"/turnlog/sessions/{sid}")).json() == {
+                "session_id": sid, "spooled_turns": 2, "spooled_writes": 3}
+            hooks._DEFERRED.clear()  # as in a reward hook of another process
+            for score in (0.25, 0.75):
+                sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"],
+                                       "score": score}}
+                assert await hooks.rm(None, sample) == score
+            assert (await http.get(f"/turnlog/sessions/{sid}")).json()["spooled_writes"] == 5
+            assert not hooks._TASKS and not said(caplog)  # nothing left in this process
+            await wait_for(lambda: drained(http), what="the spool to drain")
+            assert metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
             assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
                           'reason="session-closed"') == 0
     async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
         await check_stored(store, conversation)
-        events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()
-        assert [e["type"] for e in events][-1] == "session_closed"
-        assert len([e for e in events if e["type"] == "turn_recorded"]) == 3
+        events = (await store.get(f"/v1/sessions/{sid}/events")).json()
+        kinds = [e["type"] for e in events]
+        assert kinds[-3:] == ["session_closed", "reward_recorded", "reward_recorded"], kinds
+        assert len([k for k in kinds if k == "turn_recorded"]) == 3
+        assert events[-3]["close"]["metadata"]["reward"] == 1.0
+        assert [e["reward"]["reward"] for e in events[-2:]] == [0.25, 0.75]
 
 
 def said(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -493,15 +508,18 @@ def hooked_rm(_args: Any, sample: Any, **_kwargs: Any) -> float:
 
 async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns(
         tmp_path, gateway_process, monkeypatch, caplog):
-    """The store stays locked past the hook's wait: the close is not sent then (it could
-    overtake the spooled turns) but deferred, and sent once the gateway has drained
-    them; a reward the reward hook records meanwhile waits for that close. In the
-    end every answered turn is stored, the session closed with the agent's reward,
-    and the reward model's reward recorded after it."""
+    """A gateway that does not take closes (one before that route; here its route is
+    missed on purpose), and the store stays locked past the hook's wait: the close is
+    not sent then (it could overtake the spooled turns) but deferred, and sent once the
+    gateway has drained them; a reward the reward hook records meanwhile waits for
+    that close. In the end every answered turn is stored, the session closed with the
+    agent's reward, and the reward model's reward recorded after it."""
     caplog.set_level("INFO", logger="turnlog_client.miles")
     async with hooked_run(tmp_path, gateway_process, monkeypatch, hold_s=5.0) as (
             gateway, conversation, _serve):
         monkeypatch.setenv("TURNLOG_GATEWAY_URL", gateway.url)
+        # A route the gateway does not have (404): as a gateway without the close route.
+        monkeypatch.setattr(hooks, "GATEWAY_PREFIX", "/turnlog/no-such-route")
         monkeypatch.setenv("TURNLOG_MILES_RM", f"{__name__}.hooked_rm")
         monkeypatch.setattr(hooks, "DEADLINE", 2.0)  # ends well before the lock does
         monkeypatch.setattr(hooks, "CLOSE_LATER_POLL_S", 0.2)

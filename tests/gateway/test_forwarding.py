@@ -279,7 +279,8 @@ async def test_a_session_route_says_how_many_spooled_turns_the_gateway_holds(for
         for raw, sid in (("s-1", "s-1"), ("%2E%2E", ".."), ("a%3Ab", "a:b")):
             reply = await http.get(f"/turnlog/sessions/{raw}")
             assert reply.status_code == 200, reply.text
-            assert reply.json() == {"session_id": sid, "spooled_turns": 0}
+            assert reply.json() == {"session_id": sid, "spooled_turns": 0,
+                                   "spooled_writes": 0}
         for missing in ("/turnlog/sessions/a/b", "/turnlog/sessions/"):
             reply = await http.get(missing)
             assert reply.status_code == 404, reply.text

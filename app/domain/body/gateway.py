@@ -10,7 +10,9 @@ Owns, for `turnlog gateway` (docs/gateway.md):
   payload handed on decoded once (`r3_as_bin`; `parse_reply` does both steps
   with the payload's base64 decoded straight from the reply's bytes);
 - the auto-open body (`open_body`) from the gateway's defaults and the
-  `X-Turnlog-Labels` header (`parse_labels_header`).
+  `X-Turnlog-Labels` header (`parse_labels_header`);
+- what a close handed to the gateway leaves when it finds its session closed
+  already (`reward_of_late_close`).
 
 Refuses I/O, clocks and id generation: the shell passes the timestamps and
 the event id in, forwards the bytes, and writes through the store.
@@ -25,12 +27,13 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from app.domain.body.labels import parse_labels
+from app.domain.body.session import SessionClose
 from app.domain.body.turn import PROMPT_FIELD, TOKEN_MAX, token_array
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import payload_bytes
 from app.domain.wire.r3text import at_path, parse_spliced
-from app.domain.wire.validate import SESSION_ID
+from app.domain.wire.validate import SESSION_ID, finite_float
 
 # Hop-by-hop headers: about one connection, not the message (RFC 9110 §7.6.1).
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
@@ -51,6 +54,26 @@ SESSION_CLOSED = "session-closed"
 REJECTED = "rejected"
 UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, SESSION_CLOSED,
                       REJECTED)
+
+
+# The event ids of the rewards late closes leave: the prefix, then the close's fingerprint.
+LATE_CLOSE_REWARD = "late-close-"
+
+
+def reward_of_late_close(close: SessionClose) -> dict[str, Any] | None:
+    """The reward a close queued at the gateway leaves when it finds its session closed
+    already (by the gateway's idle close, or another client's close): its metadata's
+    `reward`, when a finite number, as a session-wide reward (docs/api.md §16) — what
+    the miles hook does with a close the store refuses that way. None: nothing to leave.
+
+    Its `event_id` is made from the close's content, so the same close sent twice (a
+    client's retry, a drain repeated after a crash) leaves one reward; `source` is
+    null, as the samples show a close's own reward.
+    """
+    if finite_float(close.reward) is None:
+        return None
+    return {"event_id": LATE_CLOSE_REWARD + jsonio.fingerprint(close.body())[:40],
+            "reward": close.reward, "sample": None, "response_id": None, "source": None}
 
 
 def is_hop_by_hop(name: str) -> bool:
