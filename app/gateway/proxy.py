@@ -43,6 +43,7 @@ from yarl import URL
 
 from app.api.http_errors import Forbidden, Unauthorized, UnsupportedMediaType
 from app.api.middleware.auth import TokenTable, authorize, bearer_token, challenge
+from app.domain.body.deadline import TIMEOUT_HEADER_KEY, parse_timeout
 from app.domain.body.gateway import (
     LABELS_HEADER,
     NO_SESSION,
@@ -285,7 +286,8 @@ class Gateway:
         """A close or a reward for the store, carried out behind the session's spooled
         turns: 201 written, 200 an identical repeat, 202 queued in the spool; a refusal
         as the store's own (problem+json), nothing spooled. Needs a write token when
-        the store has tokens (`TURNLOG_API_TOKENS`), as the store's route does."""
+        the store has tokens (`TURNLOG_API_TOKENS`), as the store's route does. With
+        `X-Turnlog-Timeout` it is answered within that time (queued if need be)."""
         if scope["method"] != "POST":
             await _not_allowed(send, MethodNotAllowed(
                 f"{_raw_path(scope).decode('latin-1')} answers POST only", field="method",
@@ -309,8 +311,11 @@ class Gateway:
             raise TooLarge(f"the body is larger than {limit} bytes", field="body",
                            expected=f"at most {limit} bytes", actual="larger")
         body = {} if not read.strip() else jsonio.loads(read)
+        timeout = [value.decode("latin-1") for name, value in scope["headers"]
+                   if name == TIMEOUT_HEADER_KEY]
         assert self.recorder is not None
-        outcome = await self.recorder.carry_out(kind, session_id, body)
+        outcome = await self.recorder.carry_out(kind, session_id, body,
+                                                parse_timeout(timeout) if timeout else None)
         await _send(send, STATUS_OF[outcome], b"application/json", jsonio.dumps_bytes({
             "session_id": session_id, "kind": kind, "outcome": outcome,
             "spooled_writes": self.recorder.spool.count_all(session_id)}))

@@ -89,6 +89,9 @@ WRITTEN, REPEAT, QUEUED = "written", "repeat", "queued"
 OFFLOAD_BYTES = 16 << 20
 DRAIN_RETRY_S = 0.5  # wait between drain attempts while the store cannot answer
 PROBE_TIMEOUT_S = 2.0
+# A close or reward sent with `X-Turnlog-Timeout: T` waits on the store for this share of
+# T at most, then is queued: the rest leaves time to spool it (one fsync) and answer.
+ANSWER_SHARE = 0.6
 T = TypeVar("T")
 
 
@@ -322,23 +325,29 @@ class Recorder:
 
     # -- closes and rewards handed to the gateway ---------------------------------------
 
-    async def carry_out(self, kind: str, session_id: str, body: Any) -> str:
+    async def carry_out(self, kind: str, session_id: str, body: Any,
+                        answer_within: float | None = None) -> str:
         """A close (`CLOSE`) or a reward (`REWARD`) of the session, in order behind its
         spooled writes: carried out now (`WRITTEN`, or `REPEAT` for an identical
         repeat), or `QUEUED` — spooled, for the drainer — when the spool holds writes of the session
         or the store gives no verdict. A refusal of the body or the store's verdict (a
         §1 4xx) raises its `DomainError`, and nothing is spooled; `SpoolFull` when it
-        can be neither done nor spooled. A write abandoned after the store timeout may
-        still commit; the caller's resend is then answered as a repeat (a close by its
-        body, a reward by its `event_id`), never a second write."""
+        can be neither done nor spooled. The store is waited on for the store timeout at
+        most, and for ANSWER_SHARE of `answer_within` (the caller's `X-Turnlog-Timeout`)
+        when that is shorter: the caller is answered before it gives up. A write
+        abandoned so may still commit; its queued copy, and the caller's resend, are then
+        answered as repeats (a close by its body, a reward by its `event_id`), never a
+        second write."""
         if kind == CLOSE:
             parse_close(body)
         else:
             parse_reward(body)  # refused before anything is spooled
         if self.spool.holds(session_id) or self.store_hangs():
             return self._queue(kind, session_id, body)
+        wait = self.store_timeout if answer_within is None else \
+            min(self.store_timeout, answer_within * ANSWER_SHARE)
         try:
-            wrote = await bounded(self._write(kind, session_id, body), self.store_timeout)
+            wrote = await bounded(self._write(kind, session_id, body), wait)
         except Exception as exc:  # noqa: BLE001 - sorted below
             if self._is_verdict(exc):
                 raise

@@ -542,3 +542,42 @@ async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns
         assert kinds[-3:] == ["session_closed", "reward_recorded", "reward_recorded"], kinds
         assert events[-3]["close"]["metadata"]["reward"] == 1.0
         assert [e["reward"]["reward"] for e in events[-2:]] == [0.25, 0.75]
+
+
+async def test_a_close_handed_over_a_locked_store_is_answered_within_its_timeout(
+        tmp_path, gateway_process):
+    """The store is locked and the gateway holds nothing of the session, so it tries the
+    close at once — but waits on the store only part of the caller's
+    `X-Turnlog-Timeout` (not its own 10 s store timeout), then queues it: 202 in time.
+    A reward sent meanwhile queues behind it; both land, in order, when the lock goes,
+    and the close is written once (the abandoned try and its queued copy are one)."""
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "10")
+    await gateway.wait_ready()
+    conversation = Conversation()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await conversation.turn(http)).status == 200
+        close = f"/turnlog/v1/sessions/{conversation.session_id}/close"
+        with sqlite_lock(path):
+            started = asyncio.get_running_loop().time()
+            reply = await http.post(close, json={"metadata": {"reward": 1.0}},
+                                    headers={"X-Turnlog-Timeout": "1.5"})
+            took = asyncio.get_running_loop().time() - started
+            assert (reply.status_code, reply.json()["outcome"]) == (202, "queued"), reply.text
+            assert took < 1.5, took
+            reward = await http.post(
+                f"/turnlog/v1/sessions/{conversation.session_id}/rewards",
+                json={"event_id": "rm-1", "reward": 0.5})
+            assert reward.status_code == 202, reward.text
+            bad = await http.post(close, json={}, headers={"X-Turnlog-Timeout": "soon"})
+            assert bad.status_code == 400 and bad.json()["field"] == "X-Turnlog-Timeout"
+
+        async def written() -> bool:
+            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
+
+        await wait_for(written, what="the queued close and reward")
+    async with api(f"sqlite+aiosqlite:///{path}") as store:
+        await check_stored(store, conversation)
+        events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()
+        assert [e["type"] for e in events][-2:] == ["session_closed", "reward_recorded"]
+        assert len([e for e in events if e["type"] == "session_closed"]) == 1
