@@ -10,7 +10,10 @@ caller's and the upstream's). Passthrough requests are streamed both ways
 100 MB reply never sits in memory). A turn that may be recorded has its
 request body buffered (it must be parsed) and its reply buffered too, since
 it goes back only once the turn is durable (app.gateway.recorder). The
-gateway's own routes live under `/turnlog/`.
+gateway's own routes live under `/turnlog/`: health, readiness, metrics, what
+it holds of a session, and the store's close and reward routes
+(`/turnlog/v1/sessions/{sid}/close`, `…/rewards`), which it carries out in the
+session's order behind its spooled turns (`Recorder.carry_out`).
 Upstream unreachable or timed out → 502 problem+json `upstream-unavailable`.
 
 Refuses: the rules of what is recorded (app.domain.body.gateway) and storage
