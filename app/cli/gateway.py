@@ -54,7 +54,8 @@ def gateway(
         **_env("UPSTREAM_TIMEOUT"))] = 600.0,
     store_timeout: Annotated[float, typer.Option(
         min=0.001, metavar="SECONDS",
-        help="How long a store write may take before the turn goes to the spool",
+        help="How long a store write may take before the turn (close, reward) goes to the "
+             "spool",
         **_env("STORE_TIMEOUT"))] = 10.0,
     version: Annotated[Version, typer.Option(
         help="Auto-opened sessions: version", **_env("VERSION"))] = Version.v2,
@@ -78,10 +79,12 @@ def gateway(
         help="Close an auto-opened session this long after its last recorded turn "
              "[default: off]", **_env("IDLE_CLOSE_SECONDS"))] = None,
     spool_dir: Annotated[Path, typer.Option(
-        metavar="DIR", help="Where turns wait while the store cannot take them",
+        metavar="DIR", help="Where turns (closes, rewards) wait while the store cannot "
+                            "take them",
         **_env("SPOOL_DIR"))] = Path("turnlog-spool"),
     spool_max_bytes: Annotated[int, typer.Option(
-        min=1, metavar="BYTES", help="Bound of the spool; past it a turn is answered 503",
+        min=1, metavar="BYTES",
+        help="Bound of the spool; past it a turn (close, reward) is answered 503",
         **_env("SPOOL_MAX_BYTES"))] = 1 << 30,
     migrate: Annotated[bool, typer.Option(
         help="Apply the store's migrations first (skipped with a warning if the store is "
@@ -105,11 +108,11 @@ def gateway(
     problem = _cannot_listen(host, port)
     if problem is not None:
         raise CliError(problem)
-    from app.gateway.spool import Spool, SpoolInUse
+    from app.gateway.spool import Spool, SpoolInUse, SpoolUnreadable
 
     try:
         spool = Spool(spool_dir, spool_max_bytes)
-    except SpoolInUse as exc:
+    except (SpoolInUse, SpoolUnreadable) as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:
         raise CliError(f"cannot use the spool directory {spool_dir}: {exc}") from None
@@ -127,6 +130,11 @@ def gateway(
                            spool_max_bytes=spool_max_bytes)
     err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
                 f"(store {mask(url)}, spool {spool_dir})")
+    settings = common.settings_for(url)
+    if not settings.access.api_tokens and not common.is_loopback(host):
+        common.warn(f"no TURNLOG_API_TOKENS: anyone who reaches {host}:{port} may close "
+                    "sessions and record rewards through /turnlog/v1/… (give the gateway "
+                    "the tokens turnlog serve has)")
     if len(spool):
         others = len(spool) - spool.turns
         err().print(f"{spool.turns} spooled turns"
@@ -136,7 +144,7 @@ def gateway(
 
     keep_turn_buffers_resident()
     # Date and Server are the upstream's: the caller sees its headers, not ours.
-    uvicorn.run(Gateway(config, common.settings_for(url), spool), host=host, port=port,
+    uvicorn.run(Gateway(config, settings, spool), host=host, port=port,
                 log_config=None, lifespan="on", server_header=False, date_header=False,
                 timeout_keep_alive=75,
                 # The caller's address is the peer's: an X-Forwarded-For it sends is

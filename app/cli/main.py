@@ -9,7 +9,6 @@ error path for every command is `TurnlogGroup` in `app.cli.common`.
 from __future__ import annotations
 
 import functools
-import ipaddress
 import os
 import socket
 import sys
@@ -129,11 +128,7 @@ def serve(
     settings = common.settings_for(url)
     bind = host or settings.server.host
     port = port or settings.server.port
-    try:
-        loopback = ipaddress.ip_address(bind).is_loopback
-    except ValueError:
-        loopback = bind == "localhost"
-    if not loopback and not settings.access.api_tokens:
+    if not common.is_loopback(bind) and not settings.access.api_tokens:
         if not insecure:
             raise CliError(f"refusing to serve on non-loopback {bind} without API tokens; "
                            "set TURNLOG_API_TOKENS or pass --insecure")

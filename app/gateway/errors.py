@@ -3,8 +3,9 @@
 Owns the conditions only the gateway meets: its upstream did not answer
 (502 `upstream-unavailable`), a turn can be neither stored nor spooled
 (503 `spool-full`; the spool raises it when a turn would take it past its byte
-bound, the proxy answers it), and a method one of its own routes does not
-answer (405 `method-not-allowed`). They subclass `DomainError` only to carry the
+bound, the proxy answers it), a path under `/turnlog/` that is none of its
+own routes (404 `not-found`) and a method one of them does not answer (405
+`method-not-allowed`). They subclass `DomainError` only to carry the
 same problem+json shape (`DomainError.problem`), which `proxy._problem` sends.
 Refuses every rule of the data: those errors are `app/domain/errors.py`'s.
 """
@@ -36,3 +37,11 @@ class MethodNotAllowed(DomainError):
     slug = "method-not-allowed"
     status = 405
     title = "Method Not Allowed"
+
+
+class NotFound(DomainError):
+    """A path under `/turnlog/` that is none of the gateway's own routes."""
+
+    slug = "not-found"
+    status = 404
+    title = "Not Found"

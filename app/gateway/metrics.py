@@ -29,6 +29,12 @@ class GatewayMetrics:
             ["reason"], registry=self.registry)
         for reason in UNRECORDED_REASONS:
             self.unrecorded.labels(reason)
+        self.refused_writes = Counter(
+            "turnlog_gateway_refused_writes",
+            "Spooled closes and rewards the store refused when their turn came (their "
+            "clients had been answered 202), by kind", ["kind"], registry=self.registry)
+        for kind in ("close", "reward"):
+            self.refused_writes.labels(kind)
         self.spooled_turns = Gauge(
             "turnlog_gateway_spooled_turns", "Turns waiting in the spool for the store",
             registry=self.registry)

@@ -67,9 +67,9 @@ from app.domain.body.gateway import (
 )
 from app.domain.errors import DomainError, InvalidRequest, TooLarge, UnknownSession
 from app.domain.wire import jsonio
-from app.gateway.errors import MethodNotAllowed, SpoolFull, UpstreamUnavailable
+from app.gateway.errors import MethodNotAllowed, NotFound, SpoolFull, UpstreamUnavailable
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from app.gateway.recorder import QUEUED, REPEAT, SPOOL_FULL, WRITTEN, Recorder
+from app.gateway.recorder import REPEAT, SPOOL_FULL, SPOOLED, WRITTEN, Recorder
 from app.gateway.spool import CLOSE, REWARD, Spool
 from app.services import Services, build_services
 from app.settings import Settings
@@ -86,7 +86,7 @@ OWN_SESSIONS = "/turnlog/sessions/"
 # carried out in order behind the session's spooled turns (`Recorder.carry_out`).
 OWN_WRITES = re.compile(r"/turnlog/v1/sessions/([^/]+)/(close|rewards)")
 OWN_WRITE_KINDS = {"close": CLOSE, "rewards": REWARD}
-STATUS_OF = {WRITTEN: 201, REPEAT: 200, QUEUED: 202}
+STATUS_OF = {WRITTEN: 201, REPEAT: 200, SPOOLED: 202}
 # A reply with one of these has no body (RFC 9110 §6.4.1): its Content-Length, if the
 # upstream sent one, describes another reply, and uvicorn would wait for those bytes.
 NO_BODY = frozenset({204, 304})
@@ -169,7 +169,8 @@ class Gateway:
         # The store's connections, before the first turns (each would pay its connect).
         self._warming = asyncio.create_task(self.services.db.warm())
         log.info("gateway ready", upstream=str(self.upstream),
-                 record_paths=list(self.config.record_paths), spooled=len(spool))
+                 record_paths=list(self.config.record_paths), spooled_turns=spool.turns,
+                 spooled_writes=len(spool))
 
     async def shutdown(self) -> None:
         if self._warming is not None:
@@ -273,16 +274,14 @@ class Gateway:
             session_id = unquote(rest)
             body = jsonio.dumps_bytes({
                 "session_id": session_id,
-                "spooled_turns": self.recorder.spool.count(session_id),
-                "spooled_writes": self.recorder.spool.count_all(session_id)})
+                "spooled_turns": self.recorder.spool.count_turns(session_id),
+                "spooled_writes": self.recorder.spool.count_writes(session_id)})
             await _send(send, 200, b"application/json", body)
         else:
-            problem = {"type": "urn:turnlog:not-found", "title": "Not Found", "status": 404,
-                       "detail": f"no gateway route {path} (its routes: /turnlog/healthz, "
-                                 "/turnlog/readyz, /turnlog/metrics, "
-                                 "/turnlog/sessions/{session_id}, "
-                                 "/turnlog/v1/sessions/{session_id}/close and /rewards)"}
-            await _send(send, 404, PROBLEM, jsonio.dumps_bytes(problem))
+            await _problem(send, NotFound(
+                f"no gateway route {path} (its routes: /turnlog/healthz, /turnlog/readyz, "
+                "/turnlog/metrics, /turnlog/sessions/{session_id}, "
+                "/turnlog/v1/sessions/{session_id}/close and /rewards)"))
 
     async def _own_write(self, scope: dict[str, Any], receive: Any, send: Any,
                          session_id: str, kind: str) -> None:
@@ -309,19 +308,26 @@ class Gateway:
                                        actual=kind_of_body[:80])
         limit = self.settings.limits.max_body_bytes
         declared = _content_length(scope)
+        if declared is not None and declared > limit:  # refused before it is read
+            raise TooLarge(f"the body is larger than {limit} bytes", field="body",
+                           expected=f"at most {limit} bytes", actual=f"{declared} bytes")
         read = b"" if declared == 0 else await _gather(_stream_body(receive), limit)
-        if (declared is not None and declared > limit) or isinstance(read, tuple):
+        if isinstance(read, tuple):
             raise TooLarge(f"the body is larger than {limit} bytes", field="body",
                            expected=f"at most {limit} bytes", actual="larger")
-        body = {} if not read.strip() else jsonio.loads(read)
+        max_values = self.settings.limits.max_body_values
+        body = {} if not read.strip() else jsonio.loads(read, max_values) \
+            if len(read) < PARSE_ASIDE_BYTES else \
+            await anyio.to_thread.run_sync(jsonio.loads, read, max_values)
         timeout = [value.decode("latin-1") for name, value in scope["headers"]
                    if name == TIMEOUT_HEADER_KEY]
         assert self.recorder is not None
         outcome = await self.recorder.carry_out(kind, session_id, body,
                                                 parse_timeout(timeout) if timeout else None)
+        del body
         await _send(send, STATUS_OF[outcome], b"application/json", jsonio.dumps_bytes({
             "session_id": session_id, "kind": kind, "outcome": outcome,
-            "spooled_writes": self.recorder.spool.count_all(session_id)}))
+            "spooled_writes": self.recorder.spool.count_writes(session_id)}))
 
     # -- forwarding ------------------------------------------------------------------------
 

@@ -24,10 +24,10 @@ verdict too, `rejected`: spooled, such a turn would block its session's
 queue for good.
 
 `Recorder.carry_out` takes a close or a reward a client sends the gateway
-(the miles hook does, so that its close never overtakes the session's spooled
+(the miles hooks do, so that a close never overtakes the session's spooled
 turns): carried out at once when the spool holds nothing of the session and
-the store answers, else spooled behind them (`queued`); the store's verdict
-(a §1 4xx) is the caller's answer either way it is met at once.
+the store answers, else spooled behind them; the store's verdict (a §1 4xx)
+is the caller's answer when it is met at once.
 
 A background drainer appends spooled turns in order with their original
 event ids (an append already committed answers as an idempotent repeat, so
@@ -55,6 +55,7 @@ import sqlalchemy as sa
 import sqlalchemy.exc
 import structlog
 
+from app.domain.body.deadline import store_wait
 from app.domain.body.gateway import (
     IDLE_CLOSE,
     OPENED_BY,
@@ -65,7 +66,14 @@ from app.domain.body.gateway import (
 from app.domain.body.rewards import parse_reward
 from app.domain.body.session import SessionDefinition, parse_close, parse_open
 from app.domain.body.turn import TurnBody, parse_turn
-from app.domain.errors import DomainError, SessionClosed, SessionConflict, UnknownSession
+from app.domain.errors import (
+    DomainError,
+    InvalidRequest,
+    SessionClosed,
+    SessionConflict,
+    SessionOpen,
+    UnknownSession,
+)
 from app.domain.log.tree import check_first_turn
 from app.gateway.errors import SpoolFull
 from app.gateway.metrics import GatewayMetrics
@@ -79,9 +87,9 @@ log = structlog.get_logger("turnlog.gateway")
 RECORDED = "recorded"
 SPOOLED = "spooled"
 SPOOL_FULL = "spool-full"
-# `carry_out`'s answers for a close or a reward: done now, an identical repeat, or left
-# in the spool for the drainer.
-WRITTEN, REPEAT, QUEUED = "written", "repeat", "queued"
+# `carry_out`'s answers for a close or a reward besides SPOOLED: done now, an identical
+# repeat.
+WRITTEN, REPEAT = "written", "repeat"
 # Parse and encode larger turns on a worker thread. A 4 MB turn's ~4 ms of it is
 # cheaper inline: the two thread hand-offs cost ~1.5 ms of CPU and the loop waits on
 # the worker's GIL anyway (bench.gateway, 1 and 8 sessions); a 100 MB one would hold
@@ -89,9 +97,6 @@ WRITTEN, REPEAT, QUEUED = "written", "repeat", "queued"
 OFFLOAD_BYTES = 16 << 20
 DRAIN_RETRY_S = 0.5  # wait between drain attempts while the store cannot answer
 PROBE_TIMEOUT_S = 2.0
-# A close or reward sent with `X-Turnlog-Timeout: T` waits on the store for this share of
-# T at most, then is queued: the rest leaves time to spool it (one fsync) and answer.
-ANSWER_SHARE = 0.6
 T = TypeVar("T")
 
 
@@ -326,72 +331,125 @@ class Recorder:
     # -- closes and rewards handed to the gateway ---------------------------------------
 
     async def carry_out(self, kind: str, session_id: str, body: Any,
-                        answer_within: float | None = None) -> str:
+                        timeout: float | None = None) -> str:
         """A close (`CLOSE`) or a reward (`REWARD`) of the session, in order behind its
         spooled writes: carried out now (`WRITTEN`, or `REPEAT` for an identical
-        repeat), or `QUEUED` — spooled, for the drainer — when the spool holds writes of the session
-        or the store gives no verdict. A refusal of the body or the store's verdict (a
-        §1 4xx) raises its `DomainError`, and nothing is spooled; `SpoolFull` when it
-        can be neither done nor spooled. The store is waited on for the store timeout at
-        most, and for ANSWER_SHARE of `answer_within` (the caller's `X-Turnlog-Timeout`)
-        when that is shorter: the caller is answered before it gives up. A write
-        abandoned so may still commit; its queued copy, and the caller's resend, are then
-        answered as repeats (a close by its body, a reward by its `event_id`), never a
-        second write."""
+        repeat), or `SPOOLED` for the drainer when the spool holds writes of the
+        session or the store gives no verdict in time (`store_wait`: the caller's
+        `X-Turnlog-Timeout`, `timeout`, is met). A refusal of the body or the store's
+        verdict (a §1 4xx, or a value the database cannot hold) raises its
+        `DomainError`, and nothing is spooled; so does a reward for a session whose
+        spooled turns have no close behind them (it would meet an open session: 409
+        `session-open`, as the store answers a reward before the close). `SpoolFull`
+        when it can be neither done nor spooled: then the store write, if still
+        running, is waited for, and its outcome is the answer (a 503 is never a write
+        that commits later). A write abandoned after the wait may still commit; its
+        spooled copy, and the caller's resend, are then answered as repeats (a close
+        by its body, a reward by its `event_id`), never a second write."""
         if kind == CLOSE:
             parse_close(body)
         else:
             parse_reward(body)  # refused before anything is spooled
+            if self.spool.count_turns(session_id) and not self.spool.holds_close(session_id):
+                raise SessionOpen(f"session {session_id!r} has turns waiting in the "
+                                  "gateway's spool and no close: rewards come after the "
+                                  "close", field="session_id", expected="a closed session",
+                                  actual="open")
         if self.spool.holds(session_id) or self.store_hangs():
-            return self._queue(kind, session_id, body)
-        wait = self.store_timeout if answer_within is None else \
-            min(self.store_timeout, answer_within * ANSWER_SHARE)
+            return self._spool_write(kind, session_id, body)
+        wait = store_wait(timeout, self.store_timeout)
+        write = asyncio.ensure_future(self._write(kind, session_id, body))
         try:
-            wrote = await bounded(self._write(kind, session_id, body), wait)
-        except Exception as exc:  # noqa: BLE001 - sorted below
-            if self._is_verdict(exc):
+            wrote = await within(write, wait)
+        except DomainError as exc:
+            if exc.http_status < 500:
                 raise
-            log.warning(f"store gave no verdict; queueing the {kind}", session_id=session_id,
-                        error=type(exc).__name__, detail=str(exc)[:200])
-            self.drain_failing = True
-            return self._queue(kind, session_id, body)
+            return await self._write_failed(kind, session_id, body, exc, write)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if recurs(exc):
+                raise InvalidRequest(f"the store cannot hold this {kind}: "
+                                     f"{type(exc).__name__}", field="body",
+                                     expected="values the database can hold",
+                                     actual=str(exc)[:200]) from None
+            if isinstance(exc, TimeoutError) and wait < self.store_timeout:
+                # The caller's short timeout, not a sick store: readiness stays as it is.
+                log.info(f"the store did not answer within the caller's timeout; spooling "
+                         f"the {kind}", session_id=session_id, waited=wait)
+                return await self._spool_or_wait(kind, session_id, body, write)
+            return await self._write_failed(kind, session_id, body, exc, write)
         return WRITTEN if wrote else REPEAT
 
-    def _queue(self, kind: str, session_id: str, body: Any) -> str:
+    async def _write_failed(self, kind: str, session_id: str, body: Any,
+                            exc: BaseException, write: asyncio.Future[bool]) -> str:
+        log.warning(f"store gave no verdict; spooling the {kind}", session_id=session_id,
+                    error=type(exc).__name__, detail=str(exc)[:200])
+        self.drain_failing = True
+        return await self._spool_or_wait(kind, session_id, body, write)
+
+    async def _spool_or_wait(self, kind: str, session_id: str, body: Any,
+                             write: asyncio.Future[bool]) -> str:
+        """Spool the write; with the spool full, the outcome of its store write if that
+        is still running (its answer, never a 503 that a late commit makes false)."""
+        try:
+            return self._spool_write(kind, session_id, body)
+        except SpoolFull:
+            if write.done():
+                raise
+            log.warning(f"spool full; waiting for the store's answer to this {kind}",
+                        session_id=session_id)
+        try:
+            wrote = await asyncio.shield(write)
+        except Exception as exc:  # noqa: BLE001 - its verdict, or the spool's refusal
+            if isinstance(exc, DomainError) and exc.http_status < 500:
+                raise
+            log.error(f"the {kind}'s store write failed: answered 503, not written",
+                      session_id=session_id, error=type(exc).__name__)
+            raise SpoolFull(f"the store cannot take this {kind} now and the gateway's spool "
+                            "is full: it was not written (send it again)") from None
+        return WRITTEN if wrote else REPEAT
+
+    def _spool_write(self, kind: str, session_id: str, body: Any) -> str:
         try:
             self.spool.add(session_id, body, None, kind)
+        except SpoolFull as exc:
+            log.error(f"spool full: {kind} not spooled", session_id=session_id,
+                      detail=str(exc))
+            raise
         except (OSError, TypeError, ValueError) as exc:
+            log.error(f"cannot write the spool: {kind} not spooled", session_id=session_id,
+                      error=type(exc).__name__, detail=str(exc))
             raise SpoolFull(f"cannot write the spool ({type(exc).__name__}: {exc})") from None
-        log.info(f"{kind} queued behind the session's spooled writes", session_id=session_id)
+        log.info(f"{kind} spooled behind the session's spooled writes", session_id=session_id)
         self.wake.set()
-        return QUEUED
+        return SPOOLED
 
     async def _write(self, kind: str, session_id: str, body: Any) -> bool:
         writer = self.services.writer
         if kind == CLOSE:
             wrote = await writer.close_session(session_id, body)
-            if wrote:
-                self.services.reader.notify()
-            return wrote
-        created = (await writer.record_reward(session_id, body)).created
-        if created:
+            self.last_turn.pop(session_id, None)  # nothing left for the idle close
+        else:
+            wrote = (await writer.record_reward(session_id, body)).created
+        if wrote:
             self.services.reader.notify()
-        return created
+        return wrote
 
     async def _drain_write(self, entry: Spooled) -> None:
-        """A queued close or reward. A close that finds its session closed already
-        leaves its reward as a reward event (`reward_of_late_close`), then raises."""
+        """A spooled close or reward. A close that finds its session closed already by
+        a close without a reward leaves its own as a reward event
+        (`reward_of_late_close`) and is done; else the store's refusal is raised."""
         try:
             await self._write(entry.kind, entry.session_id, entry.body)
         except SessionClosed:
-            reward = reward_of_late_close(parse_close(entry.body)) \
-                if entry.kind == CLOSE else None
-            if reward is not None:
-                await self._write(REWARD, entry.session_id, reward)
-                log.warning("a queued close found its session closed already: its reward "
-                            "is recorded as a reward event", session_id=entry.session_id,
-                            reward=reward["reward"])
-            raise
+            reward = reward_of_late_close(
+                parse_close(entry.body), await self.services.reader.close_of(entry.session_id)
+            ) if entry.kind == CLOSE else None
+            if reward is None:
+                raise
+            await self._write(REWARD, entry.session_id, reward)
+            log.warning("a spooled close found its session closed already: its reward is "
+                        "recorded as a reward event", session_id=entry.session_id,
+                        reward=reward["reward"], event_id=reward["event_id"])
 
     # -- the drainer -------------------------------------------------------------------
 
@@ -407,7 +465,8 @@ class Recorder:
                 await asyncio.sleep(DRAIN_RETRY_S)
 
     async def _drain_one(self) -> bool:
-        """Append the oldest spooled turn; False when the store gave no verdict (yet).
+        """Write the oldest spooled write (a turn's append, a close, a reward); False when
+        the store gave no verdict (yet).
 
         An attempt that outlives the store timeout is not cancelled (a SQLite
         write blocked on a lock cannot be): the next round waits for the same
@@ -429,7 +488,8 @@ class Recorder:
                 self.metrics.recorded.inc()
         elif self._is_verdict(exc) and entry.kind != TURN:
             # The caller was answered 202 long ago: said here, for the operator.
-            log.error(f"a queued {entry.kind} was refused by the store",
+            self.metrics.refused_writes.labels(entry.kind).inc()
+            log.error(f"a spooled {entry.kind} was refused by the store",
                       session_id=entry.session_id, spooled_at=entry.spooled_at,
                       problem=f"urn:turnlog:{getattr(exc, 'slug', 'store-error')}",
                       detail=str(exc)[:300])

@@ -1,7 +1,9 @@
 """The gateway's spool: writes that could not be stored yet, durable on local disk.
 
 One file per write, `<sequence>.turn` (20 digits, so names sort in arrival
-order; per session that is the order the writes were answered in). A write
+order, which per session is the order the writes were answered in; the
+suffix is the one spools had when they held turns only, so a spool an
+earlier gateway left is read as it is). A write
 is a turn (`kind` "turn"), or a close or a reward a client handed the gateway
 to carry out behind the session's spooled turns ("close", "reward";
 docs/gateway.md). A file is written to a temporary name, fsynced, renamed
@@ -53,6 +55,10 @@ class SpoolInUse(Exception):
     """Another live gateway holds this spool directory."""
 
 
+class SpoolUnreadable(Exception):
+    """A spooled file this gateway cannot carry out."""
+
+
 class Spool:
     def __init__(self, directory: Path, max_bytes: int) -> None:
         self.directory = directory
@@ -69,8 +75,9 @@ class Spool:
         self.entries: deque[Spooled] = deque()
         self.bytes = 0
         self.turns = 0  # the entries that are turns
-        self.per_session: dict[str, int] = {}  # entries of any kind
+        self.writes_per_session: dict[str, int] = {}  # entries of any kind
         self.turns_per_session: dict[str, int] = {}
+        self.closes_per_session: dict[str, int] = {}
         self.next_sequence = 0
         self._load()
 
@@ -86,30 +93,39 @@ class Spool:
             entry = jsonio.loads(data)
             sequence = int(path.name[: -len(SUFFIX)])
             # A file of a gateway before closes and rewards were spooled has no kind.
+            kind = entry.get("kind", TURN)
+            if kind not in KINDS:
+                raise SpoolUnreadable(f"{path} holds a write of kind {kind!r}, which this "
+                                      "gateway does not know (a newer gateway's spool?)")
             self._track(Spooled(sequence, entry["session_id"], entry["body"], entry.get("open"),
-                                len(data), float(entry["spooled_at"]),
-                                entry.get("kind", TURN)))
+                                len(data), float(entry["spooled_at"]), kind))
             self.next_sequence = max(self.next_sequence, sequence + 1)
 
     def _track(self, entry: Spooled) -> None:
         self.entries.append(entry)
         self.bytes += entry.size
-        _count(self.per_session, entry.session_id, 1)
+        _count(self.writes_per_session, entry.session_id, 1)
         if entry.kind == TURN:
             self.turns += 1
             _count(self.turns_per_session, entry.session_id, 1)
+        elif entry.kind == CLOSE:
+            _count(self.closes_per_session, entry.session_id, 1)
 
-    def count(self, session_id: str) -> int:
+    def count_turns(self, session_id: str) -> int:
         """The turns of this session the spool holds (0: none)."""
         return self.turns_per_session.get(session_id, 0)
 
-    def count_all(self, session_id: str) -> int:
+    def count_writes(self, session_id: str) -> int:
         """The writes of this session the spool holds, closes and rewards included."""
-        return self.per_session.get(session_id, 0)
+        return self.writes_per_session.get(session_id, 0)
+
+    def holds_close(self, session_id: str) -> bool:
+        """Whether a close of this session waits here."""
+        return session_id in self.closes_per_session
 
     def holds(self, session_id: str) -> bool:
         """Whether writes of this session wait here (its next ones must queue behind them)."""
-        return session_id in self.per_session
+        return session_id in self.writes_per_session
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -159,10 +175,12 @@ class Spool:
         self.entries.popleft()
         self._path(entry.sequence).unlink(missing_ok=True)
         self.bytes -= entry.size
-        _count(self.per_session, entry.session_id, -1)
+        _count(self.writes_per_session, entry.session_id, -1)
         if entry.kind == TURN:
             self.turns -= 1
             _count(self.turns_per_session, entry.session_id, -1)
+        elif entry.kind == CLOSE:
+            _count(self.closes_per_session, entry.session_id, -1)
 
     def close(self) -> None:
         self._lock.close()  # releases the lock

@@ -253,9 +253,10 @@ class TurnlogClient(ConsumerCalls):
         response_id: str | None = None,
         source: str | None = None,
         event_id: str | None = None,
+        commit_within: float | None = None,
     ) -> dict[str, Any]:
         """Record a reward for a closed session (`POST …/rewards`); returns the
-        `reward_recorded` event.
+        `reward_recorded` event. `commit_within`: as `close`'s.
 
         `sample` (an index) or `response_id` (the leaf turn's `response.id`)
         picks the samples it scores; neither = every sample of the session.
@@ -266,9 +267,10 @@ class TurnlogClient(ConsumerCalls):
         body: dict[str, Any] = {"event_id": event_id or new_event_id(), "reward": reward,
                                 "sample": sample, "response_id": response_id,
                                 "source": source}
+        headers = None if commit_within is None else {TIMEOUT_HEADER: timeout_text(commit_within)}
         result: dict[str, Any] = await self._transport.json(
             "POST", f"/v1/sessions/{session_id}/rewards", body=body,
-            event_id=body["event_id"])
+            event_id=body["event_id"], headers=headers)
         return result
 
     async def session(self, session_id: str) -> dict[str, Any]:

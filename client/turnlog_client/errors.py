@@ -6,7 +6,8 @@ server's problem+json (`slug`, `status`, `field`, `expected`, `actual`), and
 and the policy (tenacity): bounded exponential backoff with full jitter,
 never shorter than a `Retry-After`, resending only errors that are
 `retryable` (connection errors, timeouts, 5xx but a write's own
-`deadline-exceeded`, whose resend would get a new deadline; never 4xx). Both error types
+`deadline-exceeded`, whose resend would get a new deadline, and a recording
+gateway's `spool-full`; never 4xx). Both error types
 carry the `event_id` of the turn they were appending, so a caller that did
 not choose one can still resend the same turn later without a duplicate.
 
@@ -38,6 +39,11 @@ URN = "urn:turnlog:"
 _PERMANENT_TRANSPORT = (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.ProxyError)
 
 
+# 5xx answers a resend would not change: a write's own deadline missed, a gateway's
+# spool full.
+NOT_RESENT = frozenset({"deadline-exceeded", "spool-full"})
+
+
 class TurnlogError(Exception):
     """An answer that is not a success, as the server's problem+json.
 
@@ -64,9 +70,11 @@ class TurnlogError(Exception):
     @property
     def retryable(self) -> bool:
         # A write refused for its `X-Turnlog-Timeout` is not resent: the resend would be
-        # carried out within a new timeout, later than the caller asked for.
+        # carried out within a new timeout, later than the caller asked for. Nor is one a
+        # recording gateway could neither carry out nor spool: its spool stays full for
+        # longer than a resend waits.
         return self.status is not None and self.status >= 500 \
-            and self.slug != "deadline-exceeded"
+            and self.slug not in NOT_RESENT
 
 
 class TurnlogConnectionError(TurnlogError):

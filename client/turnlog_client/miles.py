@@ -36,7 +36,6 @@ rule of the store: what a close or a reward means is the server's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -323,14 +322,44 @@ def branch_rewards(result: Any) -> dict[str, float]:
     return {key: value for key, value in found.items() if value is not None}
 
 
+@dataclass(frozen=True)
+class Reward:
+    """One reward for a session (§16), with the event id every try of it sends: a try
+    whose answer was lost, sent again to the gateway or to the store, records it once."""
+
+    sid: str
+    value: float
+    response_id: str | None
+    source: str | None
+    event_id: str = field(default_factory=new_event_id)
+
+    @property
+    def name(self) -> str:
+        """How a problem names it: its session, and its leaf's response id if any."""
+        leaf = f" ({self.response_id})" if self.response_id is not None else ""
+        return f"reward for {self.sid}{leaf}"
+
+
+@dataclass(frozen=True)
+class Closed:
+    """A close carried out (or spooled by the gateway): its problems, and the rewards to
+    record after it (the agent's per-branch ones; the agent's reward when the session
+    was closed already)."""
+
+    problems: list[str]
+    rewards: list[Reward]
+
+
 async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException | None,
-                 source: str) -> list[str]:
-    """Close with the agent's result, then record its per-branch rewards (§16); the
-    problems of the rewards are returned, a failed close raises. A close the store
-    refuses for the agent's dict (too large, too many values) is sent again without
-    it (`"agent": null`, `"agent_unrecorded"` saying why): the session is closed
-    whatever the agent returned."""
+                 source: str, late_event_id: str) -> Closed:
+    """Close with the agent's result; a failed close raises. A close the store refuses
+    for the agent's dict (too large, too many values) is sent again without it
+    (`"agent": null`, `"agent_unrecorded"` saying why): the session is closed whatever
+    the agent returned. A session closed already (the gateway's idle close) gets the
+    agent's reward as a reward event instead, with `late_event_id` (the same for every
+    try of this close: it is recorded once)."""
     problems = []
+    rewards = []
     try:
         metadata = close_metadata(result, error)
     except Exception as exc:
@@ -341,9 +370,8 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
         await tl.close(sid, metadata=metadata, commit_within=_commit_within())
     except TurnlogError as exc:
         if exc.slug == "session-closed":
-            # Closed already (the gateway's idle close): the reward goes in as a §16 event.
             if metadata["reward"] is not None:
-                await tl.record_reward(sid, metadata["reward"], source=source)
+                rewards.append(Reward(sid, metadata["reward"], None, source, late_event_id))
         elif exc.status is not None and exc.status < 500 and metadata["agent"] is not None:
             metadata = {**metadata, "agent": None,
                         "agent_unrecorded": _problem("close with the agent's dict", exc)}
@@ -351,68 +379,50 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
             await tl.close(sid, metadata=metadata, commit_within=_commit_within())
         else:
             raise
-    for response_id, value in branch_rewards(result).items():
-        try:
-            await tl.record_reward(sid, value, response_id=response_id, source=source,
-                                   event_id=new_event_id())
-        except TurnlogError as exc:  # e.g. a response_id no leaf has: the others still count
-            problems.append(_problem(f"reward for {response_id}", exc))
-            if exc.status is None or exc.status >= 500:
-                break  # the store cannot take them now: do not wait on it once per branch
-        except Exception as exc:  # unreachable: the same
-            problems.append(_problem(f"reward for {response_id}", exc))
-            break
-    return problems
+    rewards += [Reward(sid, value, response_id, source)
+                for response_id, value in branch_rewards(result).items()]
+    return Closed(problems, rewards)
 
 
 def gateway_missed(exc: BaseException) -> bool:
     """The gateway could not take a close or a reward, which then goes to the store: it
-    is unreachable or failing (its spool full among them), or it has no such route (a
-    gateway before them, or not a gateway at all)."""
+    is unreachable or failing (its spool full among them), it has no such route (a
+    gateway before them, or not a gateway at all), or it does not take this token
+    (tokens of its own, or none given to it where `turnlog serve` has some)."""
     if not isinstance(exc, TurnlogError):
         return False
-    if exc.status is None or exc.status >= 500:
+    if exc.status is None or exc.status >= 500 or exc.status in (401, 403):
         return True
     return exc.status in (404, 405) and exc.slug != "unknown-session"
 
 
 @dataclass(frozen=True)
 class GatewayMiss:
-    """The gateway did not take a close: why, and whether it answered at all (one that
-    did not — down, silent — is not asked about its spool either)."""
+    """The gateway did not take a close: why, and its answer's status (None: it did not
+    answer — down, silent — and is not asked about its spool either)."""
 
     why: str
-    status: int | None  # its answer's; None: no answer
-
-    @property
-    def answered(self) -> bool:
-        return self.status is not None
+    status: int | None
 
 
 async def hand_to_gateway(settings: Settings, sid: str, result: Any,
-                          error: BaseException | None, source: str,
-                          waiting: DeferredClose | None = None,
-                          ) -> list[str] | GatewayMiss | None:
-    """The close and the agent's per-branch rewards (and `waiting`'s rewards, queued
-    behind a deferred close) handed to the gateway, which carries them out behind the
-    session's spooled turns or keeps them in its spool until it can: their problems.
-    A `GatewayMiss` when the gateway could not take the close (`gateway_missed`), None
-    when none is named; a refusal of the close raises, as the store's."""
+                          error: BaseException | None, source: str, late_event_id: str,
+                          ) -> Closed | GatewayMiss | None:
+    """The close handed to the gateway, which carries it out behind the session's
+    spooled turns or keeps it in its spool until it can. A `GatewayMiss` when the
+    gateway could not take it (`gateway_missed`), None when none is named; a refusal
+    of the close raises, as the store's."""
     gateway = settings.gateway_client()
     if gateway is None:
         return None
     async with gateway:
         try:
-            problems = await _close(gateway, sid, result, error, source)
+            return await _close(gateway, sid, result, error, source, late_event_id)
         except TurnlogError as exc:
             if gateway_missed(exc):
                 return GatewayMiss(f"the gateway at {settings.gateway} did not take the "
                                    f"close ({exc})", exc.status)
             raise
-        if waiting is not None:
-            _forget(waiting)  # from now on a reward goes straight in
-            problems += await _record_waiting(gateway, waiting)
-        return problems
 
 
 async def gateway_verdict(settings: Settings, sid: str, wait: float | None = None,
@@ -468,6 +478,97 @@ def close_later_helps(exc: BaseException) -> bool:
     return isinstance(exc, TurnlogError) and (exc.retryable or exc.slug == DEADLINE_MISSED)
 
 
+# One try of a reward: recorded (or spooled by the gateway), to try again later, or a
+# problem string (refused for good).
+RECORDED, LATER = "recorded", "later"
+
+
+class Sender:
+    """Where a hook call sends its rewards: to the gateway while it takes them (behind
+    the session's spooled turns and close), else to the store. Use with `async with`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.gateway = settings.gateway_client()
+        self.store: TurnlogClient | None = None
+
+    async def __aenter__(self) -> Sender:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        for client in (self.gateway, self.store):
+            if client is not None:
+                await client.aclose()
+
+    async def reward(self, reward: Reward) -> str:
+        """RECORDED, LATER (turnlog or the gateway did not answer or failed; the session
+        is still open, its close perhaps waiting in the gateway's spool or deferred in
+        another process), or the problem that refused it for good."""
+        if self.gateway is not None:
+            try:
+                await self._send(self.gateway, reward, _commit_within())
+                return RECORDED
+            except TurnlogError as exc:
+                if not gateway_missed(exc):
+                    return LATER if exc.slug == "session-open" else \
+                        _problem(reward.name, exc)
+                if exc.status is None:
+                    return LATER  # no answer: no time left in this call to ask the store
+                await self.gateway.aclose()
+                self.gateway = None  # no such route, or failing: the store, from now on
+        if self.store is None:
+            self.store = self.settings.client()
+        try:
+            await self._send(self.store, reward, None)
+        except TurnlogError as exc:
+            if exc.status is None or exc.status >= 500 or exc.slug == "session-open":
+                return LATER
+            return _problem(reward.name, exc)
+        except Exception as exc:  # noqa: BLE001 - said, as every hook failure
+            return _problem(reward.name, exc)
+        return RECORDED
+
+    @staticmethod
+    async def _send(tl: TurnlogClient, reward: Reward, commit_within: float | None) -> None:
+        await tl.record_reward(reward.sid, reward.value, response_id=reward.response_id,
+                               source=reward.source, event_id=reward.event_id,
+                               commit_within=commit_within)
+
+
+async def send_rewards(sender: Sender, rewards: list[Reward]) -> tuple[int, list[str]]:
+    """Record `rewards` in order (never raises). One that cannot go now, and every one
+    after it in this call (each try may take DEADLINE), is deferred: queued behind its
+    session's deferred close, or tried again from the background (`defer_rewards`).
+    Returns how many were not recorded now (refused, deferred or neither), and why."""
+    failed, problems = 0, []
+    later: list[Reward] = []
+    for reward in rewards:
+        if not later and reward.sid not in _DEFERRED and reward.sid not in _LATER:
+            outcome = await sender.reward(reward)
+            if outcome == RECORDED:
+                continue
+            if outcome != LATER:
+                failed += 1
+                problems.append(outcome)
+                continue
+        later.append(reward)
+    deferred = 0
+    for reward in later:
+        if reward.sid in _DEFERRED:  # its close waits: the reward goes in after it, in order
+            _DEFERRED[reward.sid].rewards.append(reward)
+        elif not defer_rewards(sender.settings, reward):
+            failed += 1
+            problems.append(f"reward for {reward.sid} not recorded and not deferred either: "
+                            f"{MAX_DEFERRED} sessions have deferred work already")
+            continue
+        deferred += 1
+    if deferred:
+        problems.append(f"{deferred} reward(s) deferred: turnlog did not take them now; they "
+                        f"are sent again from this process every {CLOSE_LATER_POLL_S:g} s, "
+                        f"for up to {CLOSE_LATER_S:g} s")
+    return failed + deferred, problems
+
+
 @dataclass
 class DeferredClose:
     """A session's close the agent hook could not send yet, and the reward hook's
@@ -478,28 +579,61 @@ class DeferredClose:
     result: Any
     error: BaseException | None
     source: str
-    rewards: list[tuple[str | None, float, str]] = field(default_factory=list)
+    late_event_id: str
+    rewards: list[Reward] = field(default_factory=list)
 
 
-# The closes the hooks deferred, by session, and the background tasks sending them.
+@dataclass
+class LaterRewards:
+    """A session's rewards that could not be recorded yet (its close not carried out,
+    turnlog down), in the order they came."""
+
+    settings: Settings
+    sid: str
+    rewards: list[Reward]
+
+
+# The closes and rewards the hooks deferred, by session, and the background tasks
+# sending them.
 _DEFERRED: dict[str, DeferredClose] = {}
+_LATER: dict[str, LaterRewards] = {}
 _TASKS: set[asyncio.Task[None]] = set()
 
 
-def defer_close(settings: Settings, sid: str, result: Any, error: BaseException | None,
-                source: str) -> bool:
-    """Send the close from the background of this process (`finish` waits for it);
-    False when MAX_DEFERRED closes are pending already (the session is left open)."""
-    if sid in _DEFERRED:
-        return True
-    if len(_DEFERRED) >= MAX_DEFERRED:
-        return False
-    deferred = DeferredClose(settings, sid, result, error, source)
-    _DEFERRED[sid] = deferred
-    task = asyncio.get_running_loop().create_task(_send_deferred(deferred))
+def _background(work: Any, forget: Any) -> None:
+    task = asyncio.get_running_loop().create_task(work)
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
-    task.add_done_callback(lambda _t: _forget(deferred))
+    task.add_done_callback(lambda _t: forget())
+
+
+def defer_close(settings: Settings, sid: str, result: Any, error: BaseException | None,
+                source: str, late_event_id: str) -> bool:
+    """Send the close from the background of this process (`finish` waits for it);
+    False when MAX_DEFERRED sessions have deferred work already (the session is left
+    open)."""
+    if sid in _DEFERRED:
+        return True
+    if len(_DEFERRED) + len(_LATER) >= MAX_DEFERRED:
+        return False
+    deferred = DeferredClose(settings, sid, result, error, source, late_event_id)
+    _DEFERRED[sid] = deferred
+    _background(_send_deferred(deferred), lambda: _forget(deferred))
+    return True
+
+
+def defer_rewards(settings: Settings, reward: Reward) -> bool:
+    """Record the reward from the background of this process, after the session's other
+    deferred rewards; False when MAX_DEFERRED sessions have deferred work already."""
+    if reward.sid in _LATER:
+        _LATER[reward.sid].rewards.append(reward)
+        return True
+    if len(_DEFERRED) + len(_LATER) >= MAX_DEFERRED:
+        return False
+    later = LaterRewards(settings, reward.sid, [reward])
+    _LATER[reward.sid] = later
+    _background(_send_later(later), lambda: _LATER.pop(later.sid, None)
+                if _LATER.get(later.sid) is later else None)
     return True
 
 
@@ -510,16 +644,17 @@ def _forget(deferred: DeferredClose) -> None:
 
 async def finish(timeout: float | None = None) -> None:
     """Wait (`timeout` seconds at most; then TimeoutError, with the sessions still
-    pending logged) for the closes the hooks deferred, and the rewards waiting for
-    them. They live in this process: call it before the process exits, or they are
-    lost with it (each then logged as left open)."""
+    pending logged) for the closes and rewards the hooks deferred. They live in this
+    process: call it before the process exits, or they are lost with it (each then
+    logged as left open)."""
     try:
         async with asyncio.timeout(timeout):
             while _TASKS:
                 await asyncio.wait(set(_TASKS))
     except TimeoutError:
-        log.warning("turnlog: %d deferred close(s) still pending: %s", len(_DEFERRED),
-                    ", ".join(sorted(_DEFERRED)[:20]))
+        pending = sorted({*_DEFERRED, *_LATER})
+        log.warning("turnlog: deferred work of %d session(s) still pending: %s", len(pending),
+                    ", ".join(pending[:20]))
         raise
 
 
@@ -537,7 +672,7 @@ async def _send_deferred(deferred: DeferredClose) -> None:
             if loop.time() >= give_up:
                 break
             try:
-                done, said = await _try_deferred(deferred, give_up - loop.time())
+                closed = await _try_deferred(deferred, give_up - loop.time())
             except Exception as exc:  # noqa: BLE001 - asked again, or said, below
                 if not close_later_helps(exc):
                     log.warning("turnlog at %s did not record session %s (%d reward(s) "
@@ -547,10 +682,14 @@ async def _send_deferred(deferred: DeferredClose) -> None:
                     return
                 why = _problem("close", exc)
                 continue
-            if not done:
-                why = said[0]
+            if isinstance(closed, str):
+                why = closed
                 continue
-            for problem in said:
+            _forget(deferred)  # from now on a reward goes straight in
+            async with Sender(settings) as sender:
+                _failed, problems = await send_rewards(
+                    sender, closed.rewards + deferred.rewards)
+            for problem in closed.problems + problems:
                 log.warning("turnlog at %s: session %s: %s", settings.url, sid, problem)
             log.info("turnlog: session %s closed (deferred)", sid)
             return
@@ -561,26 +700,60 @@ async def _send_deferred(deferred: DeferredClose) -> None:
     _left_open(deferred, f"after {CLOSE_LATER_S:g} s: {why}")
 
 
-async def _try_deferred(deferred: DeferredClose, wait: float) -> tuple[bool, list[str]]:
+async def _try_deferred(deferred: DeferredClose, wait: float) -> Closed | str:
     """One try of a deferred close: handed to the gateway, else sent to the store once
     the gateway (if one is named) holds no spooled turn of the session (asked for
-    `wait` seconds at most). (True, problems): done; (False, [why]): not yet. A close
-    that fails raises."""
+    DEADLINE at most, and `wait`, so that the next try hands it to the gateway again).
+    The close, or why not yet; a close that fails raises."""
     settings, sid = deferred.settings, deferred.sid
     handed = await hand_to_gateway(settings, sid, deferred.result, deferred.error,
-                                   deferred.source, deferred)
-    if isinstance(handed, list):
-        return True, handed
-    if handed is not None and not handed.answered:
-        return False, [handed.why]  # nor would it say what its spool holds
-    may, why_not = await gateway_verdict(settings, sid, max(wait, 0.001), CLOSE_LATER_POLL_S)
+                                   deferred.source, deferred.late_event_id)
+    if isinstance(handed, Closed):
+        return handed
+    if handed is not None and handed.status is None:
+        return handed.why  # nor would it say what its spool holds
+    may, why_not = await gateway_verdict(settings, sid, max(min(wait, DEADLINE), 0.001),
+                                         CLOSE_LATER_POLL_S)
     if not may:
-        return False, [why_not or "the gateway holds turns of it"]
+        return why_not or "the gateway holds turns of it"
     async with settings.client() as tl:
-        problems = await _close(tl, sid, deferred.result, deferred.error, deferred.source)
-        _forget(deferred)  # from now on a reward goes straight in
-        problems += await _record_waiting(tl, deferred)
-    return True, [why_not, *problems] if why_not else problems
+        closed = await _close(tl, sid, deferred.result, deferred.error, deferred.source,
+                              deferred.late_event_id)
+    return Closed([why_not, *closed.problems] if why_not else closed.problems,
+                  closed.rewards)
+
+
+async def _send_later(later: LaterRewards) -> None:
+    """Record a session's deferred rewards in order, every CLOSE_LATER_POLL_S for
+    CLOSE_LATER_S at most; logged either way, never raised."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + CLOSE_LATER_S
+    try:
+        while later.rewards and loop.time() < give_up:
+            await asyncio.sleep(CLOSE_LATER_POLL_S)
+            async with Sender(later.settings) as sender:
+                while later.rewards:
+                    outcome = await sender.reward(later.rewards[0])
+                    if outcome == LATER:
+                        break
+                    later.rewards.pop(0)
+                    if outcome != RECORDED:
+                        log.warning("turnlog at %s: %s", later.settings.url, outcome)
+        if not later.rewards:
+            log.info("turnlog: the deferred rewards of session %s recorded", later.sid)
+            return
+        why = f"after {CLOSE_LATER_S:g} s"
+    except asyncio.CancelledError:
+        why = "cancelled (the process is shutting down)"
+        _rewards_left(later, why)
+        raise
+    _rewards_left(later, why)
+
+
+def _rewards_left(later: LaterRewards, why: str) -> None:
+    log.warning("turnlog at %s: %d deferred reward(s) of session %s not recorded (%s; the "
+                "session is still open, or turnlog did not answer)", later.settings.url,
+                len(later.rewards), later.sid, why)
 
 
 def _left_open(deferred: DeferredClose, why: str) -> None:
@@ -590,24 +763,12 @@ def _left_open(deferred: DeferredClose, why: str) -> None:
                 deferred.sid, len(deferred.rewards), why)
 
 
-async def _record_waiting(tl: TurnlogClient, deferred: DeferredClose) -> list[str]:
-    """The rewards that waited for the deferred close, in the order they came."""
-    problems = []
-    for response_id, value, source in deferred.rewards:
-        try:
-            await tl.record_reward(deferred.sid, value, response_id=response_id,
-                                   source=source, event_id=new_event_id())
-        except Exception as exc:  # noqa: BLE001 - said, as every hook failure
-            problems.append(_problem(f"reward for {deferred.sid}", exc))
-    return problems
-
-
 def _deferral(settings: Settings, sid: str, result: Any, error: BaseException | None,
-              source: str, why: str | None) -> str:
+              source: str, late_event_id: str, why: str | None) -> str:
     """Defer the close (`defer_close`); the problem that says so, or that it could not."""
-    if not defer_close(settings, sid, result, error, source):
-        return (f"close not sent ({why}) and not deferred either: {MAX_DEFERRED} closes "
-                "are pending already; the session stays open")
+    if not defer_close(settings, sid, result, error, source, late_event_id):
+        return (f"close not sent ({why}) and not deferred either: {MAX_DEFERRED} sessions "
+                "have deferred work already; the session stays open")
     return (f"close deferred ({why}): it is sent from this process once it can go "
             f"(asked every {CLOSE_LATER_POLL_S:g} s, for up to {CLOSE_LATER_S:g} s); the "
             "reward hook's rewards for the session wait for it")
@@ -692,17 +853,7 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
             error = exc
         source = settings.agent[:SOURCE_MAX]
         try:
-            handed = await hand_to_gateway(settings, sid, result, error, source)
-            if isinstance(handed, list):
-                problems += handed
-            elif handed is not None and not handed.answered:
-                # Down or silent: nor would it say what its spool holds.
-                problems.append(_deferral(settings, sid, result, error, source, handed.why))
-            else:
-                if handed is not None and handed.status is not None and handed.status >= 500:
-                    problems.append(handed.why)  # (a gateway without the route: quietly)
-                problems += await _close_through_store(settings, tl, sid, result, error,
-                                                       source)
+            problems += await _close_session(settings, tl, sid, result, error, source)
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:
@@ -713,22 +864,48 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     return with_session_id(result, sid)
 
 
+async def _close_session(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
+                         error: BaseException | None, source: str) -> list[str]:
+    """The close (handed to the gateway; else sent to the store, or deferred), then the
+    rewards it brings: its problems; a close refused for good raises."""
+    late_event_id = new_event_id()
+    handed = await hand_to_gateway(settings, sid, result, error, source, late_event_id)
+    if isinstance(handed, Closed):
+        closed: Closed | None = handed
+        problems: list[str] = []
+    elif handed is not None and handed.status is None:
+        # Down or silent: nor would it say what its spool holds.
+        return [_deferral(settings, sid, result, error, source, late_event_id, handed.why)]
+    else:
+        problems = [handed.why] if handed is not None and handed.status is not None \
+            and handed.status >= 500 else []  # (a gateway without the route: quietly)
+        closed, more = await _close_through_store(settings, tl, sid, result, error, source,
+                                                  late_event_id)
+        problems += more
+    if closed is None:
+        return problems
+    async with Sender(settings) as sender:
+        _failed, more = await send_rewards(sender, closed.rewards)
+    return problems + closed.problems + more
+
+
 async def _close_through_store(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
-                               error: BaseException | None, source: str) -> list[str]:
+                               error: BaseException | None, source: str, late_event_id: str,
+                               ) -> tuple[Closed | None, list[str]]:
     """The close sent to the store — once the gateway, if one is named, holds no spooled
-    turn of the session — or deferred (`_deferral`): its problems."""
+    turn of the session — or deferred (`_deferral`; then None): its problems."""
     may, why = await gateway_verdict(settings, sid)
     if not may:
-        return [_deferral(settings, sid, result, error, source, why)]
+        return None, [_deferral(settings, sid, result, error, source, late_event_id, why)]
     problems = [why] if why else []
     try:
-        problems += await _close(tl, sid, result, error, source)
+        return await _close(tl, sid, result, error, source, late_event_id), problems
     except Exception as exc:
         if not close_later_helps(exc):
             raise
-        problems.append(_deferral(settings, sid, result, error, source,
+        problems.append(_deferral(settings, sid, result, error, source, late_event_id,
                                   _problem("close", exc)))
-    return problems
+    return None, problems
 
 
 def sample_metadata(sample: Any) -> Mapping[str, Any]:
@@ -753,48 +930,18 @@ def reward_target(sample: Any) -> tuple[str, str | None] | None:
 async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
                          source: str) -> tuple[int, list[str]]:
     """Record each (sample, reward) — through the gateway when one is named and takes
-    them (behind its spooled writes of the session: a close it queued among them), else
-    in the store; returns how many were not recorded and why (never raises)."""
-    targets = [(target, value) for target, value in
-               ((reward_target(sample), finite(reward)) for sample, reward in scored)
-               if target is not None and value is not None]  # else nothing to record
-    failed, problems = 0, []
-    for (sid, response_id), value in targets:
-        if sid in _DEFERRED:  # its close waits: the reward goes in after it, in order
-            _DEFERRED[sid].rewards.append((response_id, value, source))
-    targets = [(target, value) for target, value in targets if target[0] not in _DEFERRED]
-    if not targets:
+    them (behind its spooled writes of the session: a close it spooled among them),
+    else in the store; one that cannot go now is deferred (`send_rewards`). Returns how
+    many were not recorded and why (never raises)."""
+    rewards = [Reward(sid, value, response_id, source)
+               for (sid, response_id), value in
+               ((target, value) for target, value in
+                ((reward_target(sample), finite(reward)) for sample, reward in scored)
+                if target is not None and value is not None)]  # else nothing to record
+    if not rewards:
         return 0, []
-    gateway = settings.gateway_client()
-    async with contextlib.AsyncExitStack() as stack:
-        tl = await stack.enter_async_context(gateway or settings.client())
-        for i, ((sid, response_id), value) in enumerate(targets):
-            # One event_id per reward: the client's retries, and the store after a
-            # gateway that could not take it, get this very body.
-            event_id = new_event_id()
-            while True:
-                try:
-                    await tl.record_reward(sid, value, response_id=response_id,
-                                           source=source, event_id=event_id)
-                except TurnlogError as exc:
-                    if tl is gateway and gateway_missed(exc):
-                        log.info("turnlog: the gateway at %s did not take a reward (%s): "
-                                 "rewards go to the store", settings.gateway, exc)
-                        tl = await stack.enter_async_context(settings.client())
-                        continue
-                    if exc.status is None or exc.status >= 500:
-                        # Unreachable, silent or failing (a 503 while its database is
-                        # down): do not wait on it once per sample.
-                        failed += len(targets) - i
-                        problems.append(_problem(f"reward for {sid}", exc))
-                        return failed, problems
-                    failed += 1  # this reward's own refusal (a 404 sample): the others count
-                    problems.append(_problem(f"reward for {sid}", exc))
-                except Exception as exc:
-                    failed += 1
-                    problems.append(_problem(f"reward for {sid}", exc))
-                break
-    return failed, problems
+    async with Sender(settings) as sender:
+        return await send_rewards(sender, rewards)
 
 
 def reward_value(reward: Any, key: Any) -> Any:

@@ -1,7 +1,7 @@
 """Closes and rewards handed to the gateway (`POST /turnlog/v1/sessions/{sid}/close`,
-`…/rewards`), on the three backends: answered as the store answers them when it
-can carry them out at once, queued behind the session's spooled turns (202) when
-it cannot, refused (4xx, nothing spooled) when the body or the store refuses.
+`…/rewards`), on the three backends: carried out at once with the store's verdicts
+when it can, spooled behind the session's spooled turns (202) when it cannot,
+refused (4xx, nothing spooled) when the body or the store refuses.
 
 Oracle: the store read back through its own API (events, samples), and the
 store's own answers to the same bodies.
@@ -50,7 +50,7 @@ async def held(http: httpx.AsyncClient, session_id: str) -> dict[str, Any]:
     return dict(reply.json())
 
 
-async def test_a_close_and_rewards_through_the_gateway_answer_as_the_store(
+async def test_a_close_and_rewards_through_the_gateway_get_the_stores_verdicts(
         db_url, client, gateway_process):
     gateway = gateway_process(db_url)
     await gateway.wait_ready()
@@ -78,14 +78,28 @@ async def test_a_close_and_rewards_through_the_gateway_answer_as_the_store(
         assert conflict.status_code == 409
         assert conflict.json()["type"] == "urn:turnlog:idempotency-conflict"
         assert metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
+        # A timeout too short for any store is the caller's: the write is spooled (or
+        # done), and the gateway stays ready.
+        for i in range(3):
+            quick = await http.post(reward_route(session), headers={"X-Turnlog-Timeout": "0.001"},
+                                    json={"event_id": f"quick-{i}", "reward": 0.75,
+                                          "source": "rm"})
+            assert quick.status_code in (201, 202), quick.text
+            assert (await http.get("/turnlog/readyz")).status_code == 200
+
+        async def drained() -> bool:
+            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
+
+        await wait_for(drained, what="the spooled rewards")
     assert await kinds(client, session) == ["session_opened", "turn_recorded",
-                                            "session_closed", "reward_recorded"]
+                                            "session_closed"] + ["reward_recorded"] * 4
     assert await reward_of(client, session) == (0.75, "rm")
 
 
 async def test_bad_writes_are_refused_naming_the_field_and_spool_nothing(
         db_url, client, gateway_process):
-    gateway = gateway_process(db_url, env={"TURNLOG_MAX_BODY_BYTES": "100000"})
+    gateway = gateway_process(db_url, env={"TURNLOG_MAX_BODY_BYTES": "100000",
+                                           "TURNLOG_MAX_BODY_VALUES": "1000"})
     await gateway.wait_ready()
     session = sid()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
@@ -120,6 +134,9 @@ async def test_bad_writes_are_refused_naming_the_field_and_spool_nothing(
         assert (wrong.status_code, wrong.headers["allow"]) == (405, "POST")
         too_big = await http.post(close_route(session), content=b"{" + b" " * 200_000 + b"}")
         assert too_big.status_code == 413, too_big.text
+        many = await http.post(close_route(session),  # past TURNLOG_MAX_BODY_VALUES
+                               json={"metadata": {"values": [0] * 2000}})
+        assert many.status_code == 413, many.text
         assert await held(http, session) == {"session_id": session, "spooled_turns": 0,
                                              "spooled_writes": 0}
     assert await kinds(client, session) == ["session_opened", "turn_recorded"]
@@ -147,24 +164,31 @@ async def test_the_close_and_reward_routes_need_a_write_token_when_the_store_has
 
 async def test_a_spool_left_with_a_close_and_a_reward_drains_them_in_order_once(
         db_url, client, gateway_process, tmp_path):
-    """A gateway killed with a turn, a close and a reward of a session in its spool: the
-    next gateway over the spool writes them in order, each once — and a close that
-    finds its session closed already (another close got there first) leaves its
-    reward as a reward event instead (once, however often it is repeated)."""
-    session, closed_first = sid(), sid()
+    """A gateway killed with closes and rewards in its spool: the next gateway over the
+    spool carries them out in order, each once. A close the store committed before the
+    crash (its file not yet deleted) is a repeat. A close that finds its session closed
+    already by a close without a reward (the idle close) leaves its reward as a reward
+    event, once however often it is repeated; one that finds it closed with a reward is
+    refused and counted, and replaces nothing."""
+    session, idle_closed, rewarded, committed = sid(), sid(), sid(), sid()
     async with httpx.AsyncClient(base_url=(await _direct_gateway(db_url, gateway_process)),
                                  timeout=30) as http:
-        for session_id in (session, closed_first):
+        for session_id in (session, idle_closed, rewarded, committed):
             assert (await send_turn(http, session_id, chat([4, 5, 6]))).status == 200
-    # The second session is closed through the store before the spool drains.
-    assert (await client.post(f"/v1/sessions/{closed_first}/close",
-                              json={"metadata": {"closed_by": "someone"}})).status_code == 200
+    # Closed through the store before the spool drains.
+    for session_id, close in ((idle_closed, {"closed_by": "gateway-idle"}),
+                              (rewarded, {"reward": 1.0}), (committed, {"reward": 0.5})):
+        reply = await client.post(f"/v1/sessions/{session_id}/close",
+                                  json={"metadata": close})
+        assert reply.status_code == 200, reply.text
     spool = Spool(tmp_path / "left", 1 << 20)
     late_close = {"metadata": {"reward": 0.25}}
     spool.add(session, {"metadata": {"reward": 1.0}}, None, CLOSE)
     spool.add(session, {"event_id": "rm-1", "reward": 0.5, "source": "rm"}, None, REWARD)
-    spool.add(closed_first, late_close, None, CLOSE)
-    spool.add(closed_first, late_close, None, CLOSE)  # a repeat: one reward in the end
+    spool.add(idle_closed, late_close, None, CLOSE)
+    spool.add(idle_closed, late_close, None, CLOSE)  # a repeat: one reward in the end
+    spool.add(rewarded, late_close, None, CLOSE)  # a second, different close: refused
+    spool.add(committed, {"max_seq_len": None, "metadata": {"reward": 0.5}}, None, CLOSE)
     spool.add(session, {"event_id": "rm-1", "reward": 0.5, "source": "rm"}, None, REWARD)
     spool.close()
     gateway = gateway_process(db_url, spool=tmp_path / "left")
@@ -174,15 +198,87 @@ async def test_a_spool_left_with_a_close_and_a_reward_drains_them_in_order_once(
             return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
 
         await wait_for(drained, what="the spool to drain")
-    assert await kinds(client, session) == ["session_opened", "turn_recorded", "session_closed",
-                                            "reward_recorded"]
-    assert await kinds(client, closed_first) == ["session_opened", "turn_recorded",
-                                                 "session_closed", "reward_recorded"]
-    events = (await client.get(f"/v1/sessions/{closed_first}/events")).json()
-    assert events[2]["close"]["metadata"] == {"closed_by": "someone"}
+        metrics = await scrape(http)
+    assert metric(metrics, "turnlog_gateway_refused_writes_total", 'kind="close"') == 1
+    assert metric(metrics, "turnlog_gateway_refused_writes_total", 'kind="reward"') == 0
+    closed = ["session_opened", "turn_recorded", "session_closed"]
+    assert await kinds(client, session) == [*closed, "reward_recorded"]
+    assert await kinds(client, idle_closed) == [*closed, "reward_recorded"]
+    assert await kinds(client, rewarded) == closed
+    assert await kinds(client, committed) == closed
+    events = (await client.get(f"/v1/sessions/{idle_closed}/events")).json()
+    assert events[2]["close"]["metadata"] == {"closed_by": "gateway-idle"}
     assert events[3]["reward"]["reward"] == 0.25 and events[3]["reward"]["source"] is None
-    assert await reward_of(client, closed_first) == (0.25, None)
+    assert await reward_of(client, idle_closed) == (0.25, None)
+    assert await reward_of(client, rewarded) == (1.0, None)
     assert await reward_of(client, session) == (0.5, "rm")
+
+
+async def test_a_reward_behind_spooled_turns_but_no_close_is_refused_at_once(
+        tmp_path, gateway_process):
+    """While the spool holds a session's turns and no close, a reward would meet an open
+    session when its turn came: it is answered 409 `session-open` now (as the store
+    answers a reward before the close), never 202 and dropped later."""
+    import contextlib
+    import sqlite3
+
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "1")
+    await gateway.wait_ready()
+    session = sid()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await send_turn(http, session, chat([1, 2, 3]))).status == 200
+        lock = sqlite3.connect(path, isolation_level=None, timeout=30)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            assert (await send_turn(http, session, chat([1, 2, 3, 4]))).status == 200
+            assert (await held(http, session))["spooled_turns"] == 1
+            early = await http.post(reward_route(session), json={"event_id": "e", "reward": 1})
+            assert early.status_code == 409, early.text
+            assert early.json()["type"] == "urn:turnlog:session-open"
+            closing = await http.post(close_route(session), json={})
+            assert closing.status_code == 202, closing.text
+            late = await http.post(reward_route(session), json={"event_id": "e", "reward": 1})
+            assert late.status_code == 202, late.text
+            assert await held(http, session) == {"session_id": session, "spooled_turns": 1,
+                                                 "spooled_writes": 3}
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                lock.execute("ROLLBACK")
+            lock.close()
+
+        async def drained() -> bool:
+            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
+
+        await wait_for(drained, what="the spool to drain")
+        assert metric(await scrape(http), "turnlog_gateway_refused_writes_total",
+                      'kind="reward"') == 0
+
+
+async def test_a_close_the_full_spool_refuses_is_never_written_later(tmp_path,
+                                                                    gateway_process):
+    """The store hangs past the store timeout and the spool has no room: the close is
+    answered by its own store write once that ends (here: written when the lock goes),
+    never 503 for a close that commits later."""
+    import asyncio
+    import sqlite3
+
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "0.5",
+                              "--spool-max-bytes", "200")
+    await gateway.wait_ready()
+    session = sid()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await send_turn(http, session, chat([1, 2, 3]))).status == 200
+        lock = sqlite3.connect(path, isolation_level=None, timeout=30)
+        lock.execute("BEGIN EXCLUSIVE")
+        asyncio.get_running_loop().call_later(2.0, lock.rollback)
+        try:
+            reply = await http.post(close_route(session),
+                                    json={"metadata": {"note": "x" * 400}})
+        finally:
+            lock.close()
+        assert (reply.status_code, reply.json()["outcome"]) == (201, "written"), reply.text
 
 
 async def _direct_gateway(db_url: str, gateway_process: Any) -> str:
@@ -193,20 +289,31 @@ async def _direct_gateway(db_url: str, gateway_process: Any) -> str:
 
 def test_a_spool_file_of_an_earlier_gateway_reads_as_a_turn(tmp_path):
     """Spool files written before closes and rewards were spooled have no `kind`."""
+    old = (b'{"session_id":"s-1","body":{"event_id":"e","record":{}},'
+           b'"open":{"session_id":"s-1"},"spooled_at":1.5}')
+    (tmp_path / "00000000000000000000.turn").write_bytes(old)
     spool = Spool(tmp_path, 1 << 20)
-    spool.add("s-1", {"event_id": "e", "record": {}}, {"session_id": "s-1"})
     spool.add("s-1", {"metadata": {}}, None, CLOSE)
+    assert [(entry.kind, entry.sequence) for entry in spool.entries] == [("turn", 0),
+                                                                         ("close", 1)]
+    assert spool.entries[0].open_body == {"session_id": "s-1"}
+    assert (spool.turns, len(spool), spool.count_turns("s-1"),
+            spool.count_writes("s-1")) == (1, 2, 1, 2)
+    spool.remove(spool.entries[0])
+    assert (spool.turns, spool.count_turns("s-1"), spool.count_writes("s-1"),
+            spool.holds("s-1"), spool.holds_close("s-1")) == (0, 0, 1, True, True)
+    spool.remove(spool.entries[0])
+    assert not spool.holds("s-1") and not spool.holds_close("s-1")
     spool.close()
-    (first, _close) = sorted(tmp_path.glob("*.turn"))
-    first.write_text(first.read_text().replace('"kind":"turn",', ""))
-    assert '"kind"' not in first.read_text()
-    again = Spool(tmp_path, 1 << 20)
-    assert [entry.kind for entry in again.entries] == ["turn", "close"]
-    assert (again.turns, len(again), again.count("s-1"), again.count_all("s-1")) == (1, 2, 1, 2)
-    again.remove(again.entries[0])
-    assert (again.turns, again.count("s-1"), again.count_all("s-1"), again.holds("s-1")) == (
-        0, 0, 1, True)
-    again.close()
+
+
+def test_a_spool_file_of_an_unknown_kind_stops_the_gateway(tmp_path):
+    from app.gateway.spool import SpoolUnreadable
+
+    (tmp_path / "00000000000000000000.turn").write_bytes(
+        b'{"kind":"merge","session_id":"s-1","body":{},"open":null,"spooled_at":1.5}')
+    with pytest.raises(SpoolUnreadable, match="merge"):
+        Spool(tmp_path, 1 << 20)
 
 
 @pytest.mark.parametrize("kind", [CLOSE, REWARD])

@@ -8,9 +8,10 @@ locked for a backup, say) is carried out whenever the lock goes, long after
 its client has moved on, and may overtake writes that other clients made in
 the meantime (docs/api.md §0.4).
 
-Owns the header's name, what its value may be and which requests it applies
-to (opens, closes, rewards: `keeps_deadline`); the store keeps the clock.
-Pure: no I/O.
+Owns the header's name, what its value may be, which requests it applies
+to (opens, closes, rewards: `keeps_deadline`), and how long the recording
+gateway may wait on the store for a close or reward it is told to answer
+within (`store_wait`); the store keeps the clock. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ _KEEPS_DEADLINE = re.compile(r"/v1/sessions(/[^/]+/(close|rewards))?")
 # A day: longer than any client waits for one write, short enough to be a typo's bound.
 MAX_TIMEOUT_S = 86400.0
 _EXPECTED = f"seconds, a decimal number > 0 and at most {MAX_TIMEOUT_S:g}"
+# The recording gateway waits on the store for this share of a close's or reward's
+# timeout at most, then spools it: the rest leaves time to spool (one fsync) and answer.
+STORE_WAIT_SHARE = 0.6
+
+
+def store_wait(timeout: float | None, store_timeout: float) -> float:
+    """How long the gateway waits on the store for a close or reward sent with
+    `X-Turnlog-Timeout: timeout` (None: not sent) before it spools it instead."""
+    return store_timeout if timeout is None else min(store_timeout,
+                                                     timeout * STORE_WAIT_SHARE)
 
 
 def keeps_deadline(path: str) -> bool:

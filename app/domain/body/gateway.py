@@ -60,17 +60,21 @@ UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, S
 LATE_CLOSE_REWARD = "late-close-"
 
 
-def reward_of_late_close(close: SessionClose) -> dict[str, Any] | None:
-    """The reward a close queued at the gateway leaves when it finds its session closed
-    already (by the gateway's idle close, or another client's close): its metadata's
-    `reward`, when a finite number, as a session-wide reward (docs/api.md §16) — what
-    the miles hook does with a close the store refuses that way. None: nothing to leave.
+def reward_of_late_close(close: SessionClose,
+                         closed_with: SessionClose | None) -> dict[str, Any] | None:
+    """The reward a close spooled at the gateway leaves when it finds its session closed
+    already, `closed_with` another body: its metadata's `reward`, when a finite number,
+    as a session-wide reward (docs/api.md §16) — but only when the close that got there
+    first carried none (the gateway's idle close, say), so that the reward fills a
+    missing one and never replaces one (a client's second, different close of the
+    session is refused, as the store refuses it). None: nothing to leave.
 
     Its `event_id` is made from the close's content, so the same close sent twice (a
     client's retry, a drain repeated after a crash) leaves one reward; `source` is
     null, as the samples show a close's own reward.
     """
-    if finite_float(close.reward) is None:
+    if finite_float(close.reward) is None or closed_with is None \
+            or finite_float(closed_with.reward) is not None:
         return None
     return {"event_id": LATE_CLOSE_REWARD + jsonio.fingerprint(close.body())[:40],
             "reward": close.reward, "sample": None, "response_id": None, "source": None}

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain.body.labels import LabelFilters
+from app.domain.body.session import SessionClose
 from app.domain.log.events import (
     SESSION_OPENED,
     TURN_RECORDED,
@@ -98,6 +99,12 @@ class Reader:
         body["num_nodes"] = len(state.nodes)
         body["tree"] = [tree_entry(node) for node in state.nodes]
         return body
+
+    async def close_of(self, session_id: str) -> SessionClose | None:
+        """The close a session was closed with (None: still open)."""
+        async with self.db.read() as conn:
+            state = await load_state(conn, self.cache, await session_row(conn, session_id))
+        return state.close
 
     async def summary(self, session_id: str) -> dict[str, Any]:
         async with self.db.read() as conn:
