@@ -16,7 +16,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -33,13 +33,16 @@ def free_port() -> int:
 # What a `fake_http` server answers one request with: (status line, extra header lines,
 # body), from the request's target and its headers (names in lower case).
 Answer = Callable[[str, dict[str, str]], tuple[bytes, bytes, bytes]]
+BodyAnswer = Callable[[str, dict[str, str], bytes], tuple[bytes, bytes, bytes]]
 
 
 @contextlib.asynccontextmanager
-async def fake_http(answer: Any, with_body: bool = False) -> AsyncIterator[str]:
+async def fake_http(answer: Answer | BodyAnswer, with_body: bool = False,
+                    port: int = 0) -> AsyncIterator[str]:
     """A loopback HTTP/1.1 server (keep-alive) answering each request with `answer`
     (an `Answer`; with `with_body`, called with the request body too); yields its base
-    URL. For a store or a gateway that answers what a test needs."""
+    URL (on `port` if given). For a store or a gateway that answers what a test
+    needs."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -48,15 +51,17 @@ async def fake_http(answer: Any, with_body: bool = False) -> AsyncIterator[str]:
                 fields = {k.strip().lower(): v.strip() for k, _, v in
                           (line.partition(":") for line in lines[1:] if line)}
                 sent = await reader.readexactly(int(fields.get("content-length", "0")))
-                status, headers, body = answer(lines[0].split()[1], fields, sent) \
-                    if with_body else answer(lines[0].split()[1], fields)
+                target = lines[0].split()[1]
+                status, headers, body = (
+                    cast(BodyAnswer, answer)(target, fields, sent) if with_body
+                    else cast(Answer, answer)(target, fields))
                 writer.write(b"HTTP/1.1 %s\r\n%sContent-Length: %d\r\n\r\n%s"
                              % (status, headers, len(body), body))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
     async with server:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 

@@ -815,3 +815,101 @@ async def test_a_gateway_with_a_full_spool_leaves_the_close_to_the_store(
     (warning,) = warnings.records
     assert "did not take the close" in warning.getMessage()
     assert "spool-full" in warning.getMessage()
+
+
+async def test_a_reward_the_gateway_could_not_take_goes_to_the_store_with_its_event_id(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """The gateway answers a reward 503 `spool-full` (not resent): the reward goes to the
+    store with the event id the gateway was sent, so a gateway that did take it after
+    all makes it a repeat, never a second reward."""
+    import json
+
+    sent: list[dict[str, Any]] = []
+
+    def full(_target: str, _fields: dict[str, str], body: bytes) -> tuple[bytes, bytes, bytes]:
+        sent.append(json.loads(body))
+        return (b"503 Service Unavailable", b"Content-Type: application/problem+json\r\n",
+                b'{"type":"urn:turnlog:spool-full","status":503,"title":"full"}')
+
+    sid = new_sid()
+    async with TurnlogClient(server_url) as tl:
+        await tl.open({"session_id": sid, "version": "v2"})
+        await tl.close(sid)
+    env.setattr(support, "fake_rm", lambda args, sample, **kw: 0.5)
+    async with fake_http(full, with_body=True) as url:
+        env.setenv("TURNLOG_GATEWAY_URL", url)
+        await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
+    (gateway_try,) = sent  # spool-full is not resent
+    (recorded,) = [e for e in await events_of(server_url, sid) if e["type"] == "reward_recorded"]
+    assert recorded["event_id"] == gateway_try["event_id"]
+    assert recorded["reward"]["reward"] == 0.5
+    assert not warnings.records
+
+
+async def test_a_reward_before_its_close_is_deferred_and_recorded_once_the_session_closes(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """A reward for a session still open (its close deferred in another process, or
+    spooled at a gateway that is down) is answered 409 `session-open`: it is not dropped
+    but sent again from the background until the session is closed."""
+    env.setattr(hooks, "CLOSE_LATER_POLL_S", 0.05)
+    sid = new_sid()
+    async with TurnlogClient(server_url) as tl:
+        await tl.open({"session_id": sid, "version": "v2"})
+        env.setattr(support, "fake_rm", lambda args, sample, **kw: 0.25)
+        await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
+        (warning,) = warnings.records
+        assert "1 reward(s) deferred" in warning.getMessage()
+        assert sid in hooks._LATER
+        await asyncio.sleep(0.2)  # tried again meanwhile: still open
+        await tl.close(sid)
+    await hooks.finish(10)
+    kinds = [e["type"] for e in await events_of(server_url, sid)]
+    assert kinds == ["session_opened", "session_closed", "reward_recorded"]
+    assert len(warnings.records) == 1 and not hooks._LATER
+
+
+async def test_a_deferred_close_is_handed_to_the_gateway_once_it_answers(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """The gateway is down when the agent returns: the close is deferred; once a gateway
+    answers on that address, the deferred close is handed to it (not to the store)."""
+    import json
+
+    port = free_port()
+    took: list[tuple[str, dict[str, Any]]] = []
+
+    def gateway(target: str, _fields: dict[str, str], body: bytes) -> tuple[bytes, bytes, bytes]:
+        took.append((target, json.loads(body)))
+        return (b"202 Accepted", b"Content-Type: application/json\r\n",
+                b'{"outcome": "spooled"}')
+
+    env.setattr(hooks, "CLOSE_LATER_POLL_S", 0.05)
+    env.setenv("TURNLOG_GATEWAY_URL", f"http://127.0.0.1:{port}")
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 0.5}))
+    sid = new_sid()
+    await run_agent(sid, {})
+    (warning,) = warnings.records
+    assert "close deferred" in warning.getMessage()
+    async with fake_http(gateway, with_body=True, port=port):
+        await hooks.finish(10)
+    assert [target for target, _ in took] == [f"/turnlog/v1/sessions/{sid}/close"]
+    assert took[0][1]["metadata"]["reward"] == 0.5
+    assert [e["type"] for e in await events_of(server_url, sid)] == ["session_opened"]
+
+
+async def test_a_gateway_that_refuses_the_token_leaves_the_close_to_the_store(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """A gateway with tokens of its own (401): the close goes to the store, not lost."""
+    def locked(target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        if target.startswith("/turnlog/v1/"):
+            return (b"401 Unauthorized", b"Content-Type: application/problem+json\r\n",
+                    b'{"type":"urn:turnlog:unauthorized","status":401,"title":"no"}')
+        return (b"200 OK", b"Content-Type: application/json\r\n",
+                b'{"session_id": "x", "spooled_turns": 0}')
+
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    async with fake_http(locked) as url:
+        env.setenv("TURNLOG_GATEWAY_URL", url)
+        sid = new_sid()
+        await run_agent(sid, {})
+    assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_closed"
+    assert not warnings.records

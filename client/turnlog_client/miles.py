@@ -869,6 +869,10 @@ async def _close_session(settings: Settings, tl: TurnlogClient, sid: str, result
     """The close (handed to the gateway; else sent to the store, or deferred), then the
     rewards it brings: its problems; a close refused for good raises."""
     late_event_id = new_event_id()
+    loop = asyncio.get_running_loop()
+    # The close takes two DEADLINEs at most: the gateway's try and the store's, or the
+    # wait for the gateway's spool and the store's.
+    phase_end = loop.time() + 2 * DEADLINE
     handed = await hand_to_gateway(settings, sid, result, error, source, late_event_id)
     if isinstance(handed, Closed):
         closed: Closed | None = handed
@@ -879,8 +883,9 @@ async def _close_session(settings: Settings, tl: TurnlogClient, sid: str, result
     else:
         problems = [handed.why] if handed is not None and handed.status is not None \
             and handed.status >= 500 else []  # (a gateway without the route: quietly)
+        wait = max(phase_end - loop.time() - DEADLINE, SPOOL_POLL_S)
         closed, more = await _close_through_store(settings, tl, sid, result, error, source,
-                                                  late_event_id)
+                                                  late_event_id, wait)
         problems += more
     if closed is None:
         return problems
@@ -891,10 +896,11 @@ async def _close_session(settings: Settings, tl: TurnlogClient, sid: str, result
 
 async def _close_through_store(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
                                error: BaseException | None, source: str, late_event_id: str,
-                               ) -> tuple[Closed | None, list[str]]:
+                               wait: float) -> tuple[Closed | None, list[str]]:
     """The close sent to the store — once the gateway, if one is named, holds no spooled
-    turn of the session — or deferred (`_deferral`; then None): its problems."""
-    may, why = await gateway_verdict(settings, sid)
+    turn of the session (asked for `wait` seconds at most) — or deferred (`_deferral`;
+    then None): its problems."""
+    may, why = await gateway_verdict(settings, sid, wait)
     if not may:
         return None, [_deferral(settings, sid, result, error, source, late_event_id, why)]
     problems = [why] if why else []
