@@ -632,9 +632,14 @@ def defer_rewards(settings: Settings, reward: Reward) -> bool:
         return False
     later = LaterRewards(settings, reward.sid, [reward])
     _LATER[reward.sid] = later
-    _background(_send_later(later), lambda: _LATER.pop(later.sid, None)
-                if _LATER.get(later.sid) is later else None)
+    _background(_send_later(later), lambda: _drop_later(later))
     return True
+
+
+def _drop_later(later: LaterRewards) -> None:
+    """From now on the session's rewards go straight in (or to a new `LaterRewards`)."""
+    if _LATER.get(later.sid) is later:
+        del _LATER[later.sid]
 
 
 def _forget(deferred: DeferredClose) -> None:
@@ -739,13 +744,16 @@ async def _send_later(later: LaterRewards) -> None:
                     later.rewards.pop(0)
                     if outcome != RECORDED:
                         log.warning("turnlog at %s: %s", later.settings.url, outcome)
+        # No await from the check on: a reward `send_rewards` adds meanwhile is either
+        # seen here or, once dropped, sent on its own.
+        _drop_later(later)
         if not later.rewards:
             log.info("turnlog: the deferred rewards of session %s recorded", later.sid)
             return
         why = f"after {CLOSE_LATER_S:g} s"
     except asyncio.CancelledError:
-        why = "cancelled (the process is shutting down)"
-        _rewards_left(later, why)
+        _drop_later(later)
+        _rewards_left(later, "cancelled (the process is shutting down)")
         raise
     _rewards_left(later, why)
 
