@@ -10,10 +10,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__, ui
+from app.access import TokenTable
 from app.api import problems
 from app.api.deps import Uploads
 from app.api.middleware import telemetry
-from app.api.middleware.auth import BearerAuth, TokenTable
+from app.api.middleware.auth import BearerAuth
 from app.api.middleware.guards import HeaderBounds, Loopback, QueryTokens
 from app.api.middleware.limits import BodyLimit, WriteDeadline
 from app.api.problems import JSONText

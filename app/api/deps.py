@@ -16,7 +16,8 @@ from fastapi import Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
-from app.api.http_errors import RequestTimeout, UnsupportedMediaType
+from app.api.http_errors import RequestTimeout
+from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import jsonio, msgpackio, r3text
 from app.domain.wire.width import MAX_VALUES
 from app.services import Services

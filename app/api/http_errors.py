@@ -1,9 +1,10 @@
 """Errors of the HTTP transport, not of any rule: raised by the API's middleware and deps.
 
 Owns the problem types a request earns before (or instead of) reaching a rule:
-a missing or unknown token, a foreign `Host`/`Origin`, headers too large, a
-body not received in time, an unsupported content type, and the database
-being unavailable. They subclass `DomainError` only to be mapped to
+a foreign `Host`/`Origin`, headers too large, a body not received in time,
+and the database being unavailable (a missing or unknown token is
+`app/access.py`'s, an unsupported content type `app/domain/errors.py`'s: the
+recording gateway answers them too). They subclass `DomainError` only to be mapped to
 problem+json by the same one handler (`app/api/problems.py`). Refuses every
 rule of the data: those errors are `app/domain/errors.py`'s — including a body
 too large (`TooLarge`), which the domain raises too when a body would decode
@@ -15,30 +16,12 @@ from __future__ import annotations
 from app.domain.errors import DomainError
 
 
-class Unauthorized(DomainError):
-    slug = "unauthorized"
-    status = 401
-    title = "Missing or unknown API token"
-
-
-class Forbidden(DomainError):
-    slug = "forbidden"
-    status = 403
-    title = "API token lacks the required scope"
-
-
 class ForeignHost(DomainError):
     """A `Host` or `Origin` that is not this loopback server (DNS rebinding, CSRF)."""
 
     slug = "foreign-host"
     status = 421
     title = "Request not meant for this server"
-
-
-class UnsupportedMediaType(DomainError):
-    slug = "unsupported-media-type"
-    status = 415
-    title = "Unsupported request content type"
 
 
 class RequestTimeout(DomainError):

@@ -153,6 +153,14 @@ class Alignment(DomainError):
     title = "Path cannot be aligned"
 
 
+class UnsupportedMediaType(DomainError):
+    """A body in a content type no parser here reads (JSON, and MessagePack for turns)."""
+
+    slug = "unsupported-media-type"
+    status = 415
+    title = "Unsupported request content type"
+
+
 class TooLarge(DomainError):
     slug = "too-large"
     status = 413

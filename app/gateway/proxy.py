@@ -44,8 +44,7 @@ import structlog
 import zstandard
 from yarl import URL
 
-from app.api.http_errors import Forbidden, Unauthorized, UnsupportedMediaType
-from app.api.middleware.auth import TokenTable, authorize, bearer_token, challenge
+from app.access import Forbidden, TokenTable, Unauthorized, authorize, bearer_token, challenge
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, parse_timeout
 from app.domain.body.gateway import (
     LABELS_HEADER,
@@ -65,7 +64,13 @@ from app.domain.body.gateway import (
     parse_reply,
     turn_body,
 )
-from app.domain.errors import DomainError, InvalidRequest, TooLarge, UnknownSession
+from app.domain.errors import (
+    DomainError,
+    InvalidRequest,
+    TooLarge,
+    UnknownSession,
+    UnsupportedMediaType,
+)
 from app.domain.wire import jsonio
 from app.gateway.errors import MethodNotAllowed, NotFound, SpoolFull, UpstreamUnavailable
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics

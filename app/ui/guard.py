@@ -19,15 +19,16 @@ from http.cookies import CookieError, SimpleCookie
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.http_errors import Forbidden, Unauthorized
-from app.api.middleware.auth import (
+from app.access import (
     READ_METHODS,
+    Forbidden,
     TokenTable,
+    Unauthorized,
     authorize,
     bearer_token,
     challenge,
-    is_ui,
 )
+from app.api.middleware.auth import is_ui
 from app.api.problems import send_problem
 from app.ui.render import login_page
 

@@ -17,8 +17,8 @@ from urllib.parse import parse_qsl, urlencode
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 
+from app.access import TokenTable
 from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
-from app.api.middleware.auth import TokenTable
 from app.api.problems import JSONText
 from app.api.routes.sessions import label_filters
 from app.domain.body.labels import label_text, parse_label_filters

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from app.api.middleware.auth import TokenTable, required_scope
+from app.access import TokenTable, required_scope
 from app.main import create_app
 from app.settings import Settings, parse_api_tokens
 from tests.factory import open_body, turn

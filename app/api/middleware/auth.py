@@ -15,80 +15,23 @@ token from the login cookie and answers a browser with a login form.
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Mapping
-
 import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api.http_errors import Forbidden, Unauthorized
+from app.access import Forbidden, TokenTable, Unauthorized, authorize, bearer_token, challenge
 from app.api.problems import send_problem
 from app.api.routes.docs_ui import ASSET_PATHS
-from app.domain.errors import DomainError
-from app.settings import Scope as TokenScope
 
 # `/` only redirects to the UI (which asks for a token itself), so it is open.
 OPEN_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc", *ASSET_PATHS})
 UI_PREFIX = "/ui"
-READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-CHALLENGE = 'Bearer realm="turnlog"'
 log = structlog.get_logger("turnlog.auth")
-UNKNOWN_TOKEN = "unknown token"
 
 
 def is_ui(path: str) -> bool:
     """`/ui` and below: authorized by `app.ui.guard.UiGuard` (bearer or login cookie)."""
     return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
-
-
-def required_scope(method: str) -> TokenScope:
-    return "read" if method.upper() in READ_METHODS else "write"
-
-
-def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            scheme, _, token = value.strip().partition(b" ")
-            token = token.strip()
-            if scheme.lower() == b"bearer" and token:
-                return token
-            return None
-    return None
-
-
-class TokenTable:
-    """The configured tokens; lookups compare against every token in constant time."""
-
-    def __init__(self, tokens: Mapping[str, TokenScope]) -> None:
-        self._tokens = [(token.encode("ascii"), scope) for token, scope in tokens.items()]
-
-    def __bool__(self) -> bool:
-        return bool(self._tokens)
-
-    def scope_of(self, presented: bytes) -> TokenScope | None:
-        found: TokenScope | None = None
-        # No early exit: the time taken does not depend on which token matched.
-        for token, scope in self._tokens:
-            if hmac.compare_digest(token, presented):
-                found = scope
-        return found
-
-
-def authorize(tokens: TokenTable, method: str, presented: bytes | None) -> None:
-    """Raise `Unauthorized`/`Forbidden` unless `presented` may call a `method` route."""
-    needed = required_scope(method)
-    if presented is None:
-        raise Unauthorized("this route needs `Authorization: Bearer <token>`",
-                           field="Authorization", expected="Bearer <token>", actual="missing")
-    scope = tokens.scope_of(presented)
-    if scope is None:
-        raise Unauthorized("the bearer token is not one this server knows",
-                           field="Authorization", expected="a configured API token",
-                           actual=UNKNOWN_TOKEN)
-    if needed == "write" and scope != "write":
-        raise Forbidden(f"{method} needs a write token; this token may only read",
-                        field="Authorization", expected="a write token", actual="a read token")
 
 
 class BearerAuth:
@@ -109,12 +52,3 @@ class BearerAuth:
             await send_problem(send, exc, {"www-authenticate": challenge(exc)})
             return
         await self.app(scope, receive, send)
-
-
-def challenge(error: DomainError) -> str:
-    """The RFC 6750 `WWW-Authenticate` value for a refusal."""
-    if isinstance(error, Forbidden):
-        return CHALLENGE + ', error="insufficient_scope", scope="write"'
-    if error.actual == UNKNOWN_TOKEN:
-        return CHALLENGE + ', error="invalid_token"'
-    return CHALLENGE

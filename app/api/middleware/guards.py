@@ -24,8 +24,10 @@ from urllib.parse import urlsplit
 import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api.http_errors import ForeignHost, HeadersTooLarge, Unauthorized, UnsupportedMediaType
+from app.access import Unauthorized
+from app.api.http_errors import ForeignHost, HeadersTooLarge
 from app.api.problems import send_problem
+from app.domain.errors import UnsupportedMediaType
 from app.domain.wire.url_tokens import query_token_param
 
 log = structlog.get_logger("turnlog.guard")

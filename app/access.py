@@ -1,0 +1,96 @@
+"""Who may call what: API tokens, the scope a request needs, and their refusals.
+
+Owns the rule shared by every HTTP shell that takes writes — `turnlog serve`'s
+API and web UI, and `turnlog gateway`'s close and reward routes: with tokens
+configured (`TURNLOG_API_TOKENS`), a request needs `Authorization: Bearer
+<token>`; GET, HEAD and OPTIONS read, every other method may change something
+and needs a `write` token (which also reads). A missing or unknown token is
+401 `Unauthorized`, a read token on a write route 403 `Forbidden`; `challenge`
+is their `WWW-Authenticate`. Tokens are compared in constant time. The token
+format is `app.settings.parse_api_tokens`.
+
+Refuses: which paths are open and answering a request (the shells' own:
+`app.api.middleware.auth`, `app.ui.guard`, `app.gateway.proxy`).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+
+from app.domain.errors import DomainError
+from app.settings import Scope
+
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+CHALLENGE = 'Bearer realm="turnlog"'
+UNKNOWN_TOKEN = "unknown token"
+
+
+class Unauthorized(DomainError):
+    slug = "unauthorized"
+    status = 401
+    title = "Missing or unknown API token"
+
+
+class Forbidden(DomainError):
+    slug = "forbidden"
+    status = 403
+    title = "API token lacks the required scope"
+
+
+def required_scope(method: str) -> Scope:
+    return "read" if method.upper() in READ_METHODS else "write"
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            token = token.strip()
+            if scheme.lower() == b"bearer" and token:
+                return token
+            return None
+    return None
+
+
+class TokenTable:
+    """The configured tokens; lookups compare against every token in constant time."""
+
+    def __init__(self, tokens: Mapping[str, Scope]) -> None:
+        self._tokens = [(token.encode("ascii"), scope) for token, scope in tokens.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self._tokens)
+
+    def scope_of(self, presented: bytes) -> Scope | None:
+        found: Scope | None = None
+        # No early exit: the time taken does not depend on which token matched.
+        for token, scope in self._tokens:
+            if hmac.compare_digest(token, presented):
+                found = scope
+        return found
+
+
+def authorize(tokens: TokenTable, method: str, presented: bytes | None) -> None:
+    """Raise `Unauthorized`/`Forbidden` unless `presented` may call a `method` route."""
+    needed = required_scope(method)
+    if presented is None:
+        raise Unauthorized("this route needs `Authorization: Bearer <token>`",
+                           field="Authorization", expected="Bearer <token>", actual="missing")
+    scope = tokens.scope_of(presented)
+    if scope is None:
+        raise Unauthorized("the bearer token is not one this server knows",
+                           field="Authorization", expected="a configured API token",
+                           actual=UNKNOWN_TOKEN)
+    if needed == "write" and scope != "write":
+        raise Forbidden(f"{method} needs a write token; this token may only read",
+                        field="Authorization", expected="a write token", actual="a read token")
+
+
+def challenge(error: DomainError) -> str:
+    """The RFC 6750 `WWW-Authenticate` value for a refusal."""
+    if isinstance(error, Forbidden):
+        return CHALLENGE + ', error="insufficient_scope", scope="write"'
+    if error.actual == UNKNOWN_TOKEN:
+        return CHALLENGE + ', error="invalid_token"'
+    return CHALLENGE
