@@ -3,11 +3,13 @@
 Owns the conditions only the gateway meets: its upstream did not answer
 (502 `upstream-unavailable`), a turn can be neither stored nor spooled
 (503 `spool-full`; the spool raises it when a turn would take it past its byte
-bound, the proxy answers it), a path under `/turnlog/` that is none of its
-own routes (404 `not-found`) and a method one of them does not answer (405
-`method-not-allowed`). They subclass `DomainError` only to carry the
-same problem+json shape (`DomainError.problem`), which `proxy._problem` sends.
-Refuses every rule of the data: those errors are `app/domain/errors.py`'s.
+bound, the proxy answers it), a reward the store did not take in time with
+nothing of its session spooled to wait behind (503 `store-unavailable`), a
+path under `/turnlog/` that is none of its own routes (404 `not-found`) and a
+method one of them does not answer (405 `method-not-allowed`). They subclass
+`DomainError` only to carry the same problem+json shape (`DomainError.problem`),
+which `proxy._problem` sends. Refuses every rule of the data: those errors are
+`app/domain/errors.py`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class SpoolFull(DomainError):
     slug = "spool-full"
     status = 503
     title = "Gateway spool full"
+
+
+class StoreUnavailable(DomainError):
+    """The store gave no verdict on a reward in time, and the gateway's spool holds
+    nothing of its session to put it behind (`reward_may_wait`): not spooled."""
+
+    slug = "store-unavailable"
+    status = 503
+    title = "Store unavailable"
 
 
 class MethodNotAllowed(DomainError):

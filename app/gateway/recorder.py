@@ -61,6 +61,8 @@ from app.domain.body.gateway import (
     OPENED_BY,
     REJECTED,
     SESSION_CLOSED,
+    check_reward_order,
+    reward_may_wait,
     reward_of_late_close,
 )
 from app.domain.body.rewards import parse_reward
@@ -71,11 +73,10 @@ from app.domain.errors import (
     InvalidRequest,
     SessionClosed,
     SessionConflict,
-    SessionOpen,
     UnknownSession,
 )
 from app.domain.log.tree import check_first_turn
-from app.gateway.errors import SpoolFull
+from app.gateway.errors import SpoolFull, StoreUnavailable
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import CLOSE, REWARD, TURN, Spool, Spooled
 from app.services import Services
@@ -338,25 +339,23 @@ class Recorder:
         session or the store gives no verdict in time (`store_wait`: the caller's
         `X-Turnlog-Timeout`, `timeout`, is met). A refusal of the body or the store's
         verdict (a §1 4xx, or a value the database cannot hold) raises its
-        `DomainError`, and nothing is spooled; so does a reward for a session whose
-        spooled turns have no close behind them (it would meet an open session: 409
-        `session-open`, as the store answers a reward before the close). `SpoolFull`
-        when it can be neither done nor spooled: then the store write, if still
-        running, is waited for, and its outcome is the answer (a 503 is never a write
-        that commits later). A write abandoned after the wait may still commit; its
-        spooled copy, and the caller's resend, are then answered as repeats (a close
-        by its body, a reward by its `event_id`), never a second write."""
+        `DomainError`, and nothing is spooled; so does a reward the spool could not
+        order behind its session's close (`check_reward_order`: 409 `session-open`;
+        `reward_may_wait`: 503 `store-unavailable`, the client sends it again with its
+        `event_id`). `SpoolFull` when a write can be neither done nor spooled: then the
+        store write, if still running, is waited for, and its outcome is the answer
+        (a 503 is never a write that commits later). A write abandoned after the wait
+        may still commit; its spooled copy, and the caller's resend, are then
+        answered as repeats (a close by its body, a reward by its `event_id`), never a
+        second write."""
         if kind == CLOSE:
             parse_close(body)
         else:
             parse_reward(body)  # refused before anything is spooled
-            if self.spool.count_turns(session_id) and not self.spool.holds_close(session_id):
-                raise SessionOpen(f"session {session_id!r} has turns waiting in the "
-                                  "gateway's spool and no close: rewards come after the "
-                                  "close", field="session_id", expected="a closed session",
-                                  actual="open")
+            check_reward_order(session_id, self.spool.count_turns(session_id),
+                               self.spool.holds_close(session_id))
         if self.spool.holds(session_id) or self.store_hangs():
-            return self._spool_write(kind, session_id, body)
+            return await self._spool_or_wait(kind, session_id, body, None)
         wait = store_wait(timeout, self.store_timeout)
         write = asyncio.ensure_future(self._write(kind, session_id, body))
         try:
@@ -364,46 +363,57 @@ class Recorder:
         except DomainError as exc:
             if exc.http_status < 500:
                 raise
-            return await self._write_failed(kind, session_id, body, exc, write)
+            self._no_verdict_on(kind, session_id, exc, wait)
+            return await self._spool_or_wait(kind, session_id, body, write)
         except Exception as exc:  # noqa: BLE001 - sorted below
             if recurs(exc):
                 raise InvalidRequest(f"the store cannot hold this {kind}: "
                                      f"{type(exc).__name__}", field="body",
                                      expected="values the database can hold",
                                      actual=str(exc)[:200]) from None
-            if isinstance(exc, TimeoutError) and wait < self.store_timeout:
-                # The caller's short timeout, not a sick store: readiness stays as it is.
-                log.info(f"the store did not answer within the caller's timeout; spooling "
-                         f"the {kind}", session_id=session_id, waited=wait)
-                return await self._spool_or_wait(kind, session_id, body, write)
-            return await self._write_failed(kind, session_id, body, exc, write)
+            self._no_verdict_on(kind, session_id, exc, wait)
+            return await self._spool_or_wait(kind, session_id, body, write)
         return WRITTEN if wrote else REPEAT
 
-    async def _write_failed(self, kind: str, session_id: str, body: Any,
-                            exc: BaseException, write: asyncio.Future[bool]) -> str:
-        log.warning(f"store gave no verdict; spooling the {kind}", session_id=session_id,
-                    error=type(exc).__name__, detail=str(exc)[:200])
+    def _no_verdict_on(self, kind: str, session_id: str, exc: BaseException,
+                       wait: float) -> None:
+        if isinstance(exc, TimeoutError) and wait < self.store_timeout:
+            # The caller's short timeout, not a sick store: readiness stays as it is.
+            log.info("the store did not answer within the caller's timeout", kind=kind,
+                     session_id=session_id, waited=wait)
+            return
+        log.warning("store gave no verdict on a close or reward", kind=kind,
+                    session_id=session_id, error=type(exc).__name__, detail=str(exc)[:200])
         self.drain_failing = True
-        return await self._spool_or_wait(kind, session_id, body, write)
 
     async def _spool_or_wait(self, kind: str, session_id: str, body: Any,
-                             write: asyncio.Future[bool]) -> str:
+                             write: asyncio.Future[bool] | None) -> str:
         """Spool the write; with the spool full, the outcome of its store write if that
-        is still running (its answer, never a 503 that a late commit makes false)."""
+        is still running (its answer, never a 503 that a late commit makes false). A
+        reward with nothing of its session spooled before it is not spooled
+        (`reward_may_wait`)."""
+        if kind == REWARD and not reward_may_wait(self.spool.holds_close(session_id),
+                                                  self.spool.count_writes(session_id)):
+            log.warning("reward not spooled: no close of its session in the spool",
+                        session_id=session_id)
+            raise StoreUnavailable(
+                "the store did not take this reward in time, and the gateway holds no close "
+                "of its session to put it behind; it may still be recorded by the try in "
+                "flight: send it again with the same event_id")
         try:
             return self._spool_write(kind, session_id, body)
         except SpoolFull:
-            if write.done():
+            if write is None or write.done():
                 raise
-            log.warning(f"spool full; waiting for the store's answer to this {kind}",
+            log.warning("spool full; waiting for the store's answer", kind=kind,
                         session_id=session_id)
         try:
             wrote = await asyncio.shield(write)
         except Exception as exc:  # noqa: BLE001 - its verdict, or the spool's refusal
             if isinstance(exc, DomainError) and exc.http_status < 500:
                 raise
-            log.error(f"the {kind}'s store write failed: answered 503, not written",
-                      session_id=session_id, error=type(exc).__name__)
+            log.error("a close or reward not written: its store write failed, the spool is "
+                      "full", kind=kind, session_id=session_id, error=type(exc).__name__)
             raise SpoolFull(f"the store cannot take this {kind} now and the gateway's spool "
                             "is full: it was not written (send it again)") from None
         return WRITTEN if wrote else REPEAT
@@ -412,14 +422,15 @@ class Recorder:
         try:
             self.spool.add(session_id, body, None, kind)
         except SpoolFull as exc:
-            log.error(f"spool full: {kind} not spooled", session_id=session_id,
-                      detail=str(exc))
+            log.error("spool full: close or reward not spooled", kind=kind,
+                      session_id=session_id, detail=str(exc))
             raise
         except (OSError, TypeError, ValueError) as exc:
-            log.error(f"cannot write the spool: {kind} not spooled", session_id=session_id,
-                      error=type(exc).__name__, detail=str(exc))
+            log.error("cannot write the spool: close or reward not spooled", kind=kind,
+                      session_id=session_id, error=type(exc).__name__, detail=str(exc))
             raise SpoolFull(f"cannot write the spool ({type(exc).__name__}: {exc})") from None
-        log.info(f"{kind} spooled behind the session's spooled writes", session_id=session_id)
+        log.info("close or reward spooled behind the session's spooled writes", kind=kind,
+                 session_id=session_id)
         self.wake.set()
         return SPOOLED
 
@@ -489,7 +500,7 @@ class Recorder:
         elif self._is_verdict(exc) and entry.kind != TURN:
             # The caller was answered 202 long ago: said here, for the operator.
             self.metrics.refused_writes.labels(entry.kind).inc()
-            log.error(f"a spooled {entry.kind} was refused by the store",
+            log.error("a spooled close or reward was refused by the store", kind=entry.kind,
                       session_id=entry.session_id, spooled_at=entry.spooled_at,
                       problem=f"urn:turnlog:{getattr(exc, 'slug', 'store-error')}",
                       detail=str(exc)[:300])

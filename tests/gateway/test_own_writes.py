@@ -78,19 +78,28 @@ async def test_a_close_and_rewards_through_the_gateway_get_the_stores_verdicts(
         assert conflict.status_code == 409
         assert conflict.json()["type"] == "urn:turnlog:idempotency-conflict"
         assert metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
-        # A timeout too short for any store is the caller's: the write is spooled (or
-        # done), and the gateway stays ready.
+        # A timeout too short for any store is the caller's: the close is spooled (or
+        # done), and the gateway stays ready. A reward with nothing of its session in
+        # the spool to wait behind is not spooled (503 store-unavailable) but may be
+        # recorded by the try in flight: sent again with its event id, it is one reward.
+        quick = {"X-Turnlog-Timeout": "0.001"}
         for i in range(3):
-            quick = await http.post(reward_route(session), headers={"X-Turnlog-Timeout": "0.001"},
-                                    json={"event_id": f"quick-{i}", "reward": 0.75,
-                                          "source": "rm"})
-            assert quick.status_code in (201, 202), quick.text
+            repeat = await http.post(close_route(session), json=close, headers=quick)
+            assert repeat.status_code in (200, 202), repeat.text
+            assert (await http.get("/turnlog/readyz")).status_code == 200
+            hasty = {"event_id": f"quick-{i}", "reward": 0.75, "source": "rm"}
+            answer = await http.post(reward_route(session), json=hasty, headers=quick)
+            assert answer.status_code in (201, 202, 503), answer.text
+            if answer.status_code == 503:
+                assert answer.json()["type"] == "urn:turnlog:store-unavailable"
+                again = await http.post(reward_route(session), json=hasty)
+                assert again.status_code in (200, 201), again.text
             assert (await http.get("/turnlog/readyz")).status_code == 200
 
         async def drained() -> bool:
             return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
 
-        await wait_for(drained, what="the spooled rewards")
+        await wait_for(drained, what="the spooled writes")
     assert await kinds(client, session) == ["session_opened", "turn_recorded",
                                             "session_closed"] + ["reward_recorded"] * 4
     assert await reward_of(client, session) == (0.75, "rm")
@@ -325,3 +334,40 @@ def test_a_write_past_the_spool_bound_is_refused(tmp_path, kind):
         spool.add("s-1", {"metadata": {"text": "x" * 300}}, None, kind)
     assert len(spool) == 0 and not list(tmp_path.glob("*.turn"))
     spool.close()
+
+
+async def test_a_reward_with_nothing_to_wait_behind_is_not_spooled_when_the_store_hangs(
+        tmp_path, gateway_process):
+    """The store is locked and the spool holds nothing of the session: a reward is not
+    spooled (it could meet an open session and be dropped after a 202) but answered
+    503 `store-unavailable`, and stays the client's to send again; a close is spooled,
+    and a reward behind it then is too."""
+    import contextlib
+    import sqlite3
+
+    path = tmp_path / "store.db"
+    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "0.5")
+    await gateway.wait_ready()
+    session = sid()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        assert (await send_turn(http, session, chat([1, 2, 3]))).status == 200
+        lock = sqlite3.connect(path, isolation_level=None, timeout=30)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            alone = await http.post(reward_route(session), json={"event_id": "a", "reward": 1})
+            assert alone.status_code == 503, alone.text
+            assert alone.json()["type"] == "urn:turnlog:store-unavailable"
+            assert (await http.post(close_route(session), json={})).status_code == 202
+            behind = await http.post(reward_route(session), json={"event_id": "a", "reward": 1})
+            assert behind.status_code == 202, behind.text
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                lock.execute("ROLLBACK")
+            lock.close()
+
+        async def drained() -> bool:
+            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
+
+        await wait_for(drained, what="the spool to drain")
+        assert metric(await scrape(http), "turnlog_gateway_refused_writes_total",
+                      'kind="reward"') == 0

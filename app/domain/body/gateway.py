@@ -11,8 +11,9 @@ Owns, for `turnlog gateway` (docs/gateway.md):
   with the payload's base64 decoded straight from the reply's bytes);
 - the auto-open body (`open_body`) from the gateway's defaults and the
   `X-Turnlog-Labels` header (`parse_labels_header`);
-- what a close handed to the gateway leaves when it finds its session closed
-  already (`reward_of_late_close`).
+- when a reward handed to the gateway may wait in its spool (`check_reward_order`,
+  `reward_may_wait`), and what a close handed to it leaves when it finds its
+  session closed already (`reward_of_late_close`).
 
 Refuses I/O, clocks and id generation: the shell passes the timestamps and
 the event id in, forwards the bytes, and writes through the store.
@@ -29,7 +30,7 @@ import numpy as np
 from app.domain.body.labels import parse_labels
 from app.domain.body.session import SessionClose
 from app.domain.body.turn import PROMPT_FIELD, TOKEN_MAX, token_array
-from app.domain.errors import DomainError, InvalidRequest
+from app.domain.errors import DomainError, InvalidRequest, SessionOpen
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import payload_bytes
 from app.domain.wire.r3text import at_path, parse_spliced
@@ -54,6 +55,25 @@ SESSION_CLOSED = "session-closed"
 REJECTED = "rejected"
 UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, SESSION_CLOSED,
                       REJECTED)
+
+
+def check_reward_order(session_id: str, spooled_turns: int, spooled_close: bool) -> None:
+    """Refuse (409 `session-open`, as the store answers a reward before the close) a
+    reward for a session whose turns wait in the gateway's spool with no close behind
+    them: spooled behind them, it would meet an open session when its turn came."""
+    if spooled_turns and not spooled_close:
+        raise SessionOpen(f"session {session_id!r} has turns waiting in the gateway's spool "
+                          "and no close: rewards come after the close", field="session_id",
+                          expected="a closed session", actual="open")
+
+
+def reward_may_wait(spooled_close: bool, spooled_writes: int) -> bool:
+    """Whether a reward the store cannot take now may wait in the spool: only behind the
+    session's close (or the rewards spooled behind one). Spooled with nothing of the
+    session before it, it might meet an open session when its turn came (its close
+    deferred by a client that is down), and be dropped long after its client was
+    answered 202; refused instead, the client keeps it and sends it again."""
+    return spooled_close or spooled_writes > 0
 
 
 # The event ids of the rewards late closes leave: the prefix, then the close's fingerprint.
