@@ -291,10 +291,11 @@ class Gateway:
     async def _own_write(self, scope: dict[str, Any], receive: Any, send: Any,
                          session_id: str, kind: str) -> None:
         """A close or a reward for the store, carried out behind the session's spooled
-        turns: 201 written, 200 an identical repeat, 202 queued in the spool; a refusal
-        as the store's own (problem+json), nothing spooled. Needs a write token when
-        the store has tokens (`TURNLOG_API_TOKENS`), as the store's route does. With
-        `X-Turnlog-Timeout` it is answered within that time (queued if need be)."""
+        turns: 201 written, 200 an identical repeat, 202 spooled; a refusal as the
+        store's own (problem+json), nothing spooled (`Recorder.carry_out`). Needs a
+        write token when the store has tokens (`TURNLOG_API_TOKENS`), as the store's
+        route does. With `X-Turnlog-Timeout` the store is waited on for part of it
+        only (then the write is spooled), unless the spool is full."""
         if scope["method"] != "POST":
             await _not_allowed(send, MethodNotAllowed(
                 f"{_raw_path(scope).decode('latin-1')} answers POST only", field="method",
@@ -329,7 +330,7 @@ class Gateway:
         assert self.recorder is not None
         outcome = await self.recorder.carry_out(kind, session_id, body,
                                                 parse_timeout(timeout) if timeout else None)
-        del body
+        del body  # a large close's metadata need not live while the answer is sent
         await _send(send, STATUS_OF[outcome], b"application/json", jsonio.dumps_bytes({
             "session_id": session_id, "kind": kind, "outcome": outcome,
             "spooled_writes": self.recorder.spool.count_writes(session_id)}))

@@ -859,13 +859,13 @@ async def test_a_reward_before_its_close_is_deferred_and_recorded_once_the_sessi
         await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
         (warning,) = warnings.records
         assert "1 reward(s) deferred" in warning.getMessage()
-        assert sid in hooks._LATER
+        assert sid in hooks._DEFERRED_REWARDS
         await asyncio.sleep(0.2)  # tried again meanwhile: still open
         await tl.close(sid)
     await hooks.finish(10)
     kinds = [e["type"] for e in await events_of(server_url, sid)]
     assert kinds == ["session_opened", "session_closed", "reward_recorded"]
-    assert len(warnings.records) == 1 and not hooks._LATER
+    assert len(warnings.records) == 1 and not hooks._DEFERRED_REWARDS
 
 
 async def test_a_deferred_close_is_handed_to_the_gateway_once_it_answers(
@@ -898,7 +898,8 @@ async def test_a_deferred_close_is_handed_to_the_gateway_once_it_answers(
 
 async def test_a_gateway_that_refuses_the_token_leaves_the_close_to_the_store(
         env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
-    """A gateway with tokens of its own (401): the close goes to the store, not lost."""
+    """A gateway with tokens of its own (401): the close goes to the store, not lost,
+    and one warning says the gateway refused the token."""
     def locked(target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
         if target.startswith("/turnlog/v1/"):
             return (b"401 Unauthorized", b"Content-Type: application/problem+json\r\n",
@@ -912,4 +913,35 @@ async def test_a_gateway_that_refuses_the_token_leaves_the_close_to_the_store(
         sid = new_sid()
         await run_agent(sid, {})
     assert [e["type"] for e in await events_of(server_url, sid)][-1] == "session_closed"
-    assert not warnings.records
+    (warning,) = warnings.records
+    assert "did not take the close" in warning.getMessage() and "401" in warning.getMessage()
+
+
+async def test_a_deferred_reward_goes_to_the_store_when_the_gateway_stays_down(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    """Nothing answers at `TURNLOG_GATEWAY_URL`: within the hook call there is no time to
+    ask the store too, so the reward is deferred; in the background it goes to the
+    store, and is recorded (the session was closed there)."""
+    env.setattr(hooks, "CLOSE_LATER_POLL_S", 0.05)
+    env.setenv("TURNLOG_GATEWAY_URL", f"http://127.0.0.1:{free_port()}")
+    sid = new_sid()
+    async with TurnlogClient(server_url) as tl:
+        await tl.open({"session_id": sid, "version": "v2"})
+        await tl.close(sid)
+    env.setattr(support, "fake_rm", lambda args, sample, **kw: 0.5)
+    await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
+    (warning,) = warnings.records
+    assert "1 reward(s) deferred" in warning.getMessage()
+    await hooks.finish(10)
+    kinds = [e["type"] for e in await events_of(server_url, sid)]
+    assert kinds == ["session_opened", "session_closed", "reward_recorded"]
+
+
+async def test_a_malformed_turnlog_url_never_fails_the_reward_hook(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    env.setenv("TURNLOG_URL", "::not a url::")
+    env.setattr(support, "fake_rm", lambda args, sample, **kw: 0.5)
+    assert await rm(types.SimpleNamespace(),
+                    Sample(metadata={"turnlog_session_id": new_sid()})) == 0.5
+    (warning,) = warnings.records
+    assert "did not record 1 reward(s)" in warning.getMessage()

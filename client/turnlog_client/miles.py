@@ -38,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
+import json
 import logging
 import math
 import os
@@ -73,11 +75,6 @@ DEADLINE = 5.0
 # rewards carried out late lose nothing (a late open finds the session the gateway
 # opened meanwhile, or opens it with the hook's labels), so they keep that chance.
 COMMIT_WITHIN = 0.9
-
-
-def _commit_within() -> float:
-    """The close's `commit_within`: a little before the hook's own DEADLINE."""
-    return DEADLINE * COMMIT_WITHIN
 # How often the agent hook asks the gateway whether it still holds spooled turns.
 SPOOL_POLL_S = 0.2
 # A close deferred (the gateway still holds turns of the session, or the store could not
@@ -89,6 +86,8 @@ MAX_DEFERRED = 1000
 # The store's answer to a close not committed within its `commit_within`.
 DEADLINE_MISSED = "deadline-exceeded"
 RETRIES = 2
+# The event ids of the rewards late closes leave (`late_close_event_id`).
+LATE_CLOSE_REWARD = "late-close-"
 # The gateway answers the store's close and reward routes under this prefix, in order
 # behind the session's spooled turns.
 GATEWAY_PREFIX = "/turnlog"
@@ -181,6 +180,12 @@ class Settings:
         return TurnlogClient(url, self.token, retries=RETRIES, retry_deadline=DEADLINE,
                              timeout=httpx.Timeout(DEADLINE, connect=CONNECT_TIMEOUT),
                              transport=httpx.AsyncHTTPTransport(verify=_tls()), wire="json")
+
+
+def _commit_within() -> float:
+    """A close's (and a reward's, at the gateway) `commit_within`: a little before the
+    hook's own DEADLINE (read at each call: tests shorten it)."""
+    return DEADLINE * COMMIT_WITHIN
 
 
 _TRUE = frozenset({"1", "true", "yes", "on", "y"})
@@ -350,13 +355,23 @@ class Closed:
     rewards: list[Reward]
 
 
+def late_close_event_id(metadata: Mapping[str, Any]) -> str:
+    """The event id of the reward a close leaves when its session was closed already:
+    `late-close-` and the fingerprint of the close's body (key-sorted compact JSON,
+    SHA-256), as the recording gateway makes it for a close it spooled — so a close
+    tried both ways leaves one reward, however often it is tried."""
+    text = json.dumps({"max_seq_len": None, "metadata": metadata}, separators=(",", ":"),
+                      ensure_ascii=True, allow_nan=False, sort_keys=True)
+    return LATE_CLOSE_REWARD + hashlib.sha256(text.encode("ascii")).hexdigest()[:40]
+
+
 async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException | None,
-                 source: str, late_event_id: str) -> Closed:
+                 source: str) -> Closed:
     """Close with the agent's result; a failed close raises. A close the store refuses
     for the agent's dict (too large, too many values) is sent again without it
     (`"agent": null`, `"agent_unrecorded"` saying why): the session is closed whatever
     the agent returned. A session closed already (the gateway's idle close) gets the
-    agent's reward as a reward event instead, with `late_event_id` (the same for every
+    agent's reward as a reward event instead, with `late_close_event_id` (the same for every
     try of this close: it is recorded once)."""
     problems = []
     rewards = []
@@ -371,7 +386,8 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
     except TurnlogError as exc:
         if exc.slug == "session-closed":
             if metadata["reward"] is not None:
-                rewards.append(Reward(sid, metadata["reward"], None, source, late_event_id))
+                rewards.append(Reward(sid, metadata["reward"], None, source,
+                                      late_close_event_id(metadata)))
         elif exc.status is not None and exc.status < 500 and metadata["agent"] is not None:
             metadata = {**metadata, "agent": None,
                         "agent_unrecorded": _problem("close with the agent's dict", exc)}
@@ -406,7 +422,7 @@ class GatewayMiss:
 
 
 async def hand_to_gateway(settings: Settings, sid: str, result: Any,
-                          error: BaseException | None, source: str, late_event_id: str,
+                          error: BaseException | None, source: str,
                           ) -> Closed | GatewayMiss | None:
     """The close handed to the gateway, which carries it out behind the session's
     spooled turns or keeps it in its spool until it can. A `GatewayMiss` when the
@@ -417,7 +433,7 @@ async def hand_to_gateway(settings: Settings, sid: str, result: Any,
         return None
     async with gateway:
         try:
-            return await _close(gateway, sid, result, error, source, late_event_id)
+            return await _close(gateway, sid, result, error, source)
         except TurnlogError as exc:
             if gateway_missed(exc):
                 return GatewayMiss(f"the gateway at {settings.gateway} did not take the "
@@ -478,19 +494,24 @@ def close_later_helps(exc: BaseException) -> bool:
     return isinstance(exc, TurnlogError) and (exc.retryable or exc.slug == DEADLINE_MISSED)
 
 
-# One try of a reward: recorded (or spooled by the gateway), to try again later, or a
-# problem string (refused for good).
-RECORDED, LATER = "recorded", "later"
+# One try of a reward: taken (recorded, or spooled by the gateway), not now (to try again
+# later), or else the problem that refused it for good.
+TAKEN, NOT_NOW = "taken", "not now"
 
 
 class Sender:
     """Where a hook call sends its rewards: to the gateway while it takes them (behind
-    the session's spooled turns and close), else to the store. Use with `async with`."""
+    the session's spooled turns and close), else to the store. `deadline` (the event
+    loop's clock) bounds a hook call: past it a reward is not now. Without one (the
+    background), a gateway that does not answer is followed by the store. Use with
+    `async with`; `notes` are what the call should say once."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, deadline: float | None = None) -> None:
         self.settings = settings
+        self.deadline = deadline
         self.gateway = settings.gateway_client()
         self.store: TurnlogClient | None = None
+        self.notes: list[str] = []
 
     async def __aenter__(self) -> Sender:
         return self
@@ -501,32 +522,40 @@ class Sender:
                 await client.aclose()
 
     async def reward(self, reward: Reward) -> str:
-        """RECORDED, LATER (turnlog or the gateway did not answer or failed; the session
-        is still open, its close perhaps waiting in the gateway's spool or deferred in
-        another process), or the problem that refused it for good."""
+        """TAKEN, NOT_NOW (no answer, a 5xx, or the session still open: its close
+        waiting in the gateway's spool or deferred in some process), or the problem
+        that refused it for good. Never raises."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await self._reward(reward)
+        except TimeoutError:
+            return NOT_NOW
+
+    async def _reward(self, reward: Reward) -> str:
         if self.gateway is not None:
             try:
                 await self._send(self.gateway, reward, _commit_within())
-                return RECORDED
+                return TAKEN
             except TurnlogError as exc:
                 if not gateway_missed(exc):
-                    return LATER if exc.slug == "session-open" else \
-                        _problem(reward.name, exc)
-                if exc.status is None:
-                    return LATER  # no answer: no time left in this call to ask the store
+                    return _verdict(reward, exc)
+                if exc.status is None and self.deadline is not None:
+                    return NOT_NOW  # no answer: no time left in this call to ask the store
+                if exc.status in (401, 403):
+                    self.notes.append(f"the gateway at {self.settings.gateway} refused the "
+                                      f"token ({exc}): rewards sent to {self.settings.url}")
                 await self.gateway.aclose()
-                self.gateway = None  # no such route, or failing: the store, from now on
-        if self.store is None:
-            self.store = self.settings.client()
+                self.gateway = None  # no such route, failing or silent: the store from now on
         try:
+            if self.store is None:
+                self.store = self.settings.client()
             await self._send(self.store, reward, None)
         except TurnlogError as exc:
-            if exc.status is None or exc.status >= 500 or exc.slug == "session-open":
-                return LATER
+            return NOT_NOW if exc.status is None or exc.status >= 500 else \
+                _verdict(reward, exc)
+        except Exception as exc:  # noqa: BLE001 - a bad TURNLOG_URL, say: said, never raised
             return _problem(reward.name, exc)
-        except Exception as exc:  # noqa: BLE001 - said, as every hook failure
-            return _problem(reward.name, exc)
-        return RECORDED
+        return TAKEN
 
     @staticmethod
     async def _send(tl: TurnlogClient, reward: Reward, commit_within: float | None) -> None:
@@ -535,30 +564,45 @@ class Sender:
                                commit_within=commit_within)
 
 
+def _verdict(reward: Reward, exc: TurnlogError) -> str:
+    """What a 4xx answer to a reward means: not now for a session still open; taken for
+    a late close's reward the gateway recorded already (same event id, its own
+    source); else the refusal."""
+    if exc.slug == "session-open":
+        return NOT_NOW
+    if exc.slug == "idempotency-conflict" and reward.event_id.startswith(LATE_CLOSE_REWARD):
+        return TAKEN
+    return _problem(reward.name, exc)
+
+
 async def send_rewards(sender: Sender, rewards: list[Reward]) -> tuple[int, list[str]]:
     """Record `rewards` in order (never raises). One that cannot go now, and every one
-    after it in this call (each try may take DEADLINE), is deferred: queued behind its
-    session's deferred close, or tried again from the background (`defer_rewards`).
-    Returns how many were not recorded now (refused, deferred or neither), and why."""
+    after it in this call (each try may take until the deadline), is deferred: queued
+    behind its session's deferred close, or tried again from the background
+    (`defer_rewards`); so is one whose session has deferred work already (in order
+    behind it). Returns how many were not recorded now (refused, deferred or
+    neither), and why."""
     failed, problems = 0, []
     later: list[Reward] = []
+    stalled = False
     for reward in rewards:
-        if not later and reward.sid not in _DEFERRED and reward.sid not in _LATER:
-            outcome = await sender.reward(reward)
-            if outcome == RECORDED:
-                continue
-            if outcome != LATER:
-                failed += 1
-                problems.append(outcome)
-                continue
-        later.append(reward)
+        if stalled or reward.sid in _DEFERRED or reward.sid in _DEFERRED_REWARDS:
+            later.append(reward)
+            continue
+        outcome = await sender.reward(reward)
+        if outcome == NOT_NOW:
+            stalled = True
+            later.append(reward)
+        elif outcome != TAKEN:
+            failed += 1
+            problems.append(outcome)
     deferred = 0
     for reward in later:
         if reward.sid in _DEFERRED:  # its close waits: the reward goes in after it, in order
             _DEFERRED[reward.sid].rewards.append(reward)
         elif not defer_rewards(sender.settings, reward):
             failed += 1
-            problems.append(f"reward for {reward.sid} not recorded and not deferred either: "
+            problems.append(f"{reward.name} not recorded and not deferred either: "
                             f"{MAX_DEFERRED} sessions have deferred work already")
             continue
         deferred += 1
@@ -566,7 +610,7 @@ async def send_rewards(sender: Sender, rewards: list[Reward]) -> tuple[int, list
         problems.append(f"{deferred} reward(s) deferred: turnlog did not take them now; they "
                         f"are sent again from this process every {CLOSE_LATER_POLL_S:g} s, "
                         f"for up to {CLOSE_LATER_S:g} s")
-    return failed + deferred, problems
+    return failed + deferred, sender.notes + problems
 
 
 @dataclass
@@ -579,12 +623,11 @@ class DeferredClose:
     result: Any
     error: BaseException | None
     source: str
-    late_event_id: str
     rewards: list[Reward] = field(default_factory=list)
 
 
 @dataclass
-class LaterRewards:
+class DeferredRewards:
     """A session's rewards that could not be recorded yet (its close not carried out,
     turnlog down), in the order they came."""
 
@@ -596,7 +639,7 @@ class LaterRewards:
 # The closes and rewards the hooks deferred, by session, and the background tasks
 # sending them.
 _DEFERRED: dict[str, DeferredClose] = {}
-_LATER: dict[str, LaterRewards] = {}
+_DEFERRED_REWARDS: dict[str, DeferredRewards] = {}
 _TASKS: set[asyncio.Task[None]] = set()
 
 
@@ -608,15 +651,15 @@ def _background(work: Any, forget: Any) -> None:
 
 
 def defer_close(settings: Settings, sid: str, result: Any, error: BaseException | None,
-                source: str, late_event_id: str) -> bool:
+                source: str) -> bool:
     """Send the close from the background of this process (`finish` waits for it);
     False when MAX_DEFERRED sessions have deferred work already (the session is left
     open)."""
     if sid in _DEFERRED:
         return True
-    if len(_DEFERRED) + len(_LATER) >= MAX_DEFERRED:
+    if len(_DEFERRED) + len(_DEFERRED_REWARDS) >= MAX_DEFERRED:
         return False
-    deferred = DeferredClose(settings, sid, result, error, source, late_event_id)
+    deferred = DeferredClose(settings, sid, result, error, source)
     _DEFERRED[sid] = deferred
     _background(_send_deferred(deferred), lambda: _forget(deferred))
     return True
@@ -625,21 +668,21 @@ def defer_close(settings: Settings, sid: str, result: Any, error: BaseException 
 def defer_rewards(settings: Settings, reward: Reward) -> bool:
     """Record the reward from the background of this process, after the session's other
     deferred rewards; False when MAX_DEFERRED sessions have deferred work already."""
-    if reward.sid in _LATER:
-        _LATER[reward.sid].rewards.append(reward)
+    if reward.sid in _DEFERRED_REWARDS:
+        _DEFERRED_REWARDS[reward.sid].rewards.append(reward)
         return True
-    if len(_DEFERRED) + len(_LATER) >= MAX_DEFERRED:
+    if len(_DEFERRED) + len(_DEFERRED_REWARDS) >= MAX_DEFERRED:
         return False
-    later = LaterRewards(settings, reward.sid, [reward])
-    _LATER[reward.sid] = later
-    _background(_send_later(later), lambda: _drop_later(later))
+    later = DeferredRewards(settings, reward.sid, [reward])
+    _DEFERRED_REWARDS[reward.sid] = later
+    _background(_send_deferred_rewards(later), lambda: _forget_rewards(later))
     return True
 
 
-def _drop_later(later: LaterRewards) -> None:
-    """From now on the session's rewards go straight in (or to a new `LaterRewards`)."""
-    if _LATER.get(later.sid) is later:
-        del _LATER[later.sid]
+def _forget_rewards(later: DeferredRewards) -> None:
+    """From now on the session's rewards go straight in (or to a new `DeferredRewards`)."""
+    if _DEFERRED_REWARDS.get(later.sid) is later:
+        del _DEFERRED_REWARDS[later.sid]
 
 
 def _forget(deferred: DeferredClose) -> None:
@@ -657,7 +700,7 @@ async def finish(timeout: float | None = None) -> None:
             while _TASKS:
                 await asyncio.wait(set(_TASKS))
     except TimeoutError:
-        pending = sorted({*_DEFERRED, *_LATER})
+        pending = sorted({*_DEFERRED, *_DEFERRED_REWARDS})
         log.warning("turnlog: deferred work of %d session(s) still pending: %s", len(pending),
                     ", ".join(pending[:20]))
         raise
@@ -680,6 +723,7 @@ async def _send_deferred(deferred: DeferredClose) -> None:
                 closed = await _try_deferred(deferred, give_up - loop.time())
             except Exception as exc:  # noqa: BLE001 - asked again, or said, below
                 if not close_later_helps(exc):
+                    _forget(deferred)  # before it is said: no reward joins it after
                     log.warning("turnlog at %s did not record session %s (%d reward(s) "
                                 "that waited for its close not recorded either): %s",
                                 settings.url, sid, len(deferred.rewards),
@@ -699,9 +743,10 @@ async def _send_deferred(deferred: DeferredClose) -> None:
             log.info("turnlog: session %s closed (deferred)", sid)
             return
     except asyncio.CancelledError:
-        why = "cancelled (the process is shutting down)"
-        _left_open(deferred, why)
+        _forget(deferred)
+        _left_open(deferred, "cancelled (the process is shutting down)")
         raise
+    _forget(deferred)  # before it is said: no reward joins it after
     _left_open(deferred, f"after {CLOSE_LATER_S:g} s: {why}")
 
 
@@ -712,7 +757,7 @@ async def _try_deferred(deferred: DeferredClose, wait: float) -> Closed | str:
     The close, or why not yet; a close that fails raises."""
     settings, sid = deferred.settings, deferred.sid
     handed = await hand_to_gateway(settings, sid, deferred.result, deferred.error,
-                                   deferred.source, deferred.late_event_id)
+                                   deferred.source)
     if isinstance(handed, Closed):
         return handed
     if handed is not None and handed.status is None:
@@ -722,13 +767,12 @@ async def _try_deferred(deferred: DeferredClose, wait: float) -> Closed | str:
     if not may:
         return why_not or "the gateway holds turns of it"
     async with settings.client() as tl:
-        closed = await _close(tl, sid, deferred.result, deferred.error, deferred.source,
-                              deferred.late_event_id)
+        closed = await _close(tl, sid, deferred.result, deferred.error, deferred.source)
     return Closed([why_not, *closed.problems] if why_not else closed.problems,
                   closed.rewards)
 
 
-async def _send_later(later: LaterRewards) -> None:
+async def _send_deferred_rewards(later: DeferredRewards) -> None:
     """Record a session's deferred rewards in order, every CLOSE_LATER_POLL_S for
     CLOSE_LATER_S at most; logged either way, never raised."""
     loop = asyncio.get_running_loop()
@@ -739,26 +783,26 @@ async def _send_later(later: LaterRewards) -> None:
             async with Sender(later.settings) as sender:
                 while later.rewards:
                     outcome = await sender.reward(later.rewards[0])
-                    if outcome == LATER:
+                    if outcome == NOT_NOW:
                         break
                     later.rewards.pop(0)
-                    if outcome != RECORDED:
+                    if outcome != TAKEN:
                         log.warning("turnlog at %s: %s", later.settings.url, outcome)
         # No await from the check on: a reward `send_rewards` adds meanwhile is either
         # seen here or, once dropped, sent on its own.
-        _drop_later(later)
+        _forget_rewards(later)
         if not later.rewards:
             log.info("turnlog: the deferred rewards of session %s recorded", later.sid)
             return
         why = f"after {CLOSE_LATER_S:g} s"
     except asyncio.CancelledError:
-        _drop_later(later)
+        _forget_rewards(later)
         _rewards_left(later, "cancelled (the process is shutting down)")
         raise
     _rewards_left(later, why)
 
 
-def _rewards_left(later: LaterRewards, why: str) -> None:
+def _rewards_left(later: DeferredRewards, why: str) -> None:
     log.warning("turnlog at %s: %d deferred reward(s) of session %s not recorded (%s; the "
                 "session is still open, or turnlog did not answer)", later.settings.url,
                 len(later.rewards), later.sid, why)
@@ -772,9 +816,9 @@ def _left_open(deferred: DeferredClose, why: str) -> None:
 
 
 def _deferral(settings: Settings, sid: str, result: Any, error: BaseException | None,
-              source: str, late_event_id: str, why: str | None) -> str:
+              source: str, why: str | None) -> str:
     """Defer the close (`defer_close`); the problem that says so, or that it could not."""
-    if not defer_close(settings, sid, result, error, source, late_event_id):
+    if not defer_close(settings, sid, result, error, source):
         return (f"close not sent ({why}) and not deferred either: {MAX_DEFERRED} sessions "
                 "have deferred work already; the session stays open")
     return (f"close deferred ({why}): it is sent from this process once it can go "
@@ -875,49 +919,61 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
 async def _close_session(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
                          error: BaseException | None, source: str) -> list[str]:
     """The close (handed to the gateway; else sent to the store, or deferred), then the
-    rewards it brings: its problems; a close refused for good raises."""
-    late_event_id = new_event_id()
+    rewards it brings: its problems; a close refused for good raises. The close takes
+    two DEADLINEs at most (the gateway's try and the store's, or the wait for the
+    gateway's spool and the store's); one cut short is deferred and sent again (a
+    repeat, if it did land), and the rewards get one DEADLINE more."""
     loop = asyncio.get_running_loop()
-    # The close takes two DEADLINEs at most: the gateway's try and the store's, or the
-    # wait for the gateway's spool and the store's.
     phase_end = loop.time() + 2 * DEADLINE
-    handed = await hand_to_gateway(settings, sid, result, error, source, late_event_id)
-    if isinstance(handed, Closed):
-        closed: Closed | None = handed
-        problems: list[str] = []
-    elif handed is not None and handed.status is None:
-        # Down or silent: nor would it say what its spool holds.
-        return [_deferral(settings, sid, result, error, source, late_event_id, handed.why)]
-    else:
-        problems = [handed.why] if handed is not None and handed.status is not None \
-            and handed.status >= 500 else []  # (a gateway without the route: quietly)
-        wait = max(phase_end - loop.time() - DEADLINE, SPOOL_POLL_S)
-        closed, more = await _close_through_store(settings, tl, sid, result, error, source,
-                                                  late_event_id, wait)
-        problems += more
+    try:
+        async with asyncio.timeout_at(phase_end):
+            closed, problems = await _close_anywhere(settings, tl, sid, result, error,
+                                                     source, phase_end)
+    except TimeoutError:
+        return [_deferral(settings, sid, result, error, source,
+                          f"no answer within {2 * DEADLINE:g} s")]
     if closed is None:
         return problems
-    async with Sender(settings) as sender:
+    async with Sender(settings, loop.time() + DEADLINE) as sender:
         _failed, more = await send_rewards(sender, closed.rewards)
     return problems + closed.problems + more
 
 
+async def _close_anywhere(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
+                          error: BaseException | None, source: str, phase_end: float,
+                          ) -> tuple[Closed | None, list[str]]:
+    """The close handed to the gateway, else sent to the store (`_close_through_store`),
+    or deferred (then None); with its problems."""
+    handed = await hand_to_gateway(settings, sid, result, error, source)
+    if isinstance(handed, Closed):
+        return handed, []
+    if handed is not None and handed.status is None:
+        # Down or silent: nor would it say what its spool holds.
+        return None, [_deferral(settings, sid, result, error, source, handed.why)]
+    # Said when it failed or refused the token; a gateway without the route, quietly.
+    problems = [handed.why] if handed is not None and handed.status is not None and (
+        handed.status >= 500 or handed.status in (401, 403)) else []
+    wait = max(phase_end - asyncio.get_running_loop().time() - DEADLINE, SPOOL_POLL_S)
+    closed, more = await _close_through_store(settings, tl, sid, result, error, source, wait)
+    return closed, problems + more
+
+
 async def _close_through_store(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
-                               error: BaseException | None, source: str, late_event_id: str,
-                               wait: float) -> tuple[Closed | None, list[str]]:
+                               error: BaseException | None, source: str, wait: float,
+                               ) -> tuple[Closed | None, list[str]]:
     """The close sent to the store — once the gateway, if one is named, holds no spooled
     turn of the session (asked for `wait` seconds at most) — or deferred (`_deferral`;
     then None): its problems."""
     may, why = await gateway_verdict(settings, sid, wait)
     if not may:
-        return None, [_deferral(settings, sid, result, error, source, late_event_id, why)]
+        return None, [_deferral(settings, sid, result, error, source, why)]
     problems = [why] if why else []
     try:
-        return await _close(tl, sid, result, error, source, late_event_id), problems
+        return await _close(tl, sid, result, error, source), problems
     except Exception as exc:
         if not close_later_helps(exc):
             raise
-        problems.append(_deferral(settings, sid, result, error, source, late_event_id,
+        problems.append(_deferral(settings, sid, result, error, source,
                                   _problem("close", exc)))
     return None, problems
 
@@ -954,7 +1010,7 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
                 if target is not None and value is not None)]  # else nothing to record
     if not rewards:
         return 0, []
-    async with Sender(settings) as sender:
+    async with Sender(settings, asyncio.get_running_loop().time() + DEADLINE) as sender:
         return await send_rewards(sender, rewards)
 
 

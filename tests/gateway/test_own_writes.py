@@ -371,3 +371,25 @@ async def test_a_reward_with_nothing_to_wait_behind_is_not_spooled_when_the_stor
         await wait_for(drained, what="the spool to drain")
         assert metric(await scrape(http), "turnlog_gateway_refused_writes_total",
                       'kind="reward"') == 0
+
+
+@pytest.mark.parametrize("metadata", [
+    {"reward": 0.25},
+    {"reward": 1, "agent": {"steps": [1, 2.5, "é"], "ok": True, "none": None},
+     "agent_error": None},
+    {"reward": -3.0e-7, "agent": {"z": {"nested": ["\u2028", 10**20]}}, "a": 0.1},
+])
+def test_the_miles_hook_and_the_gateway_give_a_late_close_reward_one_event_id(metadata):
+    """The hook's reward for a close that met a closed session, and the gateway's for a
+    spooled one, carry the same event id (the close's fingerprint): tried both ways,
+    the reward is recorded once. The body goes through JSON as it does on the wire."""
+    import json
+
+    from app.domain.body.gateway import reward_of_late_close
+    from app.domain.body.session import SessionClose, parse_close
+    from turnlog_client.miles import late_close_event_id
+
+    sent = json.loads(json.dumps({"max_seq_len": None, "metadata": metadata}))
+    reward = reward_of_late_close(parse_close(sent), SessionClose(None, {}))
+    assert reward is not None
+    assert reward["event_id"] == late_close_event_id(metadata)
