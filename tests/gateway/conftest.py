@@ -10,6 +10,8 @@ bytes as received) for comparing with what the store holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 import sys
 import time
 from collections.abc import Iterator
@@ -116,3 +118,21 @@ async def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def drained(http: httpx.AsyncClient) -> bool:
+    """The gateway's spool holds nothing: no turn, no close or reward spooled behind them."""
+    return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
+
+
+@contextlib.contextmanager
+def sqlite_lock(path: Path) -> Any:
+    """Another process's write lock on the file: every write waits, then times out."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    conn.execute("BEGIN EXCLUSIVE")
+    try:
+        yield conn
+    finally:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        conn.close()

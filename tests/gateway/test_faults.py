@@ -13,7 +13,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import sqlite3
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +26,16 @@ from app.gateway.spool import Spool
 from app.main import create_app
 from app.settings import Settings
 from app.store.engine import migrate
-from tests.gateway.conftest import Sent, chat, metric, scrape, send_turn, wait_for
+from tests.gateway.conftest import (
+    Sent,
+    chat,
+    drained,
+    metric,
+    scrape,
+    send_turn,
+    sqlite_lock,
+    wait_for,
+)
 from tests.pg.stoppable import stoppable_cluster
 from tests.serverproc import turnlog_serve
 from turnlog_client import miles as hooks
@@ -79,24 +87,6 @@ async def check_stored(http: httpx.AsyncClient, conversation: Conversation) -> N
 
 async def spooled(http: httpx.AsyncClient) -> float:
     return metric(await scrape(http), "turnlog_gateway_spooled_turns")
-
-
-async def drained(http: httpx.AsyncClient) -> bool:
-    """The spool holds nothing: no turn, and no close or reward spooled behind them."""
-    return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
-
-
-@contextlib.contextmanager
-def sqlite_lock(path: Path) -> Any:
-    """Another process's write lock on the file: every write waits, then times out."""
-    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-    conn.execute("BEGIN EXCLUSIVE")
-    try:
-        yield conn
-    finally:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("ROLLBACK")
-        conn.close()
 
 
 async def test_a_locked_sqlite_file_spools_and_drains_in_order(tmp_path, gateway_process):
@@ -574,10 +564,7 @@ async def test_a_close_handed_over_a_locked_store_is_answered_within_its_timeout
             bad = await http.post(close, json={}, headers={"X-Turnlog-Timeout": "soon"})
             assert bad.status_code == 400 and bad.json()["field"] == "X-Turnlog-Timeout"
 
-        async def written() -> bool:
-            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
-
-        await wait_for(written, what="the spooled close and reward")
+        await wait_for(lambda: drained(http), what="the spooled close and reward")
     async with api(f"sqlite+aiosqlite:///{path}") as store:
         await check_stored(store, conversation)
         events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()

@@ -9,14 +9,18 @@ store's own answers to the same bodies.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from app.gateway.spool import CLOSE, REWARD, Spool
-from tests.gateway.conftest import chat, metric, scrape, send_turn, wait_for
+from tests.gateway.conftest import chat, drained, metric, scrape, send_turn, sqlite_lock, wait_for
 
 
 def sid() -> str:
@@ -96,10 +100,7 @@ async def test_a_close_and_rewards_through_the_gateway_get_the_stores_verdicts(
                 assert again.status_code in (200, 201), again.text
             assert (await http.get("/turnlog/readyz")).status_code == 200
 
-        async def drained() -> bool:
-            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
-
-        await wait_for(drained, what="the spooled writes")
+        await wait_for(lambda: drained(http), what="the spooled writes")
     assert await kinds(client, session) == ["session_opened", "turn_recorded",
                                             "session_closed"] + ["reward_recorded"] * 4
     assert await reward_of(client, session) == (0.75, "rm")
@@ -203,10 +204,7 @@ async def test_a_spool_left_with_a_close_and_a_reward_drains_them_in_order_once(
     gateway = gateway_process(db_url, spool=tmp_path / "left")
     await gateway.wait_ready()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
-        async def drained() -> bool:
-            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
-
-        await wait_for(drained, what="the spool to drain")
+        await wait_for(lambda: drained(http), what="the spool to drain")
         metrics = await scrape(http)
     assert metric(metrics, "turnlog_gateway_refused_writes_total", 'kind="close"') == 1
     assert metric(metrics, "turnlog_gateway_refused_writes_total", 'kind="reward"') == 0
@@ -228,18 +226,9 @@ async def test_a_reward_behind_spooled_turns_but_no_close_is_refused_at_once(
     """While the spool holds a session's turns and no close, a reward would meet an open
     session when its turn came: it is answered 409 `session-open` now (as the store
     answers a reward before the close), never 202 and dropped later."""
-    import contextlib
-    import sqlite3
-
-    path = tmp_path / "store.db"
-    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "1")
-    await gateway.wait_ready()
-    session = sid()
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
-        assert (await send_turn(http, session, chat([1, 2, 3]))).status == 200
-        lock = sqlite3.connect(path, isolation_level=None, timeout=30)
-        lock.execute("BEGIN EXCLUSIVE")
-        try:
+    async with one_session_on_sqlite(tmp_path, gateway_process, "--store-timeout", "1") as (
+            path, http, session):
+        with sqlite_lock(path):
             assert (await send_turn(http, session, chat([1, 2, 3, 4]))).status == 200
             assert (await held(http, session))["spooled_turns"] == 1
             early = await http.post(reward_route(session), json={"event_id": "e", "reward": 1})
@@ -251,15 +240,8 @@ async def test_a_reward_behind_spooled_turns_but_no_close_is_refused_at_once(
             assert late.status_code == 202, late.text
             assert await held(http, session) == {"session_id": session, "spooled_turns": 1,
                                                  "spooled_writes": 3}
-        finally:
-            with contextlib.suppress(sqlite3.Error):
-                lock.execute("ROLLBACK")
-            lock.close()
 
-        async def drained() -> bool:
-            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
-
-        await wait_for(drained, what="the spool to drain")
+        await wait_for(lambda: drained(http), what="the spool to drain")
         assert metric(await scrape(http), "turnlog_gateway_refused_writes_total",
                       'kind="reward"') == 0
 
@@ -269,25 +251,27 @@ async def test_a_close_the_full_spool_refuses_is_never_written_later(tmp_path,
     """The store hangs past the store timeout and the spool has no room: the close is
     answered by its own store write once that ends (here: written when the lock goes),
     never 503 for a close that commits later."""
-    import asyncio
-    import sqlite3
+    async with one_session_on_sqlite(tmp_path, gateway_process, "--store-timeout", "0.5",
+                                     "--spool-max-bytes", "200") as (path, http, session):
+        lock = sqlite_lock(path)
+        lock.__enter__()
+        asyncio.get_running_loop().call_later(2.0, lock.__exit__, None, None, None)
+        reply = await http.post(close_route(session), json={"metadata": {"note": "x" * 400}})
+        assert (reply.status_code, reply.json()["outcome"]) == (201, "written"), reply.text
 
+
+@contextlib.asynccontextmanager
+async def one_session_on_sqlite(tmp_path: Path, gateway_process: Any, *flags: str,
+                                ) -> AsyncIterator[tuple[Path, httpx.AsyncClient, str]]:
+    """A gateway on a SQLite file (`flags` its own), a session with one recorded turn,
+    and a client of the gateway: (the file, the client, the session id)."""
     path = tmp_path / "store.db"
-    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "0.5",
-                              "--spool-max-bytes", "200")
+    gateway = gateway_process(f"sqlite:///{path}", *flags)
     await gateway.wait_ready()
     session = sid()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
         assert (await send_turn(http, session, chat([1, 2, 3]))).status == 200
-        lock = sqlite3.connect(path, isolation_level=None, timeout=30)
-        lock.execute("BEGIN EXCLUSIVE")
-        asyncio.get_running_loop().call_later(2.0, lock.rollback)
-        try:
-            reply = await http.post(close_route(session),
-                                    json={"metadata": {"note": "x" * 400}})
-        finally:
-            lock.close()
-        assert (reply.status_code, reply.json()["outcome"]) == (201, "written"), reply.text
+        yield path, http, session
 
 
 async def _direct_gateway(db_url: str, gateway_process: Any) -> str:
@@ -342,33 +326,17 @@ async def test_a_reward_with_nothing_to_wait_behind_is_not_spooled_when_the_stor
     spooled (it could meet an open session and be dropped after a 202) but answered
     503 `store-unavailable`, and stays the client's to send again; a close is spooled,
     and a reward behind it then is too."""
-    import contextlib
-    import sqlite3
-
-    path = tmp_path / "store.db"
-    gateway = gateway_process(f"sqlite:///{path}", "--store-timeout", "0.5")
-    await gateway.wait_ready()
-    session = sid()
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
-        assert (await send_turn(http, session, chat([1, 2, 3]))).status == 200
-        lock = sqlite3.connect(path, isolation_level=None, timeout=30)
-        lock.execute("BEGIN EXCLUSIVE")
-        try:
+    async with one_session_on_sqlite(tmp_path, gateway_process, "--store-timeout", "0.5") as (
+            path, http, session):
+        with sqlite_lock(path):
             alone = await http.post(reward_route(session), json={"event_id": "a", "reward": 1})
             assert alone.status_code == 503, alone.text
             assert alone.json()["type"] == "urn:turnlog:store-unavailable"
             assert (await http.post(close_route(session), json={})).status_code == 202
             behind = await http.post(reward_route(session), json={"event_id": "a", "reward": 1})
             assert behind.status_code == 202, behind.text
-        finally:
-            with contextlib.suppress(sqlite3.Error):
-                lock.execute("ROLLBACK")
-            lock.close()
 
-        async def drained() -> bool:
-            return metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
-
-        await wait_for(drained, what="the spool to drain")
+        await wait_for(lambda: drained(http), what="the spool to drain")
         assert metric(await scrape(http), "turnlog_gateway_refused_writes_total",
                       'kind="reward"') == 0
 
