@@ -467,24 +467,38 @@ async def test_the_hooks_hand_the_close_and_rewards_to_the_gateway_behind_its_tu
             assert (await http.get(f"/turnlog/sessions/{sid}")).json() == {
                 "session_id": sid, "spooled_turns": 2, "spooled_writes": 3}
             hooks._DEFERRED.clear()  # as in a reward hook of another process
-            for score in (0.25, 0.75):
-                sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"],
-                                       "score": score}}
-                assert await hooks.rm(None, sample) == score
+            await score(result, 0.25, 0.75)
             assert (await http.get(f"/turnlog/sessions/{sid}")).json()["spooled_writes"] == 5
             assert not hooks._TASKS and not said(caplog)  # nothing left in this process
             await wait_for(lambda: drained(http), what="the spool to drain")
             assert metric(await scrape(http), "turnlog_gateway_spooled_writes") == 0
             assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
                           'reason="session-closed"') == 0
+    kinds = await check_closed_then_scored(tmp_path, conversation, 0.25, 0.75)
+    assert len([k for k in kinds if k == "turn_recorded"]) == 3
+
+
+async def score(result: dict[str, Any], *scores: float) -> None:
+    """The reward hook scores the hooked session once per score, in order."""
+    for value in scores:
+        sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"],
+                               "score": value}}
+        assert await hooks.rm(None, sample) == value
+
+
+async def check_closed_then_scored(tmp_path: Path, conversation: Conversation,
+                                   *scores: float) -> list[str]:
+    """Every answered turn is stored, then the close with the agent's reward (1.0), then
+    the reward model's `scores`, in order: the event kinds."""
     async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
         await check_stored(store, conversation)
-        events = (await store.get(f"/v1/sessions/{sid}/events")).json()
-        kinds = [e["type"] for e in events]
-        assert kinds[-3:] == ["session_closed", "reward_recorded", "reward_recorded"], kinds
-        assert len([k for k in kinds if k == "turn_recorded"]) == 3
-        assert events[-3]["close"]["metadata"]["reward"] == 1.0
-        assert [e["reward"]["reward"] for e in events[-2:]] == [0.25, 0.75]
+        events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()
+    kinds = [e["type"] for e in events]
+    tail = len(scores) + 1
+    assert kinds[-tail:] == ["session_closed"] + ["reward_recorded"] * len(scores), kinds
+    assert events[-tail]["close"]["metadata"]["reward"] == 1.0
+    assert [e["reward"]["reward"] for e in events[-len(scores):]] == list(scores)
+    return kinds
 
 
 def said(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -517,22 +531,13 @@ async def test_the_hook_defers_the_close_while_the_gateway_still_holds_its_turns
         result = await run_hooked(conversation)
         (deferred,) = said(caplog)
         assert "close deferred" in deferred and "still holds 1 spooled turn(s)" in deferred
-        for score in (0.25, 0.75):  # answered at once, recorded after the close, in order
-            sample = {"metadata": {"turnlog_session_id": result["turnlog_session_id"],
-                                   "score": score}}
-            assert await hooks.rm(None, sample) == score
+        await score(result, 0.25, 0.75)  # answered at once, recorded after the close
         await hooks.finish(60)
         assert any("closed (deferred)" in line for line in said(caplog))
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
                           'reason="session-closed"') == 0
-    async with api(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}") as store:
-        await check_stored(store, conversation)
-        events = (await store.get(f"/v1/sessions/{conversation.session_id}/events")).json()
-        kinds = [e["type"] for e in events]
-        assert kinds[-3:] == ["session_closed", "reward_recorded", "reward_recorded"], kinds
-        assert events[-3]["close"]["metadata"]["reward"] == 1.0
-        assert [e["reward"]["reward"] for e in events[-2:]] == [0.25, 0.75]
+    await check_closed_then_scored(tmp_path, conversation, 0.25, 0.75)
 
 
 async def test_a_close_handed_over_a_locked_store_is_answered_within_its_timeout(
