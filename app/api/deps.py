@@ -19,10 +19,10 @@ from pydantic import BeforeValidator
 from app.api.http_errors import RequestTimeout
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import jsonio, msgpackio, r3text
+from app.domain.wire.media import JSON, media_type_of
 from app.domain.wire.width import MAX_VALUES
 from app.services import Services
 
-JSON = "application/json"
 T = TypeVar("T")
 
 
@@ -34,13 +34,6 @@ def services(request: Request) -> Services:
 def media_type(request: Request) -> str | None:
     """The body's media type, lower-cased, parameters dropped; None when not sent."""
     return media_type_of(request.headers.get("content-type"))
-
-
-def media_type_of(header: str | None) -> str | None:
-    """A Content-Type header's media type, lower-cased, parameters dropped (None: blank)."""
-    if header is None or not header.strip():
-        return None
-    return header.split(";", 1)[0].strip().lower()
 
 
 def _unsupported(found: str, accepted: tuple[str, ...]) -> UnsupportedMediaType:

@@ -85,16 +85,6 @@ def table(title: str | None = None) -> Table:
                  show_edge=tty, pad_edge=False)
 
 
-def is_loopback(bind: str) -> bool:
-    """Whether a bind address serves this machine only."""
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(bind).is_loopback
-    except ValueError:
-        return bind == "localhost"
-
-
 def warn(message: str) -> None:
     err().print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 

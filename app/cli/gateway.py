@@ -131,7 +131,9 @@ def gateway(
     err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
                 f"(store {mask(url)}, spool {spool_dir})")
     settings = common.settings_for(url)
-    if not settings.access.api_tokens and not common.is_loopback(host):
+    from app.api.middleware.guards import is_loopback
+
+    if not settings.access.api_tokens and not is_loopback(host):
         common.warn(f"no TURNLOG_API_TOKENS: anyone who reaches {host}:{port} may close "
                     "sessions and record rewards through /turnlog/v1/… (give the gateway "
                     "the tokens turnlog serve has)")

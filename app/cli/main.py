@@ -128,7 +128,9 @@ def serve(
     settings = common.settings_for(url)
     bind = host or settings.server.host
     port = port or settings.server.port
-    if not common.is_loopback(bind) and not settings.access.api_tokens:
+    from app.api.middleware.guards import is_loopback
+
+    if not is_loopback(bind) and not settings.access.api_tokens:
         if not insecure:
             raise CliError(f"refusing to serve on non-loopback {bind} without API tokens; "
                            "set TURNLOG_API_TOKENS or pass --insecure")

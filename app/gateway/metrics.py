@@ -10,6 +10,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from app.domain.body.gateway import UNRECORDED_REASONS
+from app.gateway.spool import CLOSE, REWARD
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Added latency is milliseconds on a healthy store, up to the store timeout on a sick one.
@@ -33,7 +34,7 @@ class GatewayMetrics:
             "turnlog_gateway_refused_writes",
             "Spooled closes and rewards the store refused when their turn came (their "
             "clients had been answered 202), by kind", ["kind"], registry=self.registry)
-        for kind in ("close", "reward"):
+        for kind in (CLOSE, REWARD):
             self.refused_writes.labels(kind)
         self.spooled_turns = Gauge(
             "turnlog_gateway_spooled_turns", "Turns waiting in the spool for the store",
@@ -41,7 +42,7 @@ class GatewayMetrics:
         self.spooled_writes = Gauge(
             "turnlog_gateway_spooled_writes",
             "Writes waiting in the spool for the store: turns, and the closes and rewards "
-            "queued behind them", registry=self.registry)
+            "spooled behind them", registry=self.registry)
         self.spooled_bytes = Gauge(
             "turnlog_gateway_spooled_bytes", "Bytes of the writes waiting in the spool",
             registry=self.registry)

@@ -72,6 +72,7 @@ from app.domain.errors import (
     UnsupportedMediaType,
 )
 from app.domain.wire import jsonio
+from app.domain.wire.media import JSON, media_type_of
 from app.gateway.errors import MethodNotAllowed, NotFound, SpoolFull, UpstreamUnavailable
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from app.gateway.recorder import REPEAT, SPOOL_FULL, SPOOLED, WRITTEN, Recorder
@@ -307,10 +308,10 @@ class Gateway:
             raise UnknownSession(f"no session {session_id!r}: not a session id",
                                  field="session_id", expected="a session id (docs/api.md §1)",
                                  actual=session_id[:80])
-        kind_of_body = (_header(scope, b"content-type") or "").partition(";")[0].strip().lower()
-        if kind_of_body not in ("", "application/json"):
-            raise UnsupportedMediaType(f"this route reads JSON, not {kind_of_body}",
-                                       field="content-type", expected="application/json",
+        kind_of_body = media_type_of(_header(scope, b"content-type"))
+        if kind_of_body not in (None, JSON):
+            raise UnsupportedMediaType(f"this route does not read {kind_of_body} bodies",
+                                       field="content-type", expected=JSON,
                                        actual=kind_of_body[:80])
         limit = self.settings.limits.max_body_bytes
         declared = _content_length(scope)

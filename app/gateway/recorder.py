@@ -392,14 +392,13 @@ class Recorder:
         is still running (its answer, never a 503 that a late commit makes false). A
         reward with nothing of its session spooled before it is not spooled
         (`reward_may_wait`)."""
-        if kind == REWARD and not reward_may_wait(self.spool.holds_close(session_id),
-                                                  self.spool.count_writes(session_id)):
+        if kind == REWARD and not reward_may_wait(self.spool.count_writes(session_id)):
             log.warning("reward not spooled: no close of its session in the spool",
                         session_id=session_id)
             raise StoreUnavailable(
                 "the store did not take this reward in time, and the gateway holds no close "
-                "of its session to put it behind; it may still be recorded by the try in "
-                "flight: send it again with the same event_id")
+                "of its session to put it behind: send it again with the same event_id (a "
+                "try still in flight may record it; the resend is then a repeat)")
         try:
             return self._spool_write(kind, session_id, body)
         except SpoolFull:
@@ -439,11 +438,8 @@ class Recorder:
         if kind == CLOSE:
             wrote = await writer.close_session(session_id, body)
             self.last_turn.pop(session_id, None)  # nothing left for the idle close
-        else:
-            wrote = (await writer.record_reward(session_id, body)).created
-        if wrote:
-            self.services.reader.notify()
-        return wrote
+            return wrote
+        return (await writer.record_reward(session_id, body)).created
 
     async def _drain_write(self, entry: Spooled) -> None:
         """A spooled close or reward. A close that finds its session closed already by

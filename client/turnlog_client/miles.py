@@ -22,8 +22,10 @@ until it can. When the gateway cannot take them (down, its spool full, a
 gateway without those routes) or no gateway is named, the close goes to the
 store — after asking the gateway, if one is named, whether it still holds
 turns of the session — and a close that cannot go yet is deferred to the
-background of the process, the session's rewards queued behind it (`finish`
-waits for that work).
+background of the process, the session's rewards in order behind it. A
+reward that cannot go now (no answer, a 5xx, its session still open) is
+deferred too, and sent again with its one event id (`finish` waits for that
+work).
 
 Refuses to stand in the rollout's way: it adds no request to a turn's path
 (the open comes before the agent's first turn, the close and rewards after
@@ -55,7 +57,7 @@ import httpx
 import numpy as np
 
 from turnlog_client.async_client import TurnlogClient, new_event_id
-from turnlog_client.errors import TurnlogError
+from turnlog_client.errors import NOT_RESENT, TurnlogError
 from turnlog_client.transport import escape_path
 
 __all__ = ["Settings", "agent", "finish", "rm", "session_id_of"]
@@ -73,18 +75,18 @@ DEADLINE = 5.0
 # database came back from a long lock, could overtake the gateway's spooled turns of
 # the same session, which would then meet a closed session and be lost. Opens and
 # rewards carried out late lose nothing (a late open finds the session the gateway
-# opened meanwhile, or opens it with the hook's labels), so they keep that chance.
+# opened meanwhile, or opens it with the hook's labels), so the store gets them without
+# it; rewards sent to the gateway carry it, which asks it to answer in time.
 COMMIT_WITHIN = 0.9
 # How often the agent hook asks the gateway whether it still holds spooled turns.
 SPOOL_POLL_S = 0.2
-# A close deferred (the gateway still holds turns of the session, or the store could not
-# take it) is tried again this often, for this long at most, in the background of the
-# process (`finish`); at most this many are pending at once.
+# A deferred close (the gateway still holds turns of the session, or the store could not
+# take it) or reward (not taken now) is tried again this often, for this long at most, in
+# the background of the process (`finish`); at most this many sessions have deferred work
+# at once.
 CLOSE_LATER_S = 600.0
 CLOSE_LATER_POLL_S = 2.0
 MAX_DEFERRED = 1000
-# The store's answer to a close not committed within its `commit_within`.
-DEADLINE_MISSED = "deadline-exceeded"
 RETRIES = 2
 # The event ids of the rewards late closes leave (`late_close_event_id`).
 LATE_CLOSE_REWARD = "late-close-"
@@ -490,8 +492,9 @@ async def gateway_verdict(settings: Settings, sid: str, wait: float | None = Non
 
 def close_later_helps(exc: BaseException) -> bool:
     """A close that failed this way may well go through later: turnlog unreachable or
-    silent, a 5xx (its database down), or the close's own deadline missed (a lock)."""
-    return isinstance(exc, TurnlogError) and (exc.retryable or exc.slug == DEADLINE_MISSED)
+    silent, a 5xx (its database down), the close's own deadline missed (a lock), or a
+    gateway's spool full."""
+    return isinstance(exc, TurnlogError) and (exc.retryable or exc.slug in NOT_RESENT)
 
 
 # One try of a reward: taken (recorded, or spooled by the gateway), not now (to try again
@@ -810,8 +813,10 @@ def _rewards_left(later: DeferredRewards, why: str) -> None:
 
 def _left_open(deferred: DeferredClose, why: str) -> None:
     log.warning("turnlog at %s: session %s left open, %d reward(s) not recorded: %s. "
-                "Close it with POST /v1/sessions/<sid>/close (with a gateway, once "
-                "GET /turnlog/sessions/<sid> on it says 0)", deferred.settings.url,
+                "Close it through its gateway, POST /turnlog/v1/sessions/<sid>/close "
+                "(behind the session's spooled turns), or with POST /v1/sessions/<sid>/close "
+                "once GET /turnlog/sessions/<sid> on the gateway says 0",
+                deferred.settings.url,
                 deferred.sid, len(deferred.rewards), why)
 
 

@@ -41,7 +41,6 @@ from app.api.deps import (
     blank_json,
     declared_length,
     decode_turn,
-    media_type_of,
     turn_decoder,
 )
 from app.api.routes.append_log import turn_appended, turn_rejected
@@ -50,6 +49,7 @@ from app.domain.body.turn import TurnBody
 from app.domain.errors import DomainError
 from app.domain.log.events import PreparedTurn
 from app.domain.wire import jsonio
+from app.domain.wire.media import media_type_of
 from app.services import Services
 from app.store.append.writes import parse_prepared
 

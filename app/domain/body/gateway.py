@@ -67,13 +67,14 @@ def check_reward_order(session_id: str, spooled_turns: int, spooled_close: bool)
                           expected="a closed session", actual="open")
 
 
-def reward_may_wait(spooled_close: bool, spooled_writes: int) -> bool:
-    """Whether a reward the store cannot take now may wait in the spool: only behind the
-    session's close (or the rewards spooled behind one). Spooled with nothing of the
-    session before it, it might meet an open session when its turn came (its close
-    deferred by a client that is down), and be dropped long after its client was
-    answered 202; refused instead, the client keeps it and sends it again."""
-    return spooled_close or spooled_writes > 0
+def reward_may_wait(spooled_writes: int) -> bool:
+    """Whether a reward the store cannot take now may wait in the spool: only behind
+    other writes of its session — its close, or the rewards spooled behind one
+    (`check_reward_order` has refused it behind turns without a close). Spooled with
+    nothing of the session before it, it might meet an open session when its turn
+    came (its close deferred by a client that is down), and be dropped long after its
+    client was answered 202; refused instead, the client keeps it and sends it again."""
+    return spooled_writes > 0
 
 
 # The event ids of the rewards late closes leave: the prefix, then the close's fingerprint.
