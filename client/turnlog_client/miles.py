@@ -710,7 +710,7 @@ async def finish(timeout: float | None = None) -> None:
 
 
 async def _send_deferred(deferred: DeferredClose) -> None:
-    """Close (`_try_deferred`, every CLOSE_LATER_POLL_S, the first time one interval after
+    """Close (`_close_once`, every CLOSE_LATER_POLL_S, the first time one interval after
     the hook's own try, for CLOSE_LATER_S at most), then record the rewards that waited
     for it, in order. Logged either way, never raised."""
     settings, sid = deferred.settings, deferred.sid
@@ -723,7 +723,10 @@ async def _send_deferred(deferred: DeferredClose) -> None:
             if loop.time() >= give_up:
                 break
             try:
-                closed = await _try_deferred(deferred, give_up - loop.time())
+                # Asked for DEADLINE at most, so that the next try hands it to the gateway.
+                closed, notes = await _close_once(
+                    settings, sid, deferred.result, deferred.error, deferred.source,
+                    min(give_up, loop.time() + DEADLINE))
             except Exception as exc:  # noqa: BLE001 - asked again, or said, below
                 if not close_later_helps(exc):
                     _forget(deferred)  # before it is said: no reward joins it after
@@ -741,7 +744,7 @@ async def _send_deferred(deferred: DeferredClose) -> None:
             async with Sender(settings) as sender:
                 _failed, problems = await send_rewards(
                     sender, closed.rewards + deferred.rewards)
-            for problem in closed.problems + problems:
+            for problem in notes + closed.problems + problems:
                 log.warning("turnlog at %s: session %s: %s", settings.url, sid, problem)
             log.info("turnlog: session %s closed (deferred)", sid)
             return
@@ -753,26 +756,29 @@ async def _send_deferred(deferred: DeferredClose) -> None:
     _left_open(deferred, f"after {CLOSE_LATER_S:g} s: {why}")
 
 
-async def _try_deferred(deferred: DeferredClose, wait: float) -> Closed | str:
-    """One try of a deferred close: handed to the gateway, else sent to the store once
-    the gateway (if one is named) holds no spooled turn of the session (asked for
-    DEADLINE at most, and `wait`, so that the next try hands it to the gateway again).
-    The close, or why not yet; a close that fails raises."""
-    settings, sid = deferred.settings, deferred.sid
-    handed = await hand_to_gateway(settings, sid, deferred.result, deferred.error,
-                                   deferred.source)
+async def _close_once(settings: Settings, sid: str, result: Any, error: BaseException | None,
+                      source: str, ask_until: float) -> tuple[Closed | str, list[str]]:
+    """One try of a close: handed to the gateway; else sent to the store once the gateway
+    (if one is named) holds no spooled turn of the session, asked until `ask_until`
+    (the event loop's clock; at least once). (the close, or why not yet; what to say).
+    A close that fails raises."""
+    notes: list[str] = []
+    handed = await hand_to_gateway(settings, sid, result, error, source)
     if isinstance(handed, Closed):
-        return handed
-    if handed is not None and handed.status is None:
-        return handed.why  # nor would it say what its spool holds
-    may, why_not = await gateway_verdict(settings, sid, max(min(wait, DEADLINE), 0.001),
-                                         CLOSE_LATER_POLL_S)
+        return handed, notes
+    if handed is not None:
+        if handed.status is None:
+            return handed.why, notes  # down or silent: nor would it say what its spool holds
+        if handed.status >= 500 or handed.status in (401, 403):
+            notes.append(handed.why)  # (a gateway without the route: quietly)
+    wait = max(ask_until - asyncio.get_running_loop().time(), SPOOL_POLL_S)
+    may, why = await gateway_verdict(settings, sid, wait)
     if not may:
-        return why_not or "the gateway holds turns of it"
+        return why or "the gateway holds turns of it", notes
+    if why:
+        notes.append(why)
     async with settings.client() as tl:
-        closed = await _close(tl, sid, deferred.result, deferred.error, deferred.source)
-    return Closed([why_not, *closed.problems] if why_not else closed.problems,
-                  closed.rewards)
+        return await _close(tl, sid, result, error, source), notes
 
 
 async def _send_deferred_rewards(later: DeferredRewards) -> None:
@@ -910,7 +916,7 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
             error = exc
         source = settings.agent[:SOURCE_MAX]
         try:
-            problems += await _close_session(settings, tl, sid, result, error, source)
+            problems += await _close_session(settings, sid, result, error, source)
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:
@@ -921,66 +927,31 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     return with_session_id(result, sid)
 
 
-async def _close_session(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
+async def _close_session(settings: Settings, sid: str, result: Any,
                          error: BaseException | None, source: str) -> list[str]:
-    """The close (handed to the gateway; else sent to the store, or deferred), then the
-    rewards it brings: its problems; a close refused for good raises. The close takes
-    two DEADLINEs at most (the gateway's try and the store's, or the wait for the
-    gateway's spool and the store's); one cut short is deferred and sent again (a
-    repeat, if it did land), and the rewards get one DEADLINE more."""
+    """The close (`_close_once`, or deferred), then the rewards it brings: its problems;
+    a close refused for good raises. The close takes two DEADLINEs at most (the
+    gateway's try and the store's, or the wait for the gateway's spool and the
+    store's); one cut short is deferred and sent again (a repeat, if it did land), and
+    the rewards get one DEADLINE more."""
     loop = asyncio.get_running_loop()
     phase_end = loop.time() + 2 * DEADLINE
     try:
         async with asyncio.timeout_at(phase_end):
-            closed, problems = await _close_anywhere(settings, tl, sid, result, error,
-                                                     source, phase_end)
+            closed, notes = await _close_once(settings, sid, result, error, source,
+                                              phase_end - DEADLINE)
     except TimeoutError:
         return [_deferral(settings, sid, result, error, source,
                           f"no answer within {2 * DEADLINE:g} s")]
-    if closed is None:
-        return problems
-    async with Sender(settings, loop.time() + DEADLINE) as sender:
-        _failed, more = await send_rewards(sender, closed.rewards)
-    return problems + closed.problems + more
-
-
-async def _close_anywhere(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
-                          error: BaseException | None, source: str, phase_end: float,
-                          ) -> tuple[Closed | None, list[str]]:
-    """The close handed to the gateway, else sent to the store (`_close_through_store`),
-    or deferred (then None); with its problems."""
-    handed = await hand_to_gateway(settings, sid, result, error, source)
-    if isinstance(handed, Closed):
-        return handed, []
-    if handed is not None and handed.status is None:
-        # Down or silent: nor would it say what its spool holds.
-        return None, [_deferral(settings, sid, result, error, source, handed.why)]
-    # Said when it failed or refused the token; a gateway without the route, quietly.
-    problems = [handed.why] if handed is not None and handed.status is not None and (
-        handed.status >= 500 or handed.status in (401, 403)) else []
-    wait = max(phase_end - asyncio.get_running_loop().time() - DEADLINE, SPOOL_POLL_S)
-    closed, more = await _close_through_store(settings, tl, sid, result, error, source, wait)
-    return closed, problems + more
-
-
-async def _close_through_store(settings: Settings, tl: TurnlogClient, sid: str, result: Any,
-                               error: BaseException | None, source: str, wait: float,
-                               ) -> tuple[Closed | None, list[str]]:
-    """The close sent to the store — once the gateway, if one is named, holds no spooled
-    turn of the session (asked for `wait` seconds at most) — or deferred (`_deferral`;
-    then None): its problems."""
-    may, why = await gateway_verdict(settings, sid, wait)
-    if not may:
-        return None, [_deferral(settings, sid, result, error, source, why)]
-    problems = [why] if why else []
-    try:
-        return await _close(tl, sid, result, error, source), problems
     except Exception as exc:
         if not close_later_helps(exc):
             raise
-        problems.append(_deferral(settings, sid, result, error, source,
-                                  _problem("close", exc)))
-    return None, problems
+        return [_deferral(settings, sid, result, error, source, _problem("close", exc))]
+    if isinstance(closed, str):
+        return [*notes, _deferral(settings, sid, result, error, source, closed)]
+    async with Sender(settings, loop.time() + DEADLINE) as sender:
+        _failed, more = await send_rewards(sender, closed.rewards)
+    return notes + closed.problems + more
 
 
 def sample_metadata(sample: Any) -> Mapping[str, Any]:
