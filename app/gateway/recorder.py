@@ -192,12 +192,12 @@ class Recorder:
                      prompt: np.ndarray | None = None) -> str:
         """`prompt`: the turn's `input_ids` already validated (`Candidate.prompt`)."""
         if self.spool.holds(session_id):
-            return self._spool(session_id, body, open_body)  # behind its earlier turns
+            return self._spool(TURN, session_id, body, open_body)  # behind its earlier turns
         if self.store_hangs():
             # Another attempt would wait the whole store timeout too: the caller is
             # answered now, and the drainer appends the turn once the store answers.
             log.warning("the store is not answering; spooling the turn", session_id=session_id)
-            return self._spool(session_id, body, open_body)
+            return self._spool(TURN, session_id, body, open_body)
         write = asyncio.ensure_future(self._store(session_id, body, open_body, size, prompt))
         try:
             await within(write, self.store_timeout)
@@ -311,21 +311,27 @@ class Recorder:
         log.warning("store gave no verdict; spooling the turn", session_id=session_id,
                     error=type(exc).__name__, detail=str(exc)[:200])
         self.drain_failing = True  # not ready until a drain gets through
-        return self._spool(session_id, body, open_body)
+        return self._spool(TURN, session_id, body, open_body)
 
-    def _spool(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any]) -> str:
+    def _spool(self, kind: str, session_id: str, body: dict[str, Any],
+               open_body: dict[str, Any] | None = None) -> str:
+        """Write a turn (with how to open its session), a close or a reward to the spool:
+        SPOOLED, or SPOOL_FULL."""
         try:
-            self.spool.add(session_id, body, open_body)
+            self.spool.add(session_id, body, open_body, kind)
         except SpoolFull as exc:
-            log.error("spool full: turn not spooled", session_id=session_id,
+            log.error("spool full: not spooled", kind=kind, session_id=session_id,
                       detail=str(exc))
             return SPOOL_FULL
         except (OSError, TypeError, ValueError) as exc:
-            # The disk refused, or the turn cannot be written as JSON: as good as
+            # The disk refused, or the write cannot be written as JSON: as good as
             # full (503), never a silent loss and never a 500.
-            log.error("cannot write the spool: turn not spooled",
-                      session_id=session_id, error=type(exc).__name__, detail=str(exc))
+            log.error("cannot write the spool: not spooled", kind=kind, session_id=session_id,
+                      error=type(exc).__name__, detail=str(exc))
             return SPOOL_FULL
+        if kind != TURN:
+            log.info("close or reward spooled behind the session's spooled writes", kind=kind,
+                     session_id=session_id)
         self.wake.set()
         return SPOOLED
 
@@ -399,39 +405,23 @@ class Recorder:
                 "the store did not take this reward in time, and the gateway holds no close "
                 "of its session to put it behind: send it again with the same event_id (a "
                 "try still in flight may record it; the resend is then a repeat)")
+        if self._spool(kind, session_id, body) == SPOOLED:
+            return SPOOLED
+        full = SpoolFull(f"the store cannot take this {kind} now and the gateway's spool is "
+                         "full: it was not written (send it again)")
+        if write is None:
+            raise full
+        log.warning("spool full; the store's answer is the answer", kind=kind,
+                    session_id=session_id)
         try:
-            return self._spool_write(kind, session_id, body)
-        except SpoolFull:
-            if write is None or write.done():
-                raise
-            log.warning("spool full; waiting for the store's answer", kind=kind,
-                        session_id=session_id)
-        try:
-            wrote = await asyncio.shield(write)
+            wrote = await asyncio.shield(write)  # done already, or still running
         except Exception as exc:  # noqa: BLE001 - its verdict, or the spool's refusal
             if isinstance(exc, DomainError) and exc.http_status < 500:
                 raise
             log.error("a close or reward not written: its store write failed, the spool is "
                       "full", kind=kind, session_id=session_id, error=type(exc).__name__)
-            raise SpoolFull(f"the store cannot take this {kind} now and the gateway's spool "
-                            "is full: it was not written (send it again)") from None
+            raise full from None
         return WRITTEN if wrote else REPEAT
-
-    def _spool_write(self, kind: str, session_id: str, body: Any) -> str:
-        try:
-            self.spool.add(session_id, body, None, kind)
-        except SpoolFull as exc:
-            log.error("spool full: close or reward not spooled", kind=kind,
-                      session_id=session_id, detail=str(exc))
-            raise
-        except (OSError, TypeError, ValueError) as exc:
-            log.error("cannot write the spool: close or reward not spooled", kind=kind,
-                      session_id=session_id, error=type(exc).__name__, detail=str(exc))
-            raise SpoolFull(f"cannot write the spool ({type(exc).__name__}: {exc})") from None
-        log.info("close or reward spooled behind the session's spooled writes", kind=kind,
-                 session_id=session_id)
-        self.wake.set()
-        return SPOOLED
 
     async def _write(self, kind: str, session_id: str, body: Any) -> bool:
         writer = self.services.writer
