@@ -862,13 +862,13 @@ async def test_a_reward_before_its_close_is_deferred_and_recorded_once_the_sessi
         await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
         (warning,) = warnings.records
         assert "1 reward(s) deferred" in warning.getMessage()
-        assert sid in hooks._DEFERRED_REWARDS
+        assert sid in hooks._DEFERRED
         await asyncio.sleep(0.2)  # tried again meanwhile: still open
         await tl.close(sid)
     await hooks.finish(10)
     kinds = [e["type"] for e in await events_of(server_url, sid)]
     assert kinds == ["session_opened", "session_closed", "reward_recorded"]
-    assert len(warnings.records) == 1 and not hooks._DEFERRED_REWARDS
+    assert len(warnings.records) == 1 and not hooks._DEFERRED
 
 
 async def test_a_deferred_close_is_handed_to_the_gateway_once_it_answers(

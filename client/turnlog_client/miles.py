@@ -580,16 +580,15 @@ def _verdict(reward: Reward, exc: TurnlogError) -> str:
 
 async def send_rewards(sender: Sender, rewards: list[Reward]) -> tuple[int, list[str]]:
     """Record `rewards` in order (never raises). One that cannot go now, and every one
-    after it in this call (each try may take until the deadline), is deferred: queued
-    behind its session's deferred close, or tried again from the background
-    (`defer_rewards`); so is one whose session has deferred work already (in order
-    behind it). Returns how many were not recorded now (refused, deferred or
-    neither), and why."""
+    after it in this call (each try may take until the deadline), is deferred (`defer`:
+    tried again from the background, behind its session's deferred close if any); so is
+    one whose session has deferred work already (in order behind it). Returns how many
+    were not recorded now (refused, deferred or neither), and why."""
     failed, problems = 0, []
     later: list[Reward] = []
     stalled = False
     for reward in rewards:
-        if stalled or reward.sid in _DEFERRED or reward.sid in _DEFERRED_REWARDS:
+        if stalled or reward.sid in _DEFERRED:
             later.append(reward)
             continue
         outcome = await sender.reward(reward)
@@ -600,10 +599,8 @@ async def send_rewards(sender: Sender, rewards: list[Reward]) -> tuple[int, list
             failed += 1
             problems.append(outcome)
     deferred = 0
-    for reward in later:
-        if reward.sid in _DEFERRED:  # its close waits: the reward goes in after it, in order
-            _DEFERRED[reward.sid].rewards.append(reward)
-        elif not defer_rewards(sender.settings, reward):
+    for reward in later:  # behind the session's deferred close, if any, in order
+        if not defer(sender.settings, reward.sid, rewards=[reward]):
             failed += 1
             problems.append(f"{reward.name} not recorded and not deferred either: "
                             f"{MAX_DEFERRED} sessions have deferred work already")
@@ -616,79 +613,55 @@ async def send_rewards(sender: Sender, rewards: list[Reward]) -> tuple[int, list
     return failed + deferred, sender.notes + problems
 
 
-@dataclass
-class DeferredClose:
-    """A session's close the agent hook could not send yet, and the reward hook's
-    rewards for that session, kept in the order they came, to record after it."""
+@dataclass(frozen=True)
+class CloseArgs:
+    """What a deferred close is made of: the agent's result or error, and the source of
+    the reward it may leave."""
 
-    settings: Settings
-    sid: str
     result: Any
     error: BaseException | None
     source: str
-    rewards: list[Reward] = field(default_factory=list)
 
 
 @dataclass
-class DeferredRewards:
-    """A session's rewards that could not be recorded yet (its close not carried out,
-    turnlog down), in the order they came."""
+class Deferred:
+    """A session's work the hooks could not do yet, done from the background of the
+    process in order: its close (when the agent hook deferred one), then its rewards,
+    in the order they came (rewards need a closed session)."""
 
     settings: Settings
     sid: str
-    rewards: list[Reward]
+    close: CloseArgs | None
+    rewards: list[Reward] = field(default_factory=list)
 
 
-# The closes and rewards the hooks deferred, by session, and the background tasks
-# sending them.
-_DEFERRED: dict[str, DeferredClose] = {}
-_DEFERRED_REWARDS: dict[str, DeferredRewards] = {}
+# The sessions with deferred work, and the background tasks doing it (one per session).
+_DEFERRED: dict[str, Deferred] = {}
 _TASKS: set[asyncio.Task[None]] = set()
 
 
-def _background(work: Any, forget: Any) -> None:
-    task = asyncio.get_running_loop().create_task(work)
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
-    task.add_done_callback(lambda _t: forget())
-
-
-def defer_close(settings: Settings, sid: str, result: Any, error: BaseException | None,
-                source: str) -> bool:
-    """Send the close from the background of this process (`finish` waits for it);
-    False when MAX_DEFERRED sessions have deferred work already (the session is left
-    open)."""
-    if sid in _DEFERRED:
-        return True
-    if len(_DEFERRED) + len(_DEFERRED_REWARDS) >= MAX_DEFERRED:
-        return False
-    deferred = DeferredClose(settings, sid, result, error, source)
-    _DEFERRED[sid] = deferred
-    _background(_send_deferred(deferred), lambda: _forget(deferred))
+def defer(settings: Settings, sid: str, close: CloseArgs | None = None,
+          rewards: Iterable[Reward] = ()) -> bool:
+    """Add to the session's deferred work (`finish` waits for it): a close goes before
+    every reward, rewards after the ones deferred already. False when MAX_DEFERRED
+    sessions have deferred work already (then nothing is added)."""
+    found = _DEFERRED.get(sid)
+    if found is None:
+        if len(_DEFERRED) >= MAX_DEFERRED:
+            return False
+        found = _DEFERRED[sid] = Deferred(settings, sid, close)
+        task = asyncio.get_running_loop().create_task(_send_deferred(found))
+        _TASKS.add(task)
+        task.add_done_callback(_TASKS.discard)
+        task.add_done_callback(lambda _t: _forget(found))
+    elif close is not None and found.close is None:
+        found.close = close
+    found.rewards.extend(rewards)
     return True
 
 
-def defer_rewards(settings: Settings, reward: Reward) -> bool:
-    """Record the reward from the background of this process, after the session's other
-    deferred rewards; False when MAX_DEFERRED sessions have deferred work already."""
-    if reward.sid in _DEFERRED_REWARDS:
-        _DEFERRED_REWARDS[reward.sid].rewards.append(reward)
-        return True
-    if len(_DEFERRED) + len(_DEFERRED_REWARDS) >= MAX_DEFERRED:
-        return False
-    later = DeferredRewards(settings, reward.sid, [reward])
-    _DEFERRED_REWARDS[reward.sid] = later
-    _background(_send_deferred_rewards(later), lambda: _forget_rewards(later))
-    return True
-
-
-def _forget_rewards(later: DeferredRewards) -> None:
-    """From now on the session's rewards go straight in (or to a new `DeferredRewards`)."""
-    if _DEFERRED_REWARDS.get(later.sid) is later:
-        del _DEFERRED_REWARDS[later.sid]
-
-
-def _forget(deferred: DeferredClose) -> None:
+def _forget(deferred: Deferred) -> None:
+    """From now on the session's work goes straight in (or to a new `Deferred`)."""
     if _DEFERRED.get(deferred.sid) is deferred:
         del _DEFERRED[deferred.sid]
 
@@ -703,57 +676,69 @@ async def finish(timeout: float | None = None) -> None:
             while _TASKS:
                 await asyncio.wait(set(_TASKS))
     except TimeoutError:
-        pending = sorted({*_DEFERRED, *_DEFERRED_REWARDS})
+        pending = sorted(_DEFERRED)
         log.warning("turnlog: deferred work of %d session(s) still pending: %s", len(pending),
                     ", ".join(pending[:20]))
         raise
 
 
-async def _send_deferred(deferred: DeferredClose) -> None:
-    """Close (`_close_once`, every CLOSE_LATER_POLL_S, the first time one interval after
-    the hook's own try, for CLOSE_LATER_S at most), then record the rewards that waited
-    for it, in order. Logged either way, never raised."""
+async def _send_deferred(deferred: Deferred) -> None:
+    """A session's deferred work, tried every CLOSE_LATER_POLL_S (the first time one
+    interval after the hook's own try) for CLOSE_LATER_S at most: its close
+    (`_close_once`), then its rewards in order. Logged either way, never raised."""
     settings, sid = deferred.settings, deferred.sid
     loop = asyncio.get_running_loop()
     give_up = loop.time() + CLOSE_LATER_S
     why = "not tried"
     try:
-        while True:
+        while loop.time() < give_up:
             await asyncio.sleep(CLOSE_LATER_POLL_S)
-            if loop.time() >= give_up:
-                break
-            try:
-                # Asked for DEADLINE at most, so that the next try hands it to the gateway.
-                closed, notes = await _close_once(
-                    settings, sid, deferred.result, deferred.error, deferred.source,
-                    min(give_up, loop.time() + DEADLINE))
-            except Exception as exc:  # noqa: BLE001 - asked again, or said, below
-                if not close_later_helps(exc):
-                    _forget(deferred)  # before it is said: no reward joins it after
+            if deferred.close is not None:
+                args = deferred.close
+                try:
+                    # Asked for DEADLINE at most, so the next try hands it to the gateway.
+                    closed, notes = await _close_once(settings, sid, args.result, args.error,
+                                                      args.source,
+                                                      min(give_up, loop.time() + DEADLINE))
+                except Exception as exc:  # noqa: BLE001 - asked again, or said, below
+                    if close_later_helps(exc):
+                        why = _problem("close", exc)
+                        continue
+                    _forget(deferred)  # before it is said: nothing joins it after
                     log.warning("turnlog at %s did not record session %s (%d reward(s) "
                                 "that waited for its close not recorded either): %s",
                                 settings.url, sid, len(deferred.rewards),
                                 _problem("close", exc))
                     return
-                why = _problem("close", exc)
-                continue
-            if isinstance(closed, str):
-                why = closed
-                continue
-            _forget(deferred)  # from now on a reward goes straight in
+                if isinstance(closed, str):
+                    why = closed
+                    continue
+                deferred.close = None
+                deferred.rewards[:0] = closed.rewards  # the agent's own, first
+                for problem in notes + closed.problems:
+                    log.warning("turnlog at %s: session %s: %s", settings.url, sid, problem)
+                log.info("turnlog: session %s closed (deferred)", sid)
             async with Sender(settings) as sender:
-                _failed, problems = await send_rewards(
-                    sender, closed.rewards + deferred.rewards)
-            for problem in notes + closed.problems + problems:
-                log.warning("turnlog at %s: session %s: %s", settings.url, sid, problem)
-            log.info("turnlog: session %s closed (deferred)", sid)
-            return
+                while deferred.rewards:
+                    outcome = await sender.reward(deferred.rewards[0])
+                    if outcome == NOT_NOW:
+                        break
+                    deferred.rewards.pop(0)
+                    if outcome != TAKEN:
+                        log.warning("turnlog at %s: %s", settings.url, outcome)
+            # No await from this check on: work added meanwhile is seen here, or, once
+            # the session is forgotten, done on its own.
+            if not deferred.rewards and deferred.close is None:
+                _forget(deferred)
+                return
+            why = "turnlog did not take its rewards yet (the session still open, or no answer)"
+        why = f"after {CLOSE_LATER_S:g} s: {why}"
     except asyncio.CancelledError:
         _forget(deferred)
-        _left_open(deferred, "cancelled (the process is shutting down)")
+        _left_undone(deferred, "cancelled (the process is shutting down)")
         raise
-    _forget(deferred)  # before it is said: no reward joins it after
-    _left_open(deferred, f"after {CLOSE_LATER_S:g} s: {why}")
+    _forget(deferred)  # before it is said: nothing joins it after
+    _left_undone(deferred, why)
 
 
 async def _close_once(settings: Settings, sid: str, result: Any, error: BaseException | None,
@@ -781,55 +766,22 @@ async def _close_once(settings: Settings, sid: str, result: Any, error: BaseExce
         return await _close(tl, sid, result, error, source), notes
 
 
-async def _send_deferred_rewards(later: DeferredRewards) -> None:
-    """Record a session's deferred rewards in order, every CLOSE_LATER_POLL_S for
-    CLOSE_LATER_S at most; logged either way, never raised."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + CLOSE_LATER_S
-    try:
-        while later.rewards and loop.time() < give_up:
-            await asyncio.sleep(CLOSE_LATER_POLL_S)
-            async with Sender(later.settings) as sender:
-                while later.rewards:
-                    outcome = await sender.reward(later.rewards[0])
-                    if outcome == NOT_NOW:
-                        break
-                    later.rewards.pop(0)
-                    if outcome != TAKEN:
-                        log.warning("turnlog at %s: %s", later.settings.url, outcome)
-        # No await from the check on: a reward `send_rewards` adds meanwhile is either
-        # seen here or, once dropped, sent on its own.
-        _forget_rewards(later)
-        if not later.rewards:
-            log.info("turnlog: the deferred rewards of session %s recorded", later.sid)
-            return
-        why = f"after {CLOSE_LATER_S:g} s"
-    except asyncio.CancelledError:
-        _forget_rewards(later)
-        _rewards_left(later, "cancelled (the process is shutting down)")
-        raise
-    _rewards_left(later, why)
-
-
-def _rewards_left(later: DeferredRewards, why: str) -> None:
-    log.warning("turnlog at %s: %d deferred reward(s) of session %s not recorded (%s; the "
-                "session is still open, or turnlog did not answer)", later.settings.url,
-                len(later.rewards), later.sid, why)
-
-
-def _left_open(deferred: DeferredClose, why: str) -> None:
+def _left_undone(deferred: Deferred, why: str) -> None:
+    if deferred.close is None:
+        log.warning("turnlog at %s: %d deferred reward(s) of session %s not recorded: %s",
+                    deferred.settings.url, len(deferred.rewards), deferred.sid, why)
+        return
     log.warning("turnlog at %s: session %s left open, %d reward(s) not recorded: %s. "
                 "Close it through its gateway, POST /turnlog/v1/sessions/<sid>/close "
                 "(behind the session's spooled turns), or with POST /v1/sessions/<sid>/close "
                 "once GET /turnlog/sessions/<sid> on the gateway says 0",
-                deferred.settings.url,
-                deferred.sid, len(deferred.rewards), why)
+                deferred.settings.url, deferred.sid, len(deferred.rewards), why)
 
 
 def _deferral(settings: Settings, sid: str, result: Any, error: BaseException | None,
               source: str, why: str | None) -> str:
-    """Defer the close (`defer_close`); the problem that says so, or that it could not."""
-    if not defer_close(settings, sid, result, error, source):
+    """Defer the close (`defer`); the problem that says so, or that it could not."""
+    if not defer(settings, sid, CloseArgs(result, error, source)):
         return (f"close not sent ({why}) and not deferred either: {MAX_DEFERRED} sessions "
                 "have deferred work already; the session stays open")
     return (f"close deferred ({why}): it is sent from this process once it can go "
