@@ -24,7 +24,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,9 +75,8 @@ class Spool:
         self.entries: deque[Spooled] = deque()
         self.bytes = 0
         self.turns = 0  # the entries that are turns
-        self.writes_per_session: dict[str, int] = {}  # entries of any kind
-        self.turns_per_session: dict[str, int] = {}
-        self.closes_per_session: dict[str, int] = {}
+        # Per session, its entries of each kind (a session with none is not a key).
+        self.per_session: dict[str, Counter[str]] = {}
         self.next_sequence = 0
         self._load()
 
@@ -104,28 +103,28 @@ class Spool:
     def _track(self, entry: Spooled) -> None:
         self.entries.append(entry)
         self.bytes += entry.size
-        _count(self.writes_per_session, entry.session_id, 1)
+        self.per_session.setdefault(entry.session_id, Counter())[entry.kind] += 1
         if entry.kind == TURN:
             self.turns += 1
-            _count(self.turns_per_session, entry.session_id, 1)
-        elif entry.kind == CLOSE:
-            _count(self.closes_per_session, entry.session_id, 1)
 
     def count_turns(self, session_id: str) -> int:
         """The turns of this session the spool holds (0: none)."""
-        return self.turns_per_session.get(session_id, 0)
+        return self._kinds(session_id)[TURN]
 
     def count_writes(self, session_id: str) -> int:
         """The writes of this session the spool holds, closes and rewards included."""
-        return self.writes_per_session.get(session_id, 0)
+        return self._kinds(session_id).total()
 
     def holds_close(self, session_id: str) -> bool:
         """Whether a close of this session waits here."""
-        return session_id in self.closes_per_session
+        return self._kinds(session_id)[CLOSE] > 0
 
     def holds(self, session_id: str) -> bool:
         """Whether writes of this session wait here (its next ones must queue behind them)."""
-        return session_id in self.writes_per_session
+        return session_id in self.per_session
+
+    def _kinds(self, session_id: str) -> Counter[str]:
+        return self.per_session.get(session_id) or Counter()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -175,12 +174,12 @@ class Spool:
         self.entries.popleft()
         self._path(entry.sequence).unlink(missing_ok=True)
         self.bytes -= entry.size
-        _count(self.writes_per_session, entry.session_id, -1)
+        kinds = self.per_session[entry.session_id]
+        kinds[entry.kind] -= 1
+        if not +kinds:  # none left of any kind
+            del self.per_session[entry.session_id]
         if entry.kind == TURN:
             self.turns -= 1
-            _count(self.turns_per_session, entry.session_id, -1)
-        elif entry.kind == CLOSE:
-            _count(self.closes_per_session, entry.session_id, -1)
 
     def close(self) -> None:
         self._lock.close()  # releases the lock
@@ -191,11 +190,3 @@ class Spool:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _count(counts: dict[str, int], session_id: str, step: int) -> None:
-    left = counts.get(session_id, 0) + step
-    if left:
-        counts[session_id] = left
-    else:
-        del counts[session_id]
