@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import random
+import struct
 import uuid
 
 import httpx
@@ -212,6 +214,33 @@ async def test_turns_go_as_msgpack_with_r3_as_bin_by_default(app, sid):
         meta_of(record)["routed_experts"])
     assert json.dumps(record) == before  # the caller's record is left as it was
     assert events[1]["record"] == record  # read back as the session server wrote it
+
+
+@pytest.mark.parametrize(("ids", "packs"), [
+    (list(range(100, 140)), True),
+    ([0, 2**32 - 1, *range(20)], True),  # the uint32 range, end to end
+    (list(range(15)), False),  # too short to gain anything
+    ([True, *range(20)], False),  # a boolean is not a token id: sent as it is
+    ([-1, *range(20)], False),
+    ([2**32, *range(20)], False),
+    ([1.0, *range(20)], False),
+])
+async def test_a_long_prompt_goes_packed_as_uint32_items(app, sid, ids, packs):
+    transport, seen = recording(app)
+    record = turn(ids, [3])["record"]
+    before = json.dumps(record)
+    async with TurnlogClient("http://turnlog", transport=transport) as client:
+        await client.open(session_id=sid, version="v2")
+        with contextlib.suppress(TurnlogError):
+            await client.append(sid, record, event_id="e0")
+    sent = seen[-1].content
+    assert msgspec.msgpack.decode(sent)["record"]["request"]["input_ids"] == ids
+    assert type(msgspec.msgpack.decode(sent)["record"]["request"]["input_ids"][0]) is \
+        type(ids[0])
+    packed = struct.pack(">BI", 0xDD, len(ids)) + b"".join(
+        struct.pack(">BI", 0xCE, int(i)) for i in ids if 0 <= i < 2**32)
+    assert (packed in sent) == packs
+    assert json.dumps(record) == before  # the caller's record is left as it was
 
 
 async def test_wire_json_sends_the_record_as_is_and_repeats_match(app, sid):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import struct
 from typing import Any
 
 import httpx
@@ -48,6 +49,22 @@ def with_bin(body: Any) -> Any:
 
 def to_msgpack(body: Any) -> bytes:
     return msgspec.msgpack.encode(with_bin(body))
+
+
+def packed(ids: list[int], header: str = "array32") -> msgspec.Raw:
+    """`ids` as a packed MessagePack array: each a uint32 (`0xce`, 4 bytes big-endian),
+    after an array 16 or 32 header — written item by item, the test's own oracle."""
+    head = struct.pack(">BH", 0xDC, len(ids)) if header == "array16" else \
+        struct.pack(">BI", 0xDD, len(ids))
+    return msgspec.Raw(head + b"".join(struct.pack(">BI", 0xCE, i) for i in ids))
+
+
+def to_packed_msgpack(body: Any) -> bytes:
+    """`to_msgpack`, with `record.request.input_ids` packed."""
+    out = with_bin(body)
+    request = out["record"]["request"]
+    request["input_ids"] = packed(request["input_ids"])
+    return msgspec.msgpack.encode(out)
 
 
 class WireClient:

@@ -284,16 +284,18 @@ class Uploads:
             return chunked
         return declared > self.threshold
 
-    def offloads(self, raw: bytes | bytearray, decode: Callable[[Any, int], Any]) -> bool:
+    def offloads(self, raw: bytes | bytearray, decode: Callable[[Any, int], Any],
+                 found: msgpackio.Layout | None = None) -> bool:
         """Whether a turn body is worked on a worker thread: above `offload` bytes, or
         above the large-body threshold once its R3 payload (one value, cheap to
         decode) is set aside — a body of many small values costs the loop as much
-        as a small body of the same many values, never more."""
+        as a small body of the same many values, never more. `found`: a MessagePack
+        body's layout, if read already."""
         if len(raw) > self.offload:
             return True
         if len(raw) <= self.threshold:
             return False
-        payload = msgpackio.r3_span(raw) if decode is msgpackio.loads else \
+        payload = (found or msgpackio.layout(raw)).r3 if decode is msgpackio.loads else \
             r3text.text_span(raw) if decode is r3text.loads_turn else 0
         return len(raw) - payload > self.threshold
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.factory import open_body, r3_b64, turn
-from tests.wire import MSGPACK, to_msgpack, with_bin
+from tests.wire import MSGPACK, to_msgpack, to_packed_msgpack, with_bin
 
 L, K = 2, 2
 META = ("record", "response", "choices", 0, "meta_info")
@@ -105,6 +105,31 @@ async def test_a_msgpack_turn_repeated_as_json_is_the_same_turn(client, sid):
     assert evs[1]["record"] == body["record"]
     # Byte-identical base64, as if the turn had come as JSON.
     assert meta(evs[1])["routed_experts"] == meta(body)["routed_experts"]
+
+
+async def test_a_packed_prompt_is_the_same_turn_on_either_wire(client, sid):
+    """`input_ids` as uint32 items (what the client sends) is the list JSON carries."""
+    await addition_session(client, sid)
+    prompt = list(range(3000, 3040))
+    body = turn(prompt, [4, 5], r3=r3_b64(len(prompt) + 1, L, K), start=0, event_id="e0")
+    first = await post_raw(client, sid, to_packed_msgpack(body))
+    assert first.status_code == 201, first.text
+    again = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert again.status_code == 200 and again.json() == first.json()
+    assert (await post_raw(client, sid, to_msgpack(body))).status_code == 200
+    evs = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    assert evs[1]["record"] == body["record"]
+    other = turn([*prompt[:-1], 7], [4, 5], r3=r3_b64(len(prompt) + 1, L, K), start=0,
+                 event_id="e0")
+    r = await client.post(f"/v1/sessions/{sid}/turns", json=other)
+    assert r.status_code == 409 and r.json()["type"] == "urn:turnlog:idempotency-conflict"
+    r = await post_raw(client, sid, to_packed_msgpack(other))
+    assert r.status_code == 409 and r.json()["type"] == "urn:turnlog:idempotency-conflict"
+    bad = turn([*prompt[:-1], (1 << 31)], [4, 5], r3=r3_b64(len(prompt) + 1, L, K), start=0,
+               event_id="e1", parent=0)
+    r = await post_raw(client, sid, to_packed_msgpack(bad))
+    assert r.status_code == 422 and r.json()["field"] == "record.request.input_ids[39]"
+    assert await stored(client, sid) == 1
 
 
 async def test_a_json_turn_repeated_as_msgpack_is_the_same_turn(client, sid):

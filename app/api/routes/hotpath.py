@@ -23,6 +23,7 @@ calls in-process too).
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from app.domain.body.session import SessionDefinition
 from app.domain.body.turn import TurnBody
 from app.domain.errors import DomainError
 from app.domain.log.events import PreparedTurn
-from app.domain.wire import jsonio
+from app.domain.wire import jsonio, msgpackio
 from app.domain.wire.media import media_type_of
 from app.services import Services
 from app.store.append.writes import parse_prepared
@@ -148,7 +149,13 @@ class AppendRoute(BaseRoute):
             async with self.uploads.slot_for(declared, chunked) as large:
                 decode = turn_decoder(media_type_of(content_type))
                 raw = await receive_body(receive, declared, self.uploads if large else None)
-                offload = large and self.uploads.offloads(raw, decode)
+                if large and decode is msgpackio.loads:
+                    # One typed pass serves the offload decision and the decode.
+                    found = msgpackio.layout(raw)
+                    decode = functools.partial(msgpackio.loads, found=found)
+                    offload = self.uploads.offloads(raw, msgpackio.loads, found)
+                else:
+                    offload = large and self.uploads.offloads(raw, decode)
                 definition = svc.writer.cached_definition(session_id) if large else None
                 if definition is None:
                     body = await decode_turn(decode, raw, self.uploads, offload)

@@ -23,6 +23,7 @@ from app.domain.body.specinfo import SPEC_INFO_KEYS, SpecInfo
 from app.domain.errors import InvalidR3, InvalidRequest
 from app.domain.wire.r3 import decode_payload, decode_raw, infer_topk
 from app.domain.wire.validate import (
+    TOKEN_MAX,
     describe,
     is_int,
     reject_unknown,
@@ -39,7 +40,6 @@ LEGACY_SPEC_FIELDS = {
     "spec_num_proposed_drafts": "spec_draft_token_num",
     "completion_tokens": "completion_token_num",
 }
-TOKEN_MAX = (1 << 31) - 1
 COUNTER_MAX = 1 << 52  # a session carrier sums at most 1024 of them: stays in BIGINT
 EVENT_ID_MAX = 128
 TIMESTAMP_MAX = 253402300800  # 10000-01-01T00:00:00Z
@@ -106,9 +106,10 @@ class TurnBody:
 
 
 def json_carried(record: dict[str, Any]) -> dict[str, Any]:
-    """`record` as JSON carries it: an R3 bin (MessagePack) becomes its base64 text.
+    """`record` as JSON carries it: an R3 bin (MessagePack) becomes its base64 text,
+    a packed prompt read as an array (`msgpackio`) its list of ids.
 
-    Copies only the maps on the payload's path; without a bin, `record` itself.
+    Copies only the maps on those paths; with neither, `record` itself.
     """
     with contextlib.suppress(KeyError, IndexError, TypeError):
         payload = record["response"]["choices"][0]["meta_info"]["routed_experts"]
@@ -121,7 +122,11 @@ def json_carried(record: dict[str, Any]) -> dict[str, Any]:
             choice["meta_info"] = meta
             choices[0] = choice
             response["choices"] = choices
-            return {**record, "response": response}
+            record = {**record, "response": response}
+    with contextlib.suppress(KeyError, TypeError):
+        prompt = record["request"]["input_ids"]
+        if isinstance(prompt, np.ndarray):
+            record = {**record, "request": {**record["request"], "input_ids": prompt.tolist()}}
     return record
 
 
@@ -163,7 +168,8 @@ def _token_error(values: list[Any], field_name: str) -> InvalidRequest:
 
 def token_array(value: Any, field_name: str) -> np.ndarray:
     if isinstance(value, np.ndarray):
-        # Only a stored turn's prompt, restored from the log (validated when appended).
+        # A stored turn's prompt, restored from the log (validated when appended), or
+        # a packed MessagePack prompt (`msgpackio`, validated as it was read).
         return value.astype(np.int64, copy=False)
     if not isinstance(value, list):
         raise _invalid(f"{field_name} must be a list of token ids", field_name,

@@ -8,18 +8,27 @@ trailing bytes, and a bin in exactly one place — the turn's
 little-endian int32 R3 bytes. Every failure is an `InvalidRequest` naming
 `body`. Also owns the media types that mean MessagePack. No I/O; which wire a
 request uses is the API's decision.
+
+A turn's `record.request.input_ids` written *packed* — every id a uint32
+(`0xce` and 4 bytes, valid if not minimal MessagePack; what `TurnlogClient`
+sends) — is read by numpy into an int64 array, with no Python int per token.
+Any other encoding decodes as every other value does; the value is the same
+either way (`turn.json_carried` gives back the list).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from itertools import chain, compress
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from app.domain.errors import InvalidRequest
 from app.domain.wire.jsonio import MAX_DEPTH, containers_in, gc_paused, level_of
+from app.domain.wire.validate import TOKEN_MAX
 from app.domain.wire.width import MAX_VALUES, check_msgpack
 
 MEDIA_TYPES = frozenset({"application/msgpack", "application/vnd.msgpack",
@@ -75,7 +84,12 @@ class _Response(msgspec.Struct):
     choices: tuple[_Choice] | None = None
 
 
+class _Request(msgspec.Struct):
+    input_ids: msgspec.Raw = msgspec.Raw()
+
+
 class _Record(msgspec.Struct):
+    request: _Request | None = None
     response: _Response | None = None
 
 
@@ -83,60 +97,164 @@ class _Turn(msgspec.Struct):
     record: _Record | None = None
 
 
-# Reads only the keys along `R3_PATH`; every other value is stepped over unallocated.
-_R3_SPAN = msgspec.msgpack.Decoder(_Turn)
+# Reads only the keys along `R3_PATH` and to `input_ids`; every other value is
+# stepped over unallocated. (A key given twice: the last counts, as in the full decode.)
+_LAYOUT = msgspec.msgpack.Decoder(_Turn)
 # The first byte of a str or bin (str 8/16/32, bin 8/16/32; fixstr never holds R3).
 _STR_OR_BIN = frozenset({0xd9, 0xda, 0xdb, 0xc4, 0xc5, 0xc6})
+# A packed prompt: array 16/32, then each id as uint32 (`0xce`, 4 bytes big-endian).
+_PACKED_ITEM = np.dtype([("tag", "u1"), ("id", ">u4")])
+_UINT32 = 0xCE
+_ARRAY_HEADERS = {0xDC: 3, 0xDD: 5}
+# Shorter prompts decode as they come: nothing to gain.
+PACKED_MIN = 16
+_BIN32 = 0xC6
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A packed `input_ids` found in a body: its bytes `start:end` (header included)
+    and the ids it holds, each in [0, TOKEN_MAX]."""
+
+    start: int
+    end: int
+    ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a turn body's two long values stand, from one typed pass."""
+
+    r3: int = 0  # the R3 str or bin's bytes, header included (0: none found)
+    prompt: Prompt | None = None  # a packed `input_ids` (None: none, or not packed)
+
+
+_NO_LAYOUT = Layout()
+
+
+def layout(raw: bytes | bytearray | memoryview) -> Layout:
+    """The R3 payload's size and a packed prompt of a MessagePack body.
+
+    A typed decode that allocates a few objects whatever the body (one choice only:
+    `choices` of another length, or anything the typed pass cannot read, finds
+    nothing); what it cannot read, the full decode refuses later.
+    """
+    try:
+        turn = _LAYOUT.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return _NO_LAYOUT
+    record = turn.record
+    if record is None:
+        return _NO_LAYOUT
+    response = record.response
+    choices = response.choices if response is not None else None
+    meta = choices[0].meta_info if choices else None
+    r3 = 0
+    if meta is not None and meta.routed_experts:
+        with memoryview(meta.routed_experts) as span:
+            r3 = len(span) if span[0] in _STR_OR_BIN else 0
+    request = record.request
+    prompt = _packed(raw, request.input_ids) if request is not None else None
+    return Layout(r3, prompt)
 
 
 def r3_span(raw: bytes | bytearray | memoryview) -> int:
     """The bytes of the str or bin at `R3_PATH` of a MessagePack body, header included
-    (0: none found, or the body is not shaped so that the typed pass can tell).
-
-    A typed decode that allocates a few objects whatever the body (one choice only:
-    `choices` of another length is "not found"); what it cannot read, the full
-    decode refuses later.
-    """
-    try:
-        turn = _R3_SPAN.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
-        return 0
-    record = turn.record
-    response = record.response if record is not None else None
-    choices = response.choices if response is not None else None
-    meta = choices[0].meta_info if choices else None
-    if meta is None or not meta.routed_experts:
-        return 0
-    with memoryview(meta.routed_experts) as span:
-        return len(span) if span[0] in _STR_OR_BIN else 0
+    (0: none found, or the body is not shaped so that the typed pass can tell)."""
+    return layout(raw).r3
 
 
-def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> Any:
+def _packed(raw: bytes | bytearray | memoryview, value: msgspec.Raw) -> Prompt | None:
+    """`value` (an array's bytes inside `raw`) as a packed prompt, or None: not an
+    array 16/32 of at least `PACKED_MIN` uint32 items each in [0, TOKEN_MAX] (the
+    full decode then reads it, and validation names a bad id)."""
+    if len(value) < 1 + PACKED_MIN * 5:
+        return None
+    body = np.frombuffer(raw, np.uint8)
+    span = np.frombuffer(value, np.uint8)
+    start = span.ctypes.data - body.ctypes.data  # the typed pass's Raw is a view of `raw`
+    header = _ARRAY_HEADERS.get(int(span[0]), 0)
+    if not header or not 0 <= start <= len(body) - len(span):
+        return None
+    count = int.from_bytes(span[1:header].tobytes(), "big")
+    if len(span) != header + 5 * count:
+        return None
+    items = np.frombuffer(span, _PACKED_ITEM, count, header)
+    if not (items["tag"] == _UINT32).all() or int(items["id"].max()) > TOKEN_MAX:
+        return None
+    return Prompt(start, start + len(span), items["id"].astype(np.int64))
+
+
+def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
+          found: Layout | None = None) -> Any:
     """Decode a request body strictly; the R3 payload may be a bin, nothing else may.
     A body of more than `max_values` values is a 413 before it is decoded (`width`):
-    the header walk is skipped when the R3 bin leaves too few other bytes for that."""
-    check_msgpack(raw, max_values, r3_span(raw) if len(raw) > max_values else 0)
+    the header walk is skipped when the R3 bin leaves too few other bytes for that.
+
+    `found`: the body's `layout`, if the caller has it (else it is read here when
+    it can serve). A packed prompt is read from it; the decoder meanwhile sees a
+    bin in its place (the array's header rewritten in the buffer, then restored),
+    so it allocates one bytes object rather than an int per token.
+    """
+    if found is None and (len(raw) > max_values or
+                          (isinstance(raw, bytearray) and len(raw) > PACKED_MIN * 5)):
+        found = layout(raw)
+    check_msgpack(raw, max_values, found.r3 if found is not None else 0)
+    prompt = found.prompt if found is not None and isinstance(raw, bytearray) else None
+    value = _decode(raw, prompt)
+    ids = _ids_holder(value, prompt) if prompt is not None else None
+    if prompt is not None and ids is None:
+        value = _decode(raw, None)  # the bin did not land where the typed pass saw it
+    holder = _r3_holder(value)
+    # The allowed bins step aside for the walk (by place, not identity: b"" is shared).
+    payload = holder["routed_experts"] if holder is not None else None
+    if holder is not None:
+        holder["routed_experts"] = None
+    if ids is not None:
+        ids["input_ids"] = None
+    try:
+        _check(value)
+    finally:
+        if holder is not None:
+            holder["routed_experts"] = payload
+    if ids is not None and prompt is not None:
+        ids["input_ids"] = prompt.ids
+    return value
+
+
+def _decode(raw: bytes | bytearray | memoryview, prompt: Prompt | None) -> Any:
+    """The full decode; with `prompt`, its array read as one bin (a bytearray only)."""
+    saved = None
+    if prompt is not None:
+        assert isinstance(raw, bytearray)
+        saved = raw[prompt.start:prompt.start + 5]
+        raw[prompt.start:prompt.start + 5] = bytes((_BIN32,)) + \
+            (prompt.end - prompt.start - 5).to_bytes(4, "big")
     try:
         with gc_paused():
-            value = _DECODER.decode(raw)
+            return _DECODER.decode(raw)
     except RecursionError:
         raise _too_deep() from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"body is not valid MessagePack: {exc}", field="body",
                              expected="one complete MessagePack document",
                              actual="malformed MessagePack") from None
-    holder = _r3_holder(value)
-    if holder is None:
-        _check(value)
-        return value
-    # The one allowed bin steps aside for the walk (by place, not identity: b"" is shared).
-    payload = holder["routed_experts"]
-    holder["routed_experts"] = None
-    try:
-        _check(value)
     finally:
-        holder["routed_experts"] = payload
-    return value
+        if saved is not None and prompt is not None:
+            assert isinstance(raw, bytearray)
+            raw[prompt.start:prompt.start + 5] = saved
+
+
+def _ids_holder(value: Any, prompt: Prompt) -> dict[str, Any] | None:
+    """The decoded `record.request` map if it holds the bin `prompt` became."""
+    record = value.get("record") if type(value) is dict else None
+    request = record.get("request") if type(record) is dict else None
+    if type(request) is not dict:
+        return None
+    ids = request.get("input_ids")
+    if type(ids) is not bytes or len(ids) != prompt.end - prompt.start - 5:
+        return None
+    return request
 
 
 def _too_deep() -> InvalidRequest:

@@ -24,6 +24,8 @@ from typing import Any, TypeGuard
 from app.domain.errors import InvalidRequest
 
 TEXT_MAX = 1024
+# The largest token id (int32, what the stored prompt and R3 rows hold).
+TOKEN_MAX = (1 << 31) - 1
 
 
 def is_int(value: Any) -> TypeGuard[int]:

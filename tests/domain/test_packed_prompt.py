@@ -1,0 +1,172 @@
+"""A packed prompt (`msgpackio`): `input_ids` as uint32 items is read by numpy, and the
+decoded value is the one every MessagePack decoder reads from the same bytes.
+
+The oracle is a plain decode of the same bytes (`msgspec`, no shortcut) and the
+recursive rules of `test_wire_walks`; the packed bytes are written item by item
+(`tests.wire.packed`), not by the client's encoder.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.domain.body.session import SessionDefinition
+from app.domain.body.turn import TOKEN_MAX, parse_turn
+from app.domain.errors import InvalidRequest
+from app.domain.wire import msgpackio
+from tests.factory import r3_b64, turn
+from tests.wire import packed, with_bin
+
+IDS = list(range(1000, 1040))
+DEFINITION = SessionDefinition("s", "v2", "in_place", 2, False, 0)
+
+
+def body_with(ids_value, **over):
+    body = with_bin(turn(IDS, [7, 8], r3=r3_b64(len(IDS) + 1, 2, 2), start=0, event_id="e",
+                         **over))
+    body["record"]["request"]["input_ids"] = ids_value
+    return body
+
+
+def as_list(value):
+    """A decoded body with a packed prompt's array as its list."""
+    request = value["record"]["request"]
+    if isinstance(request.get("input_ids"), np.ndarray):
+        request["input_ids"] = request["input_ids"].tolist()
+    return value
+
+
+def decoded(raw: bytes):
+    return as_list(msgpackio.loads(bytearray(raw)))
+
+
+def test_a_packed_prompt_is_read_as_an_array_of_the_same_ids():
+    raw = msgspec.msgpack.encode(body_with(packed(IDS)))
+    buffer = bytearray(raw)
+    value = msgpackio.loads(buffer)
+    ids = value["record"]["request"]["input_ids"]
+    assert isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.tolist() == IDS
+    assert bytes(buffer) == raw, "the body's buffer was left changed"
+    assert decoded(raw) == msgspec.msgpack.decode(raw)
+    # As bytes (nothing to rewrite in place) it decodes as every other value.
+    assert msgpackio.loads(raw)["record"]["request"]["input_ids"] == IDS
+    # The turn it makes is the turn of the same body sent as a list.
+    plain = msgspec.msgpack.encode(body_with(IDS))
+    assert parse_turn(value, DEFINITION).facts.prompt.tolist() == \
+        parse_turn(msgpackio.loads(plain), DEFINITION).facts.prompt.tolist() == IDS
+    assert parse_turn(value, DEFINITION).content() == \
+        parse_turn(msgpackio.loads(plain), DEFINITION).content()
+
+
+def test_an_array16_header_is_read_too():
+    raw = msgspec.msgpack.encode(body_with(packed(IDS, "array16")))
+    assert isinstance(msgpackio.loads(bytearray(raw))["record"]["request"]["input_ids"],
+                      np.ndarray)
+    assert decoded(raw) == msgspec.msgpack.decode(raw)
+
+
+def _item(tag: int, value: int) -> bytes:
+    size = {0xCC: "B", 0xCD: "H", 0xCE: "I", 0xCF: "Q", 0xD2: "i"}[tag]
+    return bytes((tag,)) + struct.pack(">" + size, value)
+
+
+@pytest.mark.parametrize(("items", "why"), [
+    ([_item(0xCE, i) for i in IDS[:-1]] + [_item(0xCD, IDS[-1])], "one item not uint32"),
+    ([_item(0xCE, i) for i in IDS[:-1]] + [_item(0xCF, IDS[-1])], "one item uint64"),
+    ([_item(0xCE, i) for i in IDS[:-1]] + [_item(0xD2, IDS[-1])], "one item int32"),
+    ([_item(0xCE, i) for i in IDS[:15]], "too short to pack"),
+])
+def test_any_other_encoding_decodes_as_it_comes(items, why):
+    raw = msgspec.msgpack.encode(body_with(msgspec.Raw(
+        struct.pack(">BI", 0xDD, len(items)) + b"".join(items))))
+    value = msgpackio.loads(bytearray(raw))
+    assert type(value["record"]["request"]["input_ids"]) is list, why
+    assert value == msgspec.msgpack.decode(raw)
+
+
+def test_an_id_beyond_the_token_range_is_named_by_the_turn_rules():
+    ids = [*IDS[:-1], TOKEN_MAX + 1]
+    value = msgpackio.loads(bytearray(msgspec.msgpack.encode(body_with(packed(ids)))))
+    assert value["record"]["request"]["input_ids"] == ids
+    with pytest.raises(InvalidRequest) as refused:
+        parse_turn(value, DEFINITION)
+    assert refused.value.field == f"record.request.input_ids[{len(ids) - 1}]"
+
+
+def _map(pairs: list[tuple[str, bytes]]) -> bytes:
+    """A MessagePack map written by hand (so a key may repeat)."""
+    return bytes((0x80 | len(pairs),)) + b"".join(
+        msgspec.msgpack.encode(key) + value for key, value in pairs)
+
+
+@pytest.mark.parametrize("last_packed", [True, False])
+def test_a_repeated_key_keeps_the_last_value_as_every_decoder_does(last_packed):
+    listed = msgspec.msgpack.encode([5] * 20)
+    first, last = (listed, bytes(packed(IDS))) if last_packed else (bytes(packed(IDS)), listed)
+    request = _map([("input_ids", first), ("input_ids", last)])
+    raw = _map([("event_id", msgspec.msgpack.encode("e")),
+                ("record", _map([("request", request)]))])
+    buffer = bytearray(raw)
+    value = msgpackio.loads(buffer)
+    assert bytes(buffer) == raw
+    assert isinstance(value["record"]["request"]["input_ids"], np.ndarray) == last_packed
+    assert as_list(value) == msgspec.msgpack.decode(raw)
+
+
+@pytest.mark.parametrize(("case", "make", "typed_pass_reads_it"), [
+    ("truncated", lambda raw: raw[:-3], False),
+    ("trailing bytes", lambda raw: raw + b"\x00", False),
+    # Skipped over by the typed pass, so the prompt is rewritten and the decode fails.
+    ("an ext value", lambda raw: raw.replace(b"\xa2zz\x01", b"\xa2zz\xd4\x05\x00"), True),
+    ("a NaN", lambda raw: raw.replace(b"\xa2zz\x01", b"\xa2zz\xcb" + struct.pack(
+        ">d", float("nan"))), True),
+])
+def test_a_malformed_body_with_a_packed_prompt_is_refused_and_left_as_it_was(
+        case, make, typed_pass_reads_it):
+    raw = make(msgspec.msgpack.encode(body_with(packed(IDS), metadata={"zz": 1})))
+    buffer = bytearray(raw)
+    assert (msgpackio.layout(buffer).prompt is not None) == typed_pass_reads_it
+    with pytest.raises(InvalidRequest) as refused:
+        msgpackio.loads(buffer)
+    assert refused.value.field == "body", case
+    assert bytes(buffer) == raw, "the body's buffer was left changed"
+
+
+def test_a_bin_where_the_prompt_stands_is_still_refused():
+    """The decoder sees a bin where it reads a packed prompt: a bin sent there is not one."""
+    raw = msgspec.msgpack.encode(body_with(b"\x00" * (5 + 5 * len(IDS))))
+    with pytest.raises(InvalidRequest, match="bin is not allowed"):
+        msgpackio.loads(bytearray(raw))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, TOKEN_MAX), min_size=0, max_size=80),
+       extra=st.dictionaries(st.text(max_size=5),
+                             st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5),
+                             max_size=3),
+       header=st.sampled_from(["array16", "array32"]))
+def test_packed_or_not_the_value_is_the_plain_decode(ids, extra, header):
+    body = body_with(packed(ids, header))
+    body["record"]["request"].update({k: v for k, v in extra.items() if k != "input_ids"})
+    raw = msgspec.msgpack.encode(body)
+    buffer = bytearray(raw)
+    assert decoded(raw) == msgspec.msgpack.decode(raw)
+    msgpackio.loads(buffer)
+    assert bytes(buffer) == raw
+
+
+def test_a_layout_that_does_not_match_the_decode_falls_back_to_the_plain_decode():
+    """Should a rewritten array not be the one `record.request` ends up with (the typed
+    pass and the decoder disagreeing), the body is decoded again as it is."""
+    raw = msgspec.msgpack.encode(body_with(packed(IDS), metadata={"other": packed(IDS)}))
+    start = raw.rindex(bytes(packed(IDS)))  # metadata's twin, not the prompt
+    wrong = msgpackio.Layout(msgpackio.r3_span(raw), msgpackio.Prompt(
+        start, start + len(bytes(packed(IDS))), np.array(IDS, np.int64)))
+    value = msgpackio.loads(bytearray(raw), found=wrong)
+    assert value == msgspec.msgpack.decode(raw)
