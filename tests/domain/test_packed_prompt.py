@@ -1,5 +1,7 @@
-"""A packed prompt (`msgpackio`): `input_ids` as uint32 items is read by numpy, and the
-decoded value is the one every MessagePack decoder reads from the same bytes.
+"""The long values of a MessagePack turn that `msgpackio.loads` does not decode: a
+packed prompt (`input_ids` as uint32 items), read by numpy, and an R3 bin of 64 KiB
+or more, a read-only view of the body. Either way the decoded value is the one
+every MessagePack decoder reads from the same bytes.
 
 The oracle is a plain decode of the same bytes (`msgspec`, no shortcut) and the
 recursive rules of `test_wire_walks`; the packed bytes are written item by item
@@ -25,13 +27,22 @@ from tests.wire import packed, with_bin
 
 IDS = list(range(1000, 1040))
 DEFINITION = SessionDefinition("s", "v2", "in_place", 2, False, 0)
+# 48 layers x top-8: the 41 rows of a turn on IDS are a 62,976-byte bin (a bin 16);
+# BIG_OUTPUT's 44 rows make 67,584 bytes, a bin 32.
+WIDE = SessionDefinition("s", "v2", "in_place", 48, False, 0)
+BIG_OUTPUT = [7, 8, 9, 10]
 
 
-def body_with(ids_value, **over):
-    body = with_bin(turn(IDS, [7, 8], r3=r3_b64(len(IDS) + 1, 2, 2), start=0, event_id="e",
-                         **over))
+def body_with(ids_value, output=(7, 8), layers=2, topk=2, **over):
+    rows = len(IDS) + len(output) - 1
+    body = with_bin(turn(IDS, list(output), r3=r3_b64(rows, layers, topk), start=0,
+                         event_id="e", **over))
     body["record"]["request"]["input_ids"] = ids_value
     return body
+
+
+def r3_of(value):
+    return value["record"]["response"]["choices"][0]["meta_info"]["routed_experts"]
 
 
 def as_list(value):
@@ -170,3 +181,42 @@ def test_a_layout_that_does_not_match_the_decode_falls_back_to_the_plain_decode(
         start, start + len(bytes(packed(IDS))), np.array(IDS, np.int64)))
     value = msgpackio.loads(bytearray(raw), found=wrong)
     assert value == msgspec.msgpack.decode(raw)
+
+
+@pytest.mark.parametrize("ids_value", [IDS, packed(IDS)], ids=["listed", "packed"])
+def test_a_large_r3_bin_is_a_read_only_view_of_the_body(ids_value):
+    raw = msgspec.msgpack.encode(body_with(ids_value, BIG_OUTPUT, 48, 8))
+    buffer = bytearray(raw)
+    value = msgpackio.loads(buffer)
+    view = r3_of(value)
+    assert isinstance(view, memoryview) and view.readonly
+    assert bytes(view) == r3_of(msgspec.msgpack.decode(raw))
+    assert bytes(buffer) == raw, "the body's buffer was left changed"
+    assert as_list(value) == {**msgspec.msgpack.decode(raw), "record": {
+        **msgspec.msgpack.decode(raw)["record"], "response": value["record"]["response"]}}
+    # The turn, and its content as JSON carries it, are those of the plain decode.
+    plain = msgpackio.loads(raw)
+    assert isinstance(r3_of(plain), bytes)
+    ours, theirs = parse_turn(value, WIDE), parse_turn(plain, WIDE)
+    assert ours.content() == theirs.content()
+    assert np.array_equal(ours.facts.r3_values, theirs.facts.r3_values)
+
+
+def test_a_smaller_r3_bin_is_decoded_as_it_comes():
+    value = msgpackio.loads(bytearray(msgspec.msgpack.encode(body_with(packed(IDS), layers=48,
+                                                                       topk=8))))
+    assert type(r3_of(value)) is bytes
+
+
+@pytest.mark.parametrize("code", [101, 5])
+def test_a_clients_ext_is_refused_whatever_its_code(code):
+    """Ext 101 is what the decoder is shown in place of the long values: one sent is
+    still an ext, refused as the plain decode refuses it."""
+    body = body_with(packed(IDS), BIG_OUTPUT, 48, 8, metadata={"zz": 1})
+    raw = msgspec.msgpack.encode(body).replace(b"\xa2zz\x01",
+                                               b"\xa2zz\xd4" + bytes((code, 0)))
+    buffer = bytearray(raw)
+    assert len(msgpackio.layout(buffer).stands()) == 2
+    with pytest.raises(InvalidRequest, match=f"ext type {code}"):
+        msgpackio.loads(buffer)
+    assert bytes(buffer) == raw

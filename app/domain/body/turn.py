@@ -106,14 +106,15 @@ class TurnBody:
 
 
 def json_carried(record: dict[str, Any]) -> dict[str, Any]:
-    """`record` as JSON carries it: an R3 bin (MessagePack) becomes its base64 text,
+    """`record` as JSON carries it: an R3 bin (MessagePack; bytes or a view of the
+    body's) becomes its base64 text,
     a packed prompt read as an array (`msgpackio`) its list of ids.
 
     Copies only the maps on those paths; with neither, `record` itself.
     """
     with contextlib.suppress(KeyError, IndexError, TypeError):
         payload = record["response"]["choices"][0]["meta_info"]["routed_experts"]
-        if isinstance(payload, bytes):
+        if isinstance(payload, bytes | memoryview):
             response = dict(record["response"])
             choices = list(response["choices"])
             choice = dict(choices[0])
@@ -327,7 +328,7 @@ def _r3(
     if rows < 0:
         raise InvalidR3(f"routed_experts_start_len {start} is past the turn's last row {end}",
                         field=start_field, expected=f"at most {end}", actual=start)
-    if payload is not None and not isinstance(payload, str | bytes):
+    if payload is not None and not isinstance(payload, str | bytes | memoryview):
         raise InvalidR3("routed_experts must be a base64 string", field=payload_field,
                         expected="base64 string (or a MessagePack bin of int32)",
                         actual=describe(payload))
@@ -340,7 +341,7 @@ def _r3(
                             actual="absent")
         return True, start, None, None
     # A MessagePack bin is already the raw int32 bytes: no base64 to undo.
-    values = (decode_raw(payload, payload_field) if isinstance(payload, bytes)
+    values = (decode_raw(payload, payload_field) if isinstance(payload, bytes | memoryview)
               else decode_payload(payload, payload_field))
     if rows == 0:
         raise InvalidR3("routed_experts payload sent for a turn with zero rows",

@@ -58,17 +58,11 @@ _DECODER = msgspec.msgpack.Decoder(ext_hook=_reject_ext)
 
 
 def _r3_holder(value: Any) -> dict[str, Any] | None:
-    """The map holding a bin at `R3_PATH` of a decoded body, if one stands there."""
-    node = value
-    for key in R3_PATH[:-1]:
-        if type(key) is str:
-            if type(node) is not dict or key not in node:
-                return None
-        elif type(node) is not list or not node:
-            return None
-        node = node[key]
-    if type(node) is dict and type(node.get(R3_PATH[-1])) is bytes:
-        return node
+    """The map holding a bin (or a view of one, `loads`) at `R3_PATH` of a decoded
+    body, if one stands there."""
+    holder = _holder(value, R3_PATH[:-1])
+    if holder is not None and isinstance(holder.get("routed_experts"), bytes | memoryview):
+        return holder
     return None
 
 
@@ -109,6 +103,12 @@ _ARRAY_HEADERS = {0xDC: 3, 0xDD: 5}
 # Shorter prompts decode as they come: nothing to gain.
 PACKED_MIN = 16
 _BIN32 = 0xC6
+# What the decoder is shown in place of a long value it need not read: an ext 32
+# (header: 0xc9, 4 bytes of length, the type) of a type code no client may send
+# (every ext is refused), covering the value's bytes; see `_decode`.
+_EXT32 = 0xC9
+_STAND_CODE = 101
+_STAND_HEADER = 6
 
 
 @dataclass(frozen=True)
@@ -127,13 +127,20 @@ class Layout:
 
     r3: int = 0  # the R3 str or bin's bytes, header included (0: none found)
     prompt: Prompt | None = None  # a packed `input_ids` (None: none, or not packed)
+    r3_bin: int = -1  # where an R3 bin 32 starts (-1: none; its size is `r3`)
+
+    def stands(self) -> list[tuple[int, int]]:
+        """The `(start, end)` of each value the decoder need not read."""
+        out = [] if self.prompt is None else [(self.prompt.start, self.prompt.end)]
+        return out if self.r3_bin < 0 else [*out, (self.r3_bin, self.r3_bin + self.r3)]
 
 
 _NO_LAYOUT = Layout()
 
 
 def layout(raw: bytes | bytearray | memoryview) -> Layout:
-    """The R3 payload's size and a packed prompt of a MessagePack body.
+    """The R3 payload's size (and place, a bin 32's) and a packed prompt of a
+    MessagePack body.
 
     A typed decode that allocates a few objects whatever the body (one choice only:
     `choices` of another length, or anything the typed pass cannot read, finds
@@ -149,13 +156,12 @@ def layout(raw: bytes | bytearray | memoryview) -> Layout:
     response = record.response
     choices = response.choices if response is not None else None
     meta = choices[0].meta_info if choices else None
-    r3 = 0
+    r3, r3_bin = 0, -1
     if meta is not None and meta.routed_experts:
-        with memoryview(meta.routed_experts) as span:
-            r3 = len(span) if span[0] in _STR_OR_BIN else 0
+        r3, r3_bin = _r3_place(raw, meta.routed_experts)
     request = record.request
     prompt = _packed(raw, request.input_ids) if request is not None else None
-    return Layout(r3, prompt)
+    return Layout(r3, prompt, r3_bin)
 
 
 def r3_span(raw: bytes | bytearray | memoryview) -> int:
@@ -164,17 +170,34 @@ def r3_span(raw: bytes | bytearray | memoryview) -> int:
     return layout(raw).r3
 
 
+def _offset(raw: bytes | bytearray | memoryview, value: msgspec.Raw) -> int:
+    """Where `value` (a Raw of the typed pass over `raw`) starts in `raw`; -1 if it is
+    not a view of it."""
+    body = np.frombuffer(raw, np.uint8)
+    span = np.frombuffer(value, np.uint8)
+    start = int(span.ctypes.data - body.ctypes.data)
+    return start if 0 <= start <= len(body) - len(span) else -1
+
+
+def _r3_place(raw: bytes | bytearray | memoryview, value: msgspec.Raw) -> tuple[int, int]:
+    """The R3 payload's bytes (0: not a str or bin) and where it starts if a bin 32."""
+    with memoryview(value) as span:
+        size, first = len(span), span[0]
+    if first not in _STR_OR_BIN:
+        return 0, -1
+    return size, _offset(raw, value) if first == _BIN32 else -1
+
+
 def _packed(raw: bytes | bytearray | memoryview, value: msgspec.Raw) -> Prompt | None:
     """`value` (an array's bytes inside `raw`) as a packed prompt, or None: not an
     array 16/32 of at least `PACKED_MIN` uint32 items each in [0, TOKEN_MAX] (the
     full decode then reads it, and validation names a bad id)."""
     if len(value) < 1 + PACKED_MIN * 5:
         return None
-    body = np.frombuffer(raw, np.uint8)
     span = np.frombuffer(value, np.uint8)
-    start = span.ctypes.data - body.ctypes.data  # the typed pass's Raw is a view of `raw`
     header = _ARRAY_HEADERS.get(int(span[0]), 0)
-    if not header or not 0 <= start <= len(body) - len(span):
+    start = _offset(raw, value)
+    if not header or start < 0:
         return None
     count = int.from_bytes(span[1:header].tobytes(), "big")
     if len(span) != header + 5 * count:
@@ -192,69 +215,122 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
     the header walk is skipped when the R3 bin leaves too few other bytes for that.
 
     `found`: the body's `layout`, if the caller has it (else it is read here when
-    it can serve). A packed prompt is read from it; the decoder meanwhile sees a
-    bin in its place (the array's header rewritten in the buffer, then restored),
-    so it allocates one bytes object rather than an int per token.
+    it can serve). In a bytearray, the two long values are not decoded: a packed
+    prompt is read from `found`, and an R3 bin 32 becomes a read-only view of the
+    body (no copy) — `_decode` says how.
     """
     if found is None and (len(raw) > max_values or
                           (isinstance(raw, bytearray) and len(raw) > PACKED_MIN * 5)):
         found = layout(raw)
     check_msgpack(raw, max_values, found.r3 if found is not None else 0)
-    prompt = found.prompt if found is not None and isinstance(raw, bytearray) else None
-    value = _decode(raw, prompt)
-    ids = _ids_holder(value, prompt) if prompt is not None else None
-    if prompt is not None and ids is None:
-        value = _decode(raw, None)  # the bin did not land where the typed pass saw it
-    holder = _r3_holder(value)
-    # The allowed bins step aside for the walk (by place, not identity: b"" is shared).
-    payload = holder["routed_experts"] if holder is not None else None
-    if holder is not None:
-        holder["routed_experts"] = None
-    if ids is not None:
-        ids["input_ids"] = None
+    value = _OMITTED
+    if found is not None and isinstance(raw, bytearray) and found.stands():
+        value = _decode_around(raw, found)
+    if value is _OMITTED:
+        value = _decode(raw)
+    holders = [(holder, key, holder[key]) for holder, key in
+               ((_r3_holder(value), "routed_experts"), (_ids_holder(value), "input_ids"))
+               if holder is not None]
+    # The allowed values step aside for the walk (by place, not identity: b"" is shared).
+    for holder, key, _ in holders:
+        holder[key] = None
     try:
         _check(value)
     finally:
-        if holder is not None:
-            holder["routed_experts"] = payload
-    if ids is not None and prompt is not None:
-        ids["input_ids"] = prompt.ids
+        for holder, key, kept in holders:
+            holder[key] = kept
     return value
 
 
-def _decode(raw: bytes | bytearray | memoryview, prompt: Prompt | None) -> Any:
-    """The full decode; with `prompt`, its array read as one bin (a bytearray only)."""
-    saved = None
-    if prompt is not None:
-        assert isinstance(raw, bytearray)
-        saved = raw[prompt.start:prompt.start + 5]
-        raw[prompt.start:prompt.start + 5] = bytes((_BIN32,)) + \
-            (prompt.end - prompt.start - 5).to_bytes(4, "big")
+_OMITTED: Any = object()
+
+
+class _Stand:
+    """What the decoder makes of a value `_decode_around` hid from it."""
+
+
+def _decode(raw: bytes | bytearray | memoryview, ext_hook: Any = _reject_ext) -> Any:
+    """The full decode."""
     try:
         with gc_paused():
-            return _DECODER.decode(raw)
+            if ext_hook is _reject_ext:
+                return _DECODER.decode(raw)
+            return msgspec.msgpack.Decoder(ext_hook=ext_hook).decode(raw)
     except RecursionError:
         raise _too_deep() from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"body is not valid MessagePack: {exc}", field="body",
                              expected="one complete MessagePack document",
                              actual="malformed MessagePack") from None
+
+
+def _decode_around(raw: bytearray, found: Layout) -> Any:
+    """The full decode, with the long values of `found` not read: `_OMITTED` when the
+    decoded body does not hold them where the typed pass saw them (the caller then
+    decodes it as it is).
+
+    Each is shown to the decoder as an ext value of its own type code (the first
+    bytes rewritten in the buffer, and restored before this returns), which the
+    decoder steps over without copying; then the prompt's ids and a view of the R3
+    bytes take their places. A client's own ext of that code is still refused: it
+    makes one value more than there were places, and the plain decode refuses it.
+    """
+    stands = found.stands()
+    made: list[_Stand] = []
+
+    def stand(code: int, data: memoryview) -> Any:
+        if code != _STAND_CODE:
+            _reject_ext(code, data)
+        made.append(_Stand())
+        return made[-1]
+
+    saved = [bytes(raw[start:start + _STAND_HEADER]) for start, _ in stands]
+    for start, end in stands:
+        raw[start:start + _STAND_HEADER] = bytes((_EXT32,)) + \
+            (end - start - _STAND_HEADER).to_bytes(4, "big") + bytes((_STAND_CODE,))
+    try:
+        value = _decode(raw, stand)
     finally:
-        if saved is not None and prompt is not None:
-            assert isinstance(raw, bytearray)
-            raw[prompt.start:prompt.start + 5] = saved
+        for (start, _), kept in zip(stands, saved, strict=True):
+            raw[start:start + _STAND_HEADER] = kept
+    if len(made) != len(stands):
+        return _OMITTED
+    places: list[tuple[dict[str, Any] | None, str, Any]] = []
+    if found.prompt is not None:
+        places.append((_holder(value, _PROMPT_PATH), "input_ids", found.prompt.ids))
+    if found.r3_bin >= 0:
+        data = memoryview(raw)[found.r3_bin + 5:found.r3_bin + found.r3].toreadonly()
+        places.append((_holder(value, R3_PATH[:-1]), "routed_experts", data))
+    for holder, key, _ in places:
+        if holder is None or type(holder.get(key)) is not _Stand:
+            return _OMITTED
+    for holder, key, kept in places:
+        assert holder is not None
+        holder[key] = kept
+    return value
 
 
-def _ids_holder(value: Any, prompt: Prompt) -> dict[str, Any] | None:
-    """The decoded `record.request` map if it holds the bin `prompt` became."""
-    record = value.get("record") if type(value) is dict else None
-    request = record.get("request") if type(record) is dict else None
-    if type(request) is not dict:
-        return None
-    ids = request.get("input_ids")
-    if type(ids) is not bytes or len(ids) != prompt.end - prompt.start - 5:
-        return None
-    return request
+_PROMPT_PATH = ("record", "request")
+
+
+def _holder(value: Any, path: tuple[str | int, ...]) -> dict[str, Any] | None:
+    """The map at `path` of a decoded body, if one stands there."""
+    node = value
+    for key in path:
+        if type(key) is str:
+            if type(node) is not dict or key not in node:
+                return None
+        elif type(node) is not list or not node:
+            return None
+        node = node[key]
+    return node if type(node) is dict else None
+
+
+def _ids_holder(value: Any) -> dict[str, Any] | None:
+    """The decoded `record.request` map if it holds a packed prompt's array."""
+    holder = _holder(value, _PROMPT_PATH)
+    return holder if holder is not None and \
+        type(holder.get("input_ids")) is np.ndarray else None
 
 
 def _too_deep() -> InvalidRequest:

@@ -100,7 +100,7 @@ def payload_bytes(text: str, field: str) -> bytes:
     return raw
 
 
-def decode_raw(data: bytes, field: str) -> np.ndarray:
+def decode_raw(data: bytes | memoryview, field: str) -> np.ndarray:
     """Raw little-endian int32 bytes (a MessagePack bin) → flat int32 array, no copy."""
     if len(data) % 4:
         raise InvalidR3(
