@@ -243,6 +243,33 @@ async def test_a_long_prompt_goes_packed_as_uint32_items(app, sid, ids, packs):
     assert json.dumps(record) == before  # the caller's record is left as it was
 
 
+@pytest.mark.parametrize(("entries", "packs"), [
+    ([[-0.25 * i, 100 + i] for i in range(20)], True),
+    ([[-0.25 * i, 100 + i, None] for i in range(20)], True),  # SGLang's null text
+    ([[-0.25 * i, 100 + i] for i in range(15)], False),  # too short
+    ([[-0.25 * i, 100 + i, "t"] for i in range(20)], False),  # text, not null
+    ([[-0.25 * i, 100 + i] for i in range(19)] + [[0, 7]], False),  # an int log-prob
+    ([[-0.25 * i, 100 + i] for i in range(19)] + [[-1.0, 7, None]], False),  # mixed
+    ([[-0.25 * i, 100 + i] for i in range(19)] + [[-1.0, True]], False),
+])
+async def test_output_entries_go_packed_at_fixed_width(app, sid, entries, packs):
+    transport, seen = recording(app)
+    record = turn([1, 2, 3], [e[1] for e in entries])["record"]
+    record["response"]["choices"][0]["meta_info"]["output_token_logprobs"] = entries
+    before = json.dumps(record)
+    async with TurnlogClient("http://turnlog", transport=transport) as client:
+        await client.open(session_id=sid, version="v2")
+        with contextlib.suppress(TurnlogError):
+            await client.append(sid, record, event_id="e0")
+    sent = seen[-1].content
+    decoded = msgspec.msgpack.decode(sent)["record"]["response"]["choices"][0]
+    assert decoded["meta_info"]["output_token_logprobs"] == entries
+    first = struct.pack(">BBdBI", 0x90 + len(entries[0]), 0xCB, entries[0][0], 0xCE,
+                        entries[0][1])
+    assert (struct.pack(">BI", 0xDD, len(entries)) + first in sent) == packs
+    assert json.dumps(record) == before
+
+
 async def test_wire_json_sends_the_record_as_is_and_repeats_match(app, sid):
     transport, seen = recording(app)
     record = r3_turn()

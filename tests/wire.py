@@ -59,11 +59,21 @@ def packed(ids: list[int], header: str = "array32") -> msgspec.Raw:
     return msgspec.Raw(head + b"".join(struct.pack(">BI", 0xCE, i) for i in ids))
 
 
+def packed_entries(entries: list[list[Any]]) -> msgspec.Raw:
+    """Output entries `[logprob, token_id]` (or with a null third) as a packed
+    MessagePack array: a fixarray, a float64 and a uint32 (and a nil) per entry."""
+    items = [struct.pack(">BBdBI", 0x90 + len(entry), 0xCB, entry[0], 0xCE, entry[1])
+             + (b"\xc0" if len(entry) == 3 else b"") for entry in entries]
+    return msgspec.Raw(struct.pack(">BI", 0xDD, len(entries)) + b"".join(items))
+
+
 def to_packed_msgpack(body: Any) -> bytes:
-    """`to_msgpack`, with `record.request.input_ids` packed."""
+    """`to_msgpack`, with `record.request.input_ids` and the output entries packed."""
     out = with_bin(body)
     request = out["record"]["request"]
     request["input_ids"] = packed(request["input_ids"])
+    meta = out["record"]["response"]["choices"][0]["meta_info"]
+    meta["output_token_logprobs"] = packed_entries(meta["output_token_logprobs"])
     return msgspec.msgpack.encode(out)
 
 

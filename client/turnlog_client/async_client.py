@@ -82,39 +82,93 @@ def _r3_bin(text: str) -> bytes | None:
     return raw
 
 
-# A prompt's ids as MessagePack uint32s (`0xce` + 4 bytes big-endian each): valid if
-# not minimal MessagePack, which the server reads with numpy, no int object per token.
-_PACKED_ITEM = np.dtype([("tag", "u1"), ("id", ">u4")])
-_PACKED_MIN = 16  # shorter prompts go as msgspec writes them: nothing to gain
+# Long lists written at fixed width (valid if not minimal MessagePack), which the
+# server reads with numpy, with no Python object per item: a prompt's ids as uint32s
+# (`0xce` + 4 bytes big-endian each), and output entries as `[float64, uint32]` (or
+# with a nil third, as SGLang writes `[logprob, token_id, null]`).
+_PACKED_MIN = 16  # shorter lists go as msgspec writes them: nothing to gain
 _UINT32 = list[Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]]
+_ID_ITEM = np.dtype([("tag", "u1"), ("id", ">u4")])
+_ENTRY_ITEMS = {
+    2: np.dtype([("head", "u1"), ("float", "u1"), ("logprob", ">f8"), ("tag", "u1"),
+                 ("id", ">u4")]),
+    3: np.dtype([("head", "u1"), ("float", "u1"), ("logprob", ">f8"), ("tag", "u1"),
+                 ("id", ">u4"), ("nil", "u1")]),
+}
+
+
+def _uint32s(values: list[Any]) -> np.ndarray | None:
+    """`values` as uint32 if each is an int (not a boolean) in [0, 2**32), else None."""
+    try:
+        msgspec.convert(values, _UINT32)
+    except msgspec.ValidationError:
+        return None
+    return np.fromiter(values, np.uint32, len(values))
+
+
+def _array(items: np.ndarray) -> msgspec.Raw:
+    return msgspec.Raw(b"\xdd" + len(items).to_bytes(4, "big") + items.tobytes())
 
 
 def _packed_ids(ids: Any) -> msgspec.Raw | None:
-    """A list of ints (not booleans) in [0, 2**32) as one packed MessagePack array
-    (array 32 header, then the items); None for anything else, sent as it is."""
+    """A list of ints in [0, 2**32) as one packed array; None for anything else."""
     if type(ids) is not list or len(ids) < _PACKED_MIN:
         return None
-    try:
-        msgspec.convert(ids, _UINT32)
-    except msgspec.ValidationError:
+    values = _uint32s(ids)
+    if values is None:
         return None
-    items = np.empty(len(ids), _PACKED_ITEM)
-    items["tag"] = 0xCE
-    items["id"] = np.fromiter(ids, np.uint32, len(ids))
-    return msgspec.Raw(b"\xdd" + len(ids).to_bytes(4, "big") + items.tobytes())
+    items = np.empty(len(ids), _ID_ITEM)
+    items["tag"], items["id"] = 0xCE, values
+    return _array(items)
 
 
-def _with_packed_ids(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`body` with its prompt packed (`_packed_ids`), copying only the maps on its path."""
+def _packed_entries(entries: Any) -> msgspec.Raw | None:
+    """Output entries, all `[float, int]` or all `[float, int, None]` (ids in the
+    uint32 range), as one packed array; None for anything else."""
+    if type(entries) is not list or len(entries) < _PACKED_MIN \
+            or set(map(type, entries)) != {list}:
+        return None
+    widths = set(map(len, entries))
+    width = widths.pop() if len(widths) == 1 else 0
+    if width not in _ENTRY_ITEMS:
+        return None
+    columns = list(zip(*entries, strict=True))
+    ids = _uint32s(list(columns[1]))
+    if ids is None or set(map(type, columns[0])) != {float} \
+            or (width == 3 and set(columns[2]) != {None}):
+        return None
+    items = np.empty(len(entries), _ENTRY_ITEMS[width])
+    items["head"], items["float"], items["tag"] = 0x90 + width, 0xCB, 0xCE
+    items["logprob"], items["id"] = columns[0], ids
+    if width == 3:
+        items["nil"] = 0xC0
+    return _array(items)
+
+
+def _with_packed_lists(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`body` with its prompt and output entries packed where they can be, copying
+    only the maps on their paths."""
     try:
         record = body["record"]
         request = record["request"]
-        packed = _packed_ids(request["input_ids"])
-    except (KeyError, TypeError):
+        response = record["response"]
+        choice = response["choices"][0]
+        meta = choice["meta_info"]
+    except (KeyError, IndexError, TypeError):
         return body
-    if packed is None:
+    ids = _packed_ids(request.get("input_ids")) if isinstance(request, Mapping) else None
+    entries = _packed_entries(meta.get("output_token_logprobs")) \
+        if isinstance(meta, Mapping) else None
+    if ids is None and entries is None:
         return body
-    return {**body, "record": {**record, "request": {**request, "input_ids": packed}}}
+    record = dict(record)
+    if ids is not None:
+        record["request"] = {**request, "input_ids": ids}
+    if entries is not None:
+        choices = list(response["choices"])
+        choices[0] = {**choice, "meta_info": {**meta, "output_token_logprobs": entries}}
+        record["response"] = {**response, "choices": choices}
+    return {**body, "record": record}
 
 
 def _with_r3_bin(body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -140,7 +194,7 @@ def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
     as JSON, for the server to judge."""
     if wire == "msgpack":
         with contextlib.suppress(OverflowError, TypeError):
-            return msgspec.msgpack.encode(_with_packed_ids(_with_r3_bin(body))), MSGPACK
+            return msgspec.msgpack.encode(_with_packed_lists(_with_r3_bin(body))), MSGPACK
     return encode(body), JSON
 
 

@@ -107,11 +107,23 @@ async def test_a_msgpack_turn_repeated_as_json_is_the_same_turn(client, sid):
     assert meta(evs[1])["routed_experts"] == meta(body)["routed_experts"]
 
 
-async def test_a_packed_prompt_is_the_same_turn_on_either_wire(client, sid):
-    """`input_ids` as uint32 items (what the client sends) is the list JSON carries."""
+@pytest.mark.parametrize("third", [False, True], ids=["pairs", "with-null-text"])
+async def test_packed_lists_are_the_same_turn_on_either_wire(client, sid, third):
+    """`input_ids` as uint32 items and output entries at fixed width (what the client
+    sends) are the lists JSON carries: the same turn, the same events, the same
+    idempotency."""
     await addition_session(client, sid)
-    prompt = list(range(3000, 3040))
-    body = turn(prompt, [4, 5], r3=r3_b64(len(prompt) + 1, L, K), start=0, event_id="e0")
+    prompt, output = list(range(3000, 3040)), list(range(500, 520))
+    rows = len(prompt) + len(output) - 1
+
+    def body_of(ids, event_id="e0", **over):
+        body = turn(ids, output, r3=r3_b64(rows, L, K), start=0, event_id=event_id, **over)
+        if third:
+            meta(body)["output_token_logprobs"] = [
+                [*entry, None] for entry in meta(body)["output_token_logprobs"]]
+        return body
+
+    body = body_of(prompt)
     first = await post_raw(client, sid, to_packed_msgpack(body))
     assert first.status_code == 201, first.text
     again = await client.post(f"/v1/sessions/{sid}/turns", json=body)
@@ -119,14 +131,12 @@ async def test_a_packed_prompt_is_the_same_turn_on_either_wire(client, sid):
     assert (await post_raw(client, sid, to_msgpack(body))).status_code == 200
     evs = (await client.get(f"/v1/sessions/{sid}/events")).json()
     assert evs[1]["record"] == body["record"]
-    other = turn([*prompt[:-1], 7], [4, 5], r3=r3_b64(len(prompt) + 1, L, K), start=0,
-                 event_id="e0")
+    other = body_of([*prompt[:-1], 7])
     r = await client.post(f"/v1/sessions/{sid}/turns", json=other)
     assert r.status_code == 409 and r.json()["type"] == "urn:turnlog:idempotency-conflict"
     r = await post_raw(client, sid, to_packed_msgpack(other))
     assert r.status_code == 409 and r.json()["type"] == "urn:turnlog:idempotency-conflict"
-    bad = turn([*prompt[:-1], (1 << 31)], [4, 5], r3=r3_b64(len(prompt) + 1, L, K), start=0,
-               event_id="e1", parent=0)
+    bad = body_of([*prompt[:-1], (1 << 31)], "e1", parent=0)
     r = await post_raw(client, sid, to_packed_msgpack(bad))
     assert r.status_code == 422 and r.json()["field"] == "record.request.input_ids[39]"
     assert await stored(client, sid) == 1

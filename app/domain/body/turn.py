@@ -21,6 +21,7 @@ import pybase64
 from app.domain.body.session import SessionDefinition
 from app.domain.body.specinfo import SPEC_INFO_KEYS, SpecInfo
 from app.domain.errors import InvalidR3, InvalidRequest
+from app.domain.wire.packed import OutputEntries
 from app.domain.wire.r3 import decode_payload, decode_raw, infer_topk
 from app.domain.wire.validate import (
     TOKEN_MAX,
@@ -107,28 +108,44 @@ class TurnBody:
 
 def json_carried(record: dict[str, Any]) -> dict[str, Any]:
     """`record` as JSON carries it: an R3 bin (MessagePack; bytes or a view of the
-    body's) becomes its base64 text,
-    a packed prompt read as an array (`msgpackio`) its list of ids.
+    body's) becomes its base64 text, and the packed lists `msgpackio` reads into
+    arrays (`packed`) their lists.
 
-    Copies only the maps on those paths; with neither, `record` itself.
+    Copies only the maps on those paths; with none of them, `record` itself.
     """
     with contextlib.suppress(KeyError, IndexError, TypeError):
         payload = record["response"]["choices"][0]["meta_info"]["routed_experts"]
         if isinstance(payload, bytes | memoryview):
-            response = dict(record["response"])
-            choices = list(response["choices"])
-            choice = dict(choices[0])
-            meta = dict(choice["meta_info"])
-            meta["routed_experts"] = pybase64.b64encode(payload).decode("ascii")
-            choice["meta_info"] = meta
-            choices[0] = choice
-            response["choices"] = choices
-            record = {**record, "response": response}
+            record = _with_meta(record, routed_experts=pybase64.b64encode(payload)
+                                .decode("ascii"))
     with contextlib.suppress(KeyError, TypeError):
         prompt = record["request"]["input_ids"]
         if isinstance(prompt, np.ndarray):
             record = {**record, "request": {**record["request"], "input_ids": prompt.tolist()}}
+    return listed_entries(record)
+
+
+def listed_entries(record: dict[str, Any], to_write: bool = False) -> dict[str, Any]:
+    """`record` with packed output entries (`packed.OutputEntries`) as their lists,
+    or as tuples when the record is only `to_write` as JSON (the same text)."""
+    with contextlib.suppress(KeyError, IndexError, TypeError):
+        entries = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+        if type(entries) is OutputEntries:
+            return _with_meta(record, output_token_logprobs=entries.as_items() if to_write
+                              else entries.as_lists())
     return record
+
+
+def _with_meta(record: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """`record` with `values` set in its first choice's `meta_info`, copying only the
+    maps on that path."""
+    response = dict(record["response"])
+    choices = list(response["choices"])
+    choice = dict(choices[0])
+    choice["meta_info"] = {**choice["meta_info"], **values}
+    choices[0] = choice
+    response["choices"] = choices
+    return {**record, "response": response}
 
 
 def _invalid(detail: str, field_name: str, expected: Any, actual: Any) -> InvalidRequest:
@@ -211,6 +228,8 @@ def _output_error(entries: list[Any], name: str) -> InvalidRequest:
 
 def _output(meta: dict[str, Any]) -> tuple[np.ndarray, list[float]]:
     entries = meta.get("output_token_logprobs")
+    if type(entries) is OutputEntries:  # packed: read and checked as it was decoded
+        return entries.ids, entries.logprobs.tolist()
     name = f"{META}.output_token_logprobs"
     if not isinstance(entries, list):
         raise _invalid("output_token_logprobs is required", name,

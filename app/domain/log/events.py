@@ -19,7 +19,14 @@ import msgspec
 import numpy as np
 
 from app.domain.body.session import SessionDefinition
-from app.domain.body.turn import OMITTED, TurnBody, TurnFacts, parse_turn, stored_turn_facts
+from app.domain.body.turn import (
+    OMITTED,
+    TurnBody,
+    TurnFacts,
+    listed_entries,
+    parse_turn,
+    stored_turn_facts,
+)
 from app.domain.log.tree import Attachment
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import Patch, narrow
@@ -71,8 +78,10 @@ def without_r3(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
-    """Copy of `record` without `input_ids` (and the R3 payload unless `keep_r3`)."""
+    """Copy of `record` without `input_ids` (and the R3 payload unless `keep_r3`),
+    packed output entries as their lists."""
     out = dict(record) if keep_r3 else without_r3(record)
+    out = listed_entries(out, to_write=True)
     request = dict(out["request"])
     request.pop("input_ids", None)
     out["request"] = request

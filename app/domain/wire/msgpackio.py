@@ -9,11 +9,12 @@ little-endian int32 R3 bytes. Every failure is an `InvalidRequest` naming
 `body`. Also owns the media types that mean MessagePack. No I/O; which wire a
 request uses is the API's decision.
 
-A turn's `record.request.input_ids` written *packed* — every id a uint32
-(`0xce` and 4 bytes, valid if not minimal MessagePack; what `TurnlogClient`
-sends) — is read by numpy into an int64 array, with no Python int per token.
-Any other encoding decodes as every other value does; the value is the same
-either way (`turn.json_carried` gives back the list).
+The long values of a turn are not decoded into Python objects when the body
+is a bytearray (the API's receive buffer): a prompt and output entries written
+*packed* (`packed`: fixed-width items, valid MessagePack; what `TurnlogClient`
+sends) are read by numpy, and an R3 bin of 64 KiB or more is used where it
+lies, as a read-only view. The value is the same as the plain decode's
+(`turn.json_carried` gives back the lists and the base64 text).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import msgspec
 import numpy as np
 
 from app.domain.errors import InvalidRequest
+from app.domain.wire import packed
 from app.domain.wire.jsonio import MAX_DEPTH, containers_in, gc_paused, level_of
-from app.domain.wire.validate import TOKEN_MAX
 from app.domain.wire.width import MAX_VALUES, check_msgpack
 
 MEDIA_TYPES = frozenset({"application/msgpack", "application/vnd.msgpack",
@@ -57,17 +58,9 @@ def _reject_ext(code: int, _data: memoryview) -> Any:
 _DECODER = msgspec.msgpack.Decoder(ext_hook=_reject_ext)
 
 
-def _r3_holder(value: Any) -> dict[str, Any] | None:
-    """The map holding a bin (or a view of one, `loads`) at `R3_PATH` of a decoded
-    body, if one stands there."""
-    holder = _holder(value, R3_PATH[:-1])
-    if holder is not None and isinstance(holder.get("routed_experts"), bytes | memoryview):
-        return holder
-    return None
-
-
 class _Meta(msgspec.Struct):
     routed_experts: msgspec.Raw = msgspec.Raw()
+    output_token_logprobs: msgspec.Raw = msgspec.Raw()
 
 
 class _Choice(msgspec.Struct):
@@ -91,56 +84,58 @@ class _Turn(msgspec.Struct):
     record: _Record | None = None
 
 
-# Reads only the keys along `R3_PATH` and to `input_ids`; every other value is
+# Reads only the keys along the paths to the long values; every other value is
 # stepped over unallocated. (A key given twice: the last counts, as in the full decode.)
 _LAYOUT = msgspec.msgpack.Decoder(_Turn)
 # The first byte of a str or bin (str 8/16/32, bin 8/16/32; fixstr never holds R3).
 _STR_OR_BIN = frozenset({0xd9, 0xda, 0xdb, 0xc4, 0xc5, 0xc6})
-# A packed prompt: array 16/32, then each id as uint32 (`0xce`, 4 bytes big-endian).
-_PACKED_ITEM = np.dtype([("tag", "u1"), ("id", ">u4")])
-_UINT32 = 0xCE
-_ARRAY_HEADERS = {0xDC: 3, 0xDD: 5}
-# Shorter prompts decode as they come: nothing to gain.
-PACKED_MIN = 16
 _BIN32 = 0xC6
 # What the decoder is shown in place of a long value it need not read: an ext 32
 # (header: 0xc9, 4 bytes of length, the type) of a type code no client may send
-# (every ext is refused), covering the value's bytes; see `_decode`.
+# (every ext is refused), covering the value's bytes; see `_decode_around`.
 _EXT32 = 0xC9
 _STAND_CODE = 101
 _STAND_HEADER = 6
+_PROMPT_PATH: tuple[str | int, ...] = ("record", "request")
+_META_PATH = R3_PATH[:-1]
 
 
 @dataclass(frozen=True)
-class Prompt:
-    """A packed `input_ids` found in a body: its bytes `start:end` (header included)
-    and the ids it holds, each in [0, TOKEN_MAX]."""
+class Long:
+    """A long value found in a body's bytes `start:end` (header included), the key
+    of the map at `path` that holds it, and what takes its place once decoded
+    (`R3_VIEW`: a read-only view of the R3 bin's bytes in the body)."""
 
     start: int
     end: int
-    ids: np.ndarray
+    path: tuple[str | int, ...]
+    key: str
+    value: Any
+
+
+R3_VIEW: Any = object()
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a turn body's two long values stand, from one typed pass."""
+    """Where a turn body's long values stand, from one typed pass."""
 
     r3: int = 0  # the R3 str or bin's bytes, header included (0: none found)
-    prompt: Prompt | None = None  # a packed `input_ids` (None: none, or not packed)
-    r3_bin: int = -1  # where an R3 bin 32 starts (-1: none; its size is `r3`)
+    # Values the decode need not read: a packed prompt and output entries
+    # (`packed`), an R3 bin 32.
+    longs: tuple[Long, ...] = ()
 
-    def stands(self) -> list[tuple[int, int]]:
-        """The `(start, end)` of each value the decoder need not read."""
-        out = [] if self.prompt is None else [(self.prompt.start, self.prompt.end)]
-        return out if self.r3_bin < 0 else [*out, (self.r3_bin, self.r3_bin + self.r3)]
+    @property
+    def prompt(self) -> np.ndarray | None:
+        """A packed prompt's ids, if one was found."""
+        return next((long.value for long in self.longs if long.key == "input_ids"), None)
 
 
 _NO_LAYOUT = Layout()
 
 
 def layout(raw: bytes | bytearray | memoryview) -> Layout:
-    """The R3 payload's size (and place, a bin 32's) and a packed prompt of a
-    MessagePack body.
+    """The R3 payload's size and the long values of a MessagePack body.
 
     A typed decode that allocates a few objects whatever the body (one choice only:
     `choices` of another length, or anything the typed pass cannot read, finds
@@ -156,56 +151,43 @@ def layout(raw: bytes | bytearray | memoryview) -> Layout:
     response = record.response
     choices = response.choices if response is not None else None
     meta = choices[0].meta_info if choices else None
-    r3, r3_bin = 0, -1
+    body = np.frombuffer(raw, np.uint8)
+    longs: list[Long] = []
+    r3 = 0
     if meta is not None and meta.routed_experts:
-        r3, r3_bin = _r3_place(raw, meta.routed_experts)
-    request = record.request
-    prompt = _packed(raw, request.input_ids) if request is not None else None
-    return Layout(r3, prompt, r3_bin)
+        with memoryview(meta.routed_experts) as view:
+            r3, first = len(view), view[0]
+        if first not in _STR_OR_BIN:
+            r3 = 0
+        elif first == _BIN32:
+            longs.append(_long(body, meta.routed_experts, _META_PATH, "routed_experts",
+                               R3_VIEW))
+    if meta is not None and meta.output_token_logprobs:
+        entries = np.frombuffer(meta.output_token_logprobs, np.uint8)
+        longs.append(_long(body, entries, _META_PATH, "output_token_logprobs",
+                           packed.output_entries(entries)))
+    if record.request is not None and record.request.input_ids:
+        ids = np.frombuffer(record.request.input_ids, np.uint8)
+        longs.append(_long(body, ids, _PROMPT_PATH, "input_ids", packed.prompt(ids)))
+    return Layout(r3, tuple(long for long in longs if long.value is not None
+                            and long.start >= 0 and long.end - long.start > _STAND_HEADER))
+
+
+def _long(body: np.ndarray, value: Any, path: tuple[str | int, ...], key: str,
+          decoded: Any) -> Long:
+    """`value` (a view of the typed pass over `body`) as a `Long`; start -1 if it is
+    not a view of `body` after all."""
+    span = np.frombuffer(value, np.uint8)
+    start = int(span.ctypes.data - body.ctypes.data)
+    if not 0 <= start <= body.size - span.size:
+        start = -1
+    return Long(start, start + span.size, path, key, decoded)
 
 
 def r3_span(raw: bytes | bytearray | memoryview) -> int:
     """The bytes of the str or bin at `R3_PATH` of a MessagePack body, header included
     (0: none found, or the body is not shaped so that the typed pass can tell)."""
     return layout(raw).r3
-
-
-def _offset(raw: bytes | bytearray | memoryview, value: msgspec.Raw) -> int:
-    """Where `value` (a Raw of the typed pass over `raw`) starts in `raw`; -1 if it is
-    not a view of it."""
-    body = np.frombuffer(raw, np.uint8)
-    span = np.frombuffer(value, np.uint8)
-    start = int(span.ctypes.data - body.ctypes.data)
-    return start if 0 <= start <= len(body) - len(span) else -1
-
-
-def _r3_place(raw: bytes | bytearray | memoryview, value: msgspec.Raw) -> tuple[int, int]:
-    """The R3 payload's bytes (0: not a str or bin) and where it starts if a bin 32."""
-    with memoryview(value) as span:
-        size, first = len(span), span[0]
-    if first not in _STR_OR_BIN:
-        return 0, -1
-    return size, _offset(raw, value) if first == _BIN32 else -1
-
-
-def _packed(raw: bytes | bytearray | memoryview, value: msgspec.Raw) -> Prompt | None:
-    """`value` (an array's bytes inside `raw`) as a packed prompt, or None: not an
-    array 16/32 of at least `PACKED_MIN` uint32 items each in [0, TOKEN_MAX] (the
-    full decode then reads it, and validation names a bad id)."""
-    if len(value) < 1 + PACKED_MIN * 5:
-        return None
-    span = np.frombuffer(value, np.uint8)
-    header = _ARRAY_HEADERS.get(int(span[0]), 0)
-    start = _offset(raw, value)
-    if not header or start < 0:
-        return None
-    count = int.from_bytes(span[1:header].tobytes(), "big")
-    if len(span) != header + 5 * count:
-        return None
-    items = np.frombuffer(span, _PACKED_ITEM, count, header)
-    if not (items["tag"] == _UINT32).all() or int(items["id"].max()) > TOKEN_MAX:
-        return None
-    return Prompt(start, start + len(span), items["id"].astype(np.int64))
 
 
 def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
@@ -215,34 +197,51 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
     the header walk is skipped when the R3 bin leaves too few other bytes for that.
 
     `found`: the body's `layout`, if the caller has it (else it is read here when
-    it can serve). In a bytearray, the two long values are not decoded: a packed
-    prompt is read from `found`, and an R3 bin 32 becomes a read-only view of the
-    body (no copy) — `_decode` says how.
+    it can serve). In a bytearray, the long values are not decoded: a packed
+    prompt becomes its ids (an int64 array), packed output entries a
+    `packed.OutputEntries`, and an R3 bin 32 a read-only view of the body (no
+    copy) — `_decode_around` says how.
     """
     if found is None and (len(raw) > max_values or
-                          (isinstance(raw, bytearray) and len(raw) > PACKED_MIN * 5)):
+                          (isinstance(raw, bytearray) and len(raw) > _WORTH_A_LOOK)):
         found = layout(raw)
     check_msgpack(raw, max_values, found.r3 if found is not None else 0)
     value = _OMITTED
-    if found is not None and isinstance(raw, bytearray) and found.stands():
-        value = _decode_around(raw, found)
+    if found is not None and found.longs and isinstance(raw, bytearray):
+        value = _decode_around(raw, found.longs)
     if value is _OMITTED:
         value = _decode(raw)
-    holders = [(holder, key, holder[key]) for holder, key in
-               ((_r3_holder(value), "routed_experts"), (_ids_holder(value), "input_ids"))
-               if holder is not None]
+    aside = [(holder, key, holder[key]) for holder, key in _allowed(value)]
     # The allowed values step aside for the walk (by place, not identity: b"" is shared).
-    for holder, key, _ in holders:
+    for holder, key, _ in aside:
         holder[key] = None
     try:
         _check(value)
     finally:
-        for holder, key, kept in holders:
+        for holder, key, kept in aside:
             holder[key] = kept
     return value
 
 
 _OMITTED: Any = object()
+# A body this short has no long value to find.
+_WORTH_A_LOOK = packed.MIN_ITEMS * 5
+
+
+def _allowed(value: Any) -> list[tuple[dict[str, Any], str]]:
+    """Where a decoded body holds a value the walk would refuse but is allowed: an R3
+    bin (or its view), a packed prompt's array and packed output entries."""
+    out: list[tuple[dict[str, Any], str]] = []
+    meta = _holder(value, _META_PATH)
+    if meta is not None:
+        if isinstance(meta.get("routed_experts"), bytes | memoryview):
+            out.append((meta, "routed_experts"))
+        if type(meta.get("output_token_logprobs")) is packed.OutputEntries:
+            out.append((meta, "output_token_logprobs"))
+    request = _holder(value, _PROMPT_PATH)
+    if request is not None and type(request.get("input_ids")) is np.ndarray:
+        out.append((request, "input_ids"))
+    return out
 
 
 class _Stand:
@@ -264,18 +263,17 @@ def _decode(raw: bytes | bytearray | memoryview, ext_hook: Any = _reject_ext) ->
                              actual="malformed MessagePack") from None
 
 
-def _decode_around(raw: bytearray, found: Layout) -> Any:
-    """The full decode, with the long values of `found` not read: `_OMITTED` when the
-    decoded body does not hold them where the typed pass saw them (the caller then
-    decodes it as it is).
+def _decode_around(raw: bytearray, longs: tuple[Long, ...]) -> Any:
+    """The full decode, with `longs` not read: `_OMITTED` when the decoded body does
+    not hold them where the typed pass saw them (the caller then decodes it as it is).
 
-    Each is shown to the decoder as an ext value of its own type code (the first
+    Each is shown to the decoder as an ext value of its own type code (its first
     bytes rewritten in the buffer, and restored before this returns), which the
-    decoder steps over without copying; then the prompt's ids and a view of the R3
-    bytes take their places. A client's own ext of that code is still refused: it
-    makes one value more than there were places, and the plain decode refuses it.
+    decoder steps over without copying; then what was read of it takes its place.
+    A client's own ext is still refused: one of another code by the hook, one of
+    this code because it makes one value more than there were places, and the
+    plain decode then refuses it.
     """
-    stands = found.stands()
     made: list[_Stand] = []
 
     def stand(code: int, data: memoryview) -> Any:
@@ -284,33 +282,28 @@ def _decode_around(raw: bytearray, found: Layout) -> Any:
         made.append(_Stand())
         return made[-1]
 
-    saved = [bytes(raw[start:start + _STAND_HEADER]) for start, _ in stands]
-    for start, end in stands:
-        raw[start:start + _STAND_HEADER] = bytes((_EXT32,)) + \
-            (end - start - _STAND_HEADER).to_bytes(4, "big") + bytes((_STAND_CODE,))
+    saved = [bytes(raw[long.start:long.start + _STAND_HEADER]) for long in longs]
+    for long in longs:
+        raw[long.start:long.start + _STAND_HEADER] = bytes((_EXT32,)) + \
+            (long.end - long.start - _STAND_HEADER).to_bytes(4, "big") + \
+            bytes((_STAND_CODE,))
     try:
         value = _decode(raw, stand)
     finally:
-        for (start, _), kept in zip(stands, saved, strict=True):
-            raw[start:start + _STAND_HEADER] = kept
-    if len(made) != len(stands):
+        for long, kept in zip(longs, saved, strict=True):
+            raw[long.start:long.start + _STAND_HEADER] = kept
+    if len(made) != len(longs):
         return _OMITTED
-    places: list[tuple[dict[str, Any] | None, str, Any]] = []
-    if found.prompt is not None:
-        places.append((_holder(value, _PROMPT_PATH), "input_ids", found.prompt.ids))
-    if found.r3_bin >= 0:
-        data = memoryview(raw)[found.r3_bin + 5:found.r3_bin + found.r3].toreadonly()
-        places.append((_holder(value, R3_PATH[:-1]), "routed_experts", data))
-    for holder, key, _ in places:
-        if holder is None or type(holder.get(key)) is not _Stand:
+    holders = [_holder(value, long.path) for long in longs]
+    for holder, long in zip(holders, longs, strict=True):
+        if holder is None or type(holder.get(long.key)) is not _Stand:
             return _OMITTED
-    for holder, key, kept in places:
+    for holder, long in zip(holders, longs, strict=True):
         assert holder is not None
-        holder[key] = kept
+        # A bin 32's header is 5 bytes; its view is taken once the buffer is restored.
+        holder[long.key] = memoryview(raw)[long.start + 5:long.end].toreadonly() \
+            if long.value is R3_VIEW else long.value
     return value
-
-
-_PROMPT_PATH = ("record", "request")
 
 
 def _holder(value: Any, path: tuple[str | int, ...]) -> dict[str, Any] | None:
@@ -324,13 +317,6 @@ def _holder(value: Any, path: tuple[str | int, ...]) -> dict[str, Any] | None:
             return None
         node = node[key]
     return node if type(node) is dict else None
-
-
-def _ids_holder(value: Any) -> dict[str, Any] | None:
-    """The decoded `record.request` map if it holds a packed prompt's array."""
-    holder = _holder(value, _PROMPT_PATH)
-    return holder if holder is not None and \
-        type(holder.get("input_ids")) is np.ndarray else None
 
 
 def _too_deep() -> InvalidRequest:

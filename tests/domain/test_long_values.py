@@ -1,11 +1,10 @@
 """The long values of a MessagePack turn that `msgpackio.loads` does not decode: a
-packed prompt (`input_ids` as uint32 items), read by numpy, and an R3 bin of 64 KiB
-or more, a read-only view of the body. Either way the decoded value is the one
-every MessagePack decoder reads from the same bytes.
+packed prompt (`input_ids` as uint32 items) and packed output entries, read by
+numpy, and an R3 bin of 64 KiB or more, a read-only view of the body. Either way
+the decoded value, the turn and what is stored of it are those of the plain decode.
 
-The oracle is a plain decode of the same bytes (`msgspec`, no shortcut) and the
-recursive rules of `test_wire_walks`; the packed bytes are written item by item
-(`tests.wire.packed`), not by the client's encoder.
+The oracle is a plain decode of the same bytes (`msgspec`, no shortcut); the packed
+bytes are written item by item (`tests.wire`), not by the client's encoder.
 """
 
 from __future__ import annotations
@@ -21,9 +20,11 @@ from hypothesis import strategies as st
 from app.domain.body.session import SessionDefinition
 from app.domain.body.turn import TOKEN_MAX, parse_turn
 from app.domain.errors import InvalidRequest
+from app.domain.log.events import prepare_turn
 from app.domain.wire import msgpackio
+from app.domain.wire.packed import OutputEntries
 from tests.factory import r3_b64, turn
-from tests.wire import packed, with_bin
+from tests.wire import packed, packed_entries, with_bin
 
 IDS = list(range(1000, 1040))
 DEFINITION = SessionDefinition("s", "v2", "in_place", 2, False, 0)
@@ -41,15 +42,28 @@ def body_with(ids_value, output=(7, 8), layers=2, topk=2, **over):
     return body
 
 
+def meta_of(value):
+    return value["record"]["response"]["choices"][0]["meta_info"]
+
+
 def r3_of(value):
-    return value["record"]["response"]["choices"][0]["meta_info"]["routed_experts"]
+    return meta_of(value)["routed_experts"]
 
 
 def as_list(value):
-    """A decoded body with a packed prompt's array as its list."""
+    """A decoded body as the plain decode makes it: a packed prompt's array as its
+    list, packed output entries as theirs, an R3 view as bytes."""
     request = value["record"]["request"]
     if isinstance(request.get("input_ids"), np.ndarray):
         request["input_ids"] = request["input_ids"].tolist()
+    meta = meta_of(value) if "response" in value["record"] else {}
+    entries = meta.get("output_token_logprobs")
+    if isinstance(entries, OutputEntries):
+        meta["output_token_logprobs"] = [
+            [float(lp), int(i)] + ([None] if entries.width == 3 else [])
+            for lp, i in zip(entries.logprobs, entries.ids, strict=True)]
+    if isinstance(meta.get("routed_experts"), memoryview):
+        meta["routed_experts"] = bytes(meta["routed_experts"])
     return value
 
 
@@ -177,8 +191,9 @@ def test_a_layout_that_does_not_match_the_decode_falls_back_to_the_plain_decode(
     pass and the decoder disagreeing), the body is decoded again as it is."""
     raw = msgspec.msgpack.encode(body_with(packed(IDS), metadata={"other": packed(IDS)}))
     start = raw.rindex(bytes(packed(IDS)))  # metadata's twin, not the prompt
-    wrong = msgpackio.Layout(msgpackio.r3_span(raw), msgpackio.Prompt(
-        start, start + len(bytes(packed(IDS))), np.array(IDS, np.int64)))
+    wrong = msgpackio.Layout(msgpackio.r3_span(raw), (msgpackio.Long(
+        start, start + len(bytes(packed(IDS))), ("record", "request"), "input_ids",
+        np.array(IDS, np.int64)),))
     value = msgpackio.loads(bytearray(raw), found=wrong)
     assert value == msgspec.msgpack.decode(raw)
 
@@ -192,8 +207,8 @@ def test_a_large_r3_bin_is_a_read_only_view_of_the_body(ids_value):
     assert isinstance(view, memoryview) and view.readonly
     assert bytes(view) == r3_of(msgspec.msgpack.decode(raw))
     assert bytes(buffer) == raw, "the body's buffer was left changed"
-    assert as_list(value) == {**msgspec.msgpack.decode(raw), "record": {
-        **msgspec.msgpack.decode(raw)["record"], "response": value["record"]["response"]}}
+    value = msgpackio.loads(buffer)
+    assert as_list(value) == msgspec.msgpack.decode(raw)
     # The turn, and its content as JSON carries it, are those of the plain decode.
     plain = msgpackio.loads(raw)
     assert isinstance(r3_of(plain), bytes)
@@ -216,7 +231,80 @@ def test_a_clients_ext_is_refused_whatever_its_code(code):
     raw = msgspec.msgpack.encode(body).replace(b"\xa2zz\x01",
                                                b"\xa2zz\xd4" + bytes((code, 0)))
     buffer = bytearray(raw)
-    assert len(msgpackio.layout(buffer).stands()) == 2
+    assert len(msgpackio.layout(buffer).longs) == 2
     with pytest.raises(InvalidRequest, match=f"ext type {code}"):
         msgpackio.loads(buffer)
     assert bytes(buffer) == raw
+
+
+ENTRIES = [[-0.5 - i / 7, 3000 + i] for i in range(20)]
+
+
+def body_with_entries(entries_value, entries=ENTRIES, **over):
+    """A turn whose output is `entries` (as the plain decode reads them), its output
+    entries sent as `entries_value`."""
+    rows = len(IDS) + len(entries) - 1
+    body = with_bin(turn(IDS, [e[1] for e in entries], r3=r3_b64(rows, 2, 2), start=0,
+                         event_id="e", **over))
+    meta_of(body)["output_token_logprobs"] = entries_value
+    return body
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_packed_output_entries_are_read_and_stored_as_the_plain_decode(width):
+    entries = [[*e, None] if width == 3 else e for e in ENTRIES]
+    raw = msgspec.msgpack.encode(body_with_entries(packed_entries(entries), entries))
+    plain = msgspec.msgpack.encode(body_with_entries(entries, entries))
+    assert msgspec.msgpack.decode(raw) == msgspec.msgpack.decode(plain)
+    buffer = bytearray(raw)
+    value = msgpackio.loads(buffer)
+    read = meta_of(value)["output_token_logprobs"]
+    assert isinstance(read, OutputEntries) and read.width == width
+    assert bytes(buffer) == raw
+    assert as_list(msgpackio.loads(bytearray(raw))) == msgspec.msgpack.decode(raw)
+    ours, theirs = parse_turn(value, DEFINITION), parse_turn(msgpackio.loads(plain), DEFINITION)
+    assert ours.facts.output.tolist() == theirs.facts.output.tolist()
+    assert ours.facts.logprobs == theirs.facts.logprobs
+    assert ours.content() == theirs.content()
+    # What is stored of it: the same JSON text, byte for byte.
+    assert prepare_turn(ours, 2).head == prepare_turn(theirs, 2).head
+
+
+def _entry(head: int, logprob: bytes, token: bytes, third: bytes = b"") -> bytes:
+    return bytes((head,)) + logprob + token + third
+
+
+F64 = b"\xcb" + struct.pack(">d", -0.5)
+U32 = b"\xce" + struct.pack(">I", 3001)
+
+
+@pytest.mark.parametrize(("odd", "why"), [
+    (_entry(0x92, b"\xca" + struct.pack(">f", -0.5), U32), "a float32 log-prob"),
+    (_entry(0x92, b"\x00", U32), "an integer log-prob"),
+    (_entry(0x92, F64, b"\xcd" + struct.pack(">H", 3001)), "a uint16 id"),
+    (_entry(0x93, F64, U32, b"\xc0"), "one entry of three among pairs"),
+    (_entry(0x92, b"\xcb" + struct.pack(">d", float("inf")), U32), "an infinite log-prob"),
+    (_entry(0x92, F64, b"\xce" + struct.pack(">I", TOKEN_MAX + 1)), "an id out of range"),
+])
+def test_any_other_entry_is_decoded_as_it_comes(odd, why):
+    items = [_entry(0x92, F64, U32)] * 19 + [odd]
+    raw = msgspec.msgpack.encode(body_with_entries(msgspec.Raw(
+        struct.pack(">BI", 0xDD, 20) + b"".join(items)), [[-0.5, 3001]] * 20))
+    assert msgpackio.layout(raw).longs == () or all(
+        long.key != "output_token_logprobs" for long in msgpackio.layout(raw).longs), why
+    try:
+        value = msgpackio.loads(bytearray(raw))
+    except InvalidRequest as refused:  # the infinity: refused as the plain decode is
+        assert refused.field == "body" and "non-finite" in str(refused)
+        return
+    assert type(meta_of(value)["output_token_logprobs"]) is list, why
+    assert as_list(value) == msgspec.msgpack.decode(raw)
+
+
+def test_entries_with_a_third_item_that_is_not_null_are_decoded_as_they_come():
+    entries = [[*e, "tok"] for e in ENTRIES]
+    items = [struct.pack(">BBdBI", 0x93, 0xCB, e[0], 0xCE, e[1]) + b"\xa3tok" for e in entries]
+    raw = msgspec.msgpack.encode(body_with_entries(msgspec.Raw(
+        struct.pack(">BI", 0xDD, len(items)) + b"".join(items)), entries))
+    value = msgpackio.loads(bytearray(raw))
+    assert meta_of(value)["output_token_logprobs"] == entries
