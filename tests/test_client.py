@@ -20,6 +20,7 @@ from app.main import create_app
 from app.sim.simulator import SessionSimulator, SimConfig, route
 from tests.factory import r3_b64, turn
 from turnlog_client import TurnlogClient
+from turnlog_client.async_client import _encode_turn
 from turnlog_client.errors import TurnlogConnectionError, TurnlogError
 from turnlog_client.sync import SyncTurnlogClient
 
@@ -268,6 +269,22 @@ async def test_output_entries_go_packed_at_fixed_width(app, sid, entries, packs)
                         entries[0][1])
     assert (struct.pack(">BI", 0xDD, len(entries)) + first in sent) == packs
     assert json.dumps(record) == before
+
+
+@pytest.mark.parametrize("body", [
+    # choices as a map: sent as the map it is (the server refuses its int key)
+    {"event_id": "e", "record": {"request": {"input_ids": list(range(16))}, "response": {
+        "choices": {0: {"meta_info": {"output_token_logprobs": [[-0.1, i] for i in range(16)],
+                                      "routed_experts": r3_b64(4, 2, 2)}}}}}},
+    # a third item that is not null (and not hashable): not packed, still MessagePack
+    {"event_id": "e", "record": {"request": {"input_ids": [1]}, "response": {"choices": [
+        {"meta_info": {"output_token_logprobs": [[-0.1, i, {"a": 1}] for i in range(16)]}}]}}},
+])
+def test_packing_never_changes_what_is_sent(body):
+    sent, kind = _encode_turn(body, "msgpack")
+    assert kind == "application/msgpack"
+    assert msgspec.msgpack.decode(sent, strict=False) == msgspec.msgpack.decode(
+        msgspec.msgpack.encode(body), strict=False)
 
 
 async def test_wire_json_sends_the_record_as_is_and_repeats_match(app, sid):

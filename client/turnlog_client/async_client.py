@@ -135,7 +135,7 @@ def _packed_entries(entries: Any) -> msgspec.Raw | None:
     columns = list(zip(*entries, strict=True))
     ids = _uint32s(list(columns[1]))
     if ids is None or set(map(type, columns[0])) != {float} \
-            or (width == 3 and set(columns[2]) != {None}):
+            or (width == 3 and any(item is not None for item in columns[2])):
         return None
     items = np.empty(len(entries), _ENTRY_ITEMS[width])
     items["head"], items["float"], items["tag"] = 0x90 + width, 0xCB, 0xCE
@@ -152,7 +152,7 @@ def _with_packed_lists(body: Mapping[str, Any]) -> Mapping[str, Any]:
         record = body["record"]
         request = record["request"]
         response = record["response"]
-        choice = response["choices"][0]
+        choice = _first_choice(response["choices"])
         meta = choice["meta_info"]
     except (KeyError, IndexError, TypeError):
         return body
@@ -171,12 +171,19 @@ def _with_packed_lists(body: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**body, "record": record}
 
 
+def _first_choice(choices: Any) -> Any:
+    """The first of a list of choices (a map of them is not rewritten: TypeError)."""
+    if type(choices) is not list:
+        raise TypeError("choices is not a list")
+    return choices[0]
+
+
 def _with_r3_bin(body: Mapping[str, Any]) -> Mapping[str, Any]:
     """`body` with its R3 text as a bin, copying only the maps on the payload's path."""
     try:
         record = body["record"]
         response = record["response"]
-        choice = response["choices"][0]
+        choice = _first_choice(response["choices"])
         meta = choice["meta_info"]
         payload = meta["routed_experts"]
     except (KeyError, IndexError, TypeError):

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import app.store.append.writes as writes
+from app.domain.wire import msgpackio
 from app.main import create_app
 from tests.factory import open_body, turn
 from turnlog_client.async_client import _encode_turn
@@ -76,6 +77,13 @@ async def test_large_turns_are_parsed_a_few_at_a_time(settings, monkeypatch, off
                          headers={"content-type": kind})
 
     monkeypatch.setattr(writes, "parse_turn", parse)
+    real_layout, laid_out = msgpackio.layout, []
+
+    def layout(raw):
+        laid_out.append(threading.get_ident())
+        return real_layout(raw)
+
+    monkeypatch.setattr(msgpackio, "layout", layout)
     base = f"big-{uuid.uuid4().hex[:8]}"
     opened = {"r3": {"num_layers": R3_LAYERS}} if with_r3 else {}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -95,6 +103,9 @@ async def test_large_turns_are_parsed_a_few_at_a_time(settings, monkeypatch, off
         assert set(big) == {loop_thread}, "a turn the loop should take left it"
     else:
         assert loop_thread not in big, "a turn for a worker thread was parsed on the loop"
+    if wire == "msgpack" and offload_body_bytes < 16 << 20:
+        # Above the offload size not even the typed pass runs on the loop.
+        assert laid_out and loop_thread not in laid_out
     assert [thread for thread, large in seen if not large] == [loop_thread]
     assert active[1] == 1, f"{active[1]} large uploads at once with a cap of 1"
     await app.state.services.db.dispose()

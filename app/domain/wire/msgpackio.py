@@ -12,8 +12,8 @@ request uses is the API's decision.
 The long values of a turn are not decoded into Python objects when the body
 is a bytearray (the API's receive buffer): a prompt and output entries written
 *packed* (`packed`: fixed-width items, valid MessagePack; what `TurnlogClient`
-sends) are read by numpy, and an R3 bin of 64 KiB or more is used where it
-lies, as a read-only view. The value is the same as the plain decode's
+sends) are read by numpy, and an R3 bin 32 (what encoders write for 64 KiB
+or more) is used where it lies, as a read-only view. The value is the same as the plain decode's
 (`turn.json_carried` gives back the lists and the base64 text).
 """
 
@@ -102,18 +102,13 @@ _META_PATH = R3_PATH[:-1]
 
 @dataclass(frozen=True)
 class Long:
-    """A long value found in a body's bytes `start:end` (header included), the key
-    of the map at `path` that holds it, and what takes its place once decoded
-    (`R3_VIEW`: a read-only view of the R3 bin's bytes in the body)."""
+    """A long value found in a body's bytes `start:end` (header included): the key
+    of the map at `path` that holds it."""
 
     start: int
     end: int
     path: tuple[str | int, ...]
     key: str
-    value: Any
-
-
-R3_VIEW: Any = object()
 
 
 @dataclass(frozen=True)
@@ -121,25 +116,23 @@ class Layout:
     """Where a turn body's long values stand, from one typed pass."""
 
     r3: int = 0  # the R3 str or bin's bytes, header included (0: none found)
-    # Values the decode need not read: a packed prompt and output entries
-    # (`packed`), an R3 bin 32.
+    # Values the decode may not need to read: the prompt, the output entries (if
+    # packed: `packed`), an R3 bin 32.
     longs: tuple[Long, ...] = ()
-
-    @property
-    def prompt(self) -> np.ndarray | None:
-        """A packed prompt's ids, if one was found."""
-        return next((long.value for long in self.longs if long.key == "input_ids"), None)
 
 
 _NO_LAYOUT = Layout()
+# The longest value an ext 32 can stand in for (its length field is 4 bytes).
+_STAND_MAX = (1 << 32) - 1 + _STAND_HEADER
 
 
 def layout(raw: bytes | bytearray | memoryview) -> Layout:
-    """The R3 payload's size and the long values of a MessagePack body.
+    """The R3 payload's size and where the long values of a MessagePack body stand.
 
     A typed decode that allocates a few objects whatever the body (one choice only:
     `choices` of another length, or anything the typed pass cannot read, finds
-    nothing); what it cannot read, the full decode refuses later.
+    nothing); what it cannot read, the full decode refuses later. What the long
+    values hold is read by `loads`, once the body's width is checked.
     """
     try:
         turn = _LAYOUT.decode(raw)
@@ -152,7 +145,7 @@ def layout(raw: bytes | bytearray | memoryview) -> Layout:
     choices = response.choices if response is not None else None
     meta = choices[0].meta_info if choices else None
     body = np.frombuffer(raw, np.uint8)
-    longs: list[Long] = []
+    found: list[tuple[msgspec.Raw, tuple[str | int, ...], str]] = []
     r3 = 0
     if meta is not None and meta.routed_experts:
         with memoryview(meta.routed_experts) as view:
@@ -160,28 +153,18 @@ def layout(raw: bytes | bytearray | memoryview) -> Layout:
         if first not in _STR_OR_BIN:
             r3 = 0
         elif first == _BIN32:
-            longs.append(_long(body, meta.routed_experts, _META_PATH, "routed_experts",
-                               R3_VIEW))
+            found.append((meta.routed_experts, _META_PATH, "routed_experts"))
     if meta is not None and meta.output_token_logprobs:
-        entries = np.frombuffer(meta.output_token_logprobs, np.uint8)
-        longs.append(_long(body, entries, _META_PATH, "output_token_logprobs",
-                           packed.output_entries(entries)))
+        found.append((meta.output_token_logprobs, _META_PATH, "output_token_logprobs"))
     if record.request is not None and record.request.input_ids:
-        ids = np.frombuffer(record.request.input_ids, np.uint8)
-        longs.append(_long(body, ids, _PROMPT_PATH, "input_ids", packed.prompt(ids)))
-    return Layout(r3, tuple(long for long in longs if long.value is not None
-                            and long.start >= 0 and long.end - long.start > _STAND_HEADER))
-
-
-def _long(body: np.ndarray, value: Any, path: tuple[str | int, ...], key: str,
-          decoded: Any) -> Long:
-    """`value` (a view of the typed pass over `body`) as a `Long`; start -1 if it is
-    not a view of `body` after all."""
-    span = np.frombuffer(value, np.uint8)
-    start = int(span.ctypes.data - body.ctypes.data)
-    if not 0 <= start <= body.size - span.size:
-        start = -1
-    return Long(start, start + span.size, path, key, decoded)
+        found.append((record.request.input_ids, _PROMPT_PATH, "input_ids"))
+    longs = []
+    for value, path, key in found:
+        span = np.frombuffer(value, np.uint8)
+        start = int(span.ctypes.data - body.ctypes.data)  # the typed pass's views of `raw`
+        if 0 <= start <= body.size - span.size and _STAND_HEADER < span.size <= _STAND_MAX:
+            longs.append(Long(start, start + span.size, path, key))
+    return Layout(r3, tuple(longs))
 
 
 def r3_span(raw: bytes | bytearray | memoryview) -> int:
@@ -208,7 +191,9 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
     check_msgpack(raw, max_values, found.r3 if found is not None else 0)
     value = _OMITTED
     if found is not None and found.longs and isinstance(raw, bytearray):
-        value = _decode_around(raw, found.longs)
+        longs = _read(raw, found.longs)
+        if longs:
+            value = _decode_around(raw, longs)
     if value is _OMITTED:
         value = _decode(raw)
     aside = [(holder, key, holder[key]) for holder, key in _allowed(value)]
@@ -221,6 +206,24 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
         for holder, key, kept in aside:
             holder[key] = kept
     return value
+
+
+_R3_VIEW: Any = object()  # the R3 bin: a view of the body, taken after the decode
+
+
+def _read(raw: bytearray, longs: tuple[Long, ...]) -> list[tuple[Long, Any]]:
+    """What takes each long value's place: a packed list read (`packed`), or the R3
+    view; lists that are not packed are left out (decoded as they come)."""
+    out: list[tuple[Long, Any]] = []
+    for long in longs:
+        if long.key == "routed_experts":
+            out.append((long, _R3_VIEW))
+            continue
+        span = np.frombuffer(raw, np.uint8, long.end - long.start, long.start)
+        read = packed.prompt(span) if long.key == "input_ids" else packed.output_entries(span)
+        if read is not None:
+            out.append((long, read))
+    return out
 
 
 _OMITTED: Any = object()
@@ -263,9 +266,10 @@ def _decode(raw: bytes | bytearray | memoryview, ext_hook: Any = _reject_ext) ->
                              actual="malformed MessagePack") from None
 
 
-def _decode_around(raw: bytearray, longs: tuple[Long, ...]) -> Any:
-    """The full decode, with `longs` not read: `_OMITTED` when the decoded body does
-    not hold them where the typed pass saw them (the caller then decodes it as it is).
+def _decode_around(raw: bytearray, longs: list[tuple[Long, Any]]) -> Any:
+    """The full decode, with `longs` not read, each replaced by what goes with it:
+    `_OMITTED` when the decoded body does not hold them where the typed pass saw them
+    (the caller then decodes it as it is).
 
     Each is shown to the decoder as an ext value of its own type code (its first
     bytes rewritten in the buffer, and restored before this returns), which the
@@ -282,27 +286,27 @@ def _decode_around(raw: bytearray, longs: tuple[Long, ...]) -> Any:
         made.append(_Stand())
         return made[-1]
 
-    saved = [bytes(raw[long.start:long.start + _STAND_HEADER]) for long in longs]
-    for long in longs:
-        raw[long.start:long.start + _STAND_HEADER] = bytes((_EXT32,)) + \
-            (long.end - long.start - _STAND_HEADER).to_bytes(4, "big") + \
-            bytes((_STAND_CODE,))
+    saved = [bytes(raw[long.start:long.start + _STAND_HEADER]) for long, _ in longs]
     try:
+        for long, _ in longs:
+            raw[long.start:long.start + _STAND_HEADER] = bytes((_EXT32,)) + \
+                (long.end - long.start - _STAND_HEADER).to_bytes(4, "big") + \
+                bytes((_STAND_CODE,))
         value = _decode(raw, stand)
     finally:
-        for long, kept in zip(longs, saved, strict=True):
+        for (long, _), kept in zip(longs, saved, strict=True):
             raw[long.start:long.start + _STAND_HEADER] = kept
     if len(made) != len(longs):
         return _OMITTED
-    holders = [_holder(value, long.path) for long in longs]
-    for holder, long in zip(holders, longs, strict=True):
+    holders = [_holder(value, long.path) for long, _ in longs]
+    for holder, (long, _) in zip(holders, longs, strict=True):
         if holder is None or type(holder.get(long.key)) is not _Stand:
             return _OMITTED
-    for holder, long in zip(holders, longs, strict=True):
+    for holder, (long, read) in zip(holders, longs, strict=True):
         assert holder is not None
         # A bin 32's header is 5 bytes; its view is taken once the buffer is restored.
         holder[long.key] = memoryview(raw)[long.start + 5:long.end].toreadonly() \
-            if long.value is R3_VIEW else long.value
+            if read is _R3_VIEW else read
     return value
 
 
