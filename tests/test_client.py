@@ -217,6 +217,18 @@ async def test_turns_go_as_msgpack_with_r3_as_bin_by_default(app, sid):
     assert events[1]["record"] == record  # read back as the session server wrote it
 
 
+async def appended(app, sid, record) -> bytes:
+    """The body the default client sends to append `record` (which it leaves as it was)."""
+    transport, seen = recording(app)
+    before = json.dumps(record)
+    async with TurnlogClient("http://turnlog", transport=transport) as client:
+        await client.open(session_id=sid, version="v2")
+        with contextlib.suppress(TurnlogError):  # the server's verdict is not the point
+            await client.append(sid, record, event_id="e0")
+    assert json.dumps(record) == before
+    return seen[-1].content
+
+
 @pytest.mark.parametrize(("ids", "packs"), [
     (list(range(100, 140)), True),
     ([0, 2**32 - 1, *range(20)], True),  # the uint32 range, end to end
@@ -227,21 +239,13 @@ async def test_turns_go_as_msgpack_with_r3_as_bin_by_default(app, sid):
     ([1.0, *range(20)], False),
 ])
 async def test_a_long_prompt_goes_packed_as_uint32_items(app, sid, ids, packs):
-    transport, seen = recording(app)
-    record = turn(ids, [3])["record"]
-    before = json.dumps(record)
-    async with TurnlogClient("http://turnlog", transport=transport) as client:
-        await client.open(session_id=sid, version="v2")
-        with contextlib.suppress(TurnlogError):
-            await client.append(sid, record, event_id="e0")
-    sent = seen[-1].content
+    sent = await appended(app, sid, turn(ids, [3])["record"])
     assert msgspec.msgpack.decode(sent)["record"]["request"]["input_ids"] == ids
     assert type(msgspec.msgpack.decode(sent)["record"]["request"]["input_ids"][0]) is \
         type(ids[0])
     packed = struct.pack(">BI", 0xDD, len(ids)) + b"".join(
         struct.pack(">BI", 0xCE, int(i)) for i in ids if 0 <= i < 2**32)
     assert (packed in sent) == packs
-    assert json.dumps(record) == before  # the caller's record is left as it was
 
 
 @pytest.mark.parametrize(("entries", "packs"), [
@@ -254,21 +258,14 @@ async def test_a_long_prompt_goes_packed_as_uint32_items(app, sid, ids, packs):
     ([[-0.25 * i, 100 + i] for i in range(19)] + [[-1.0, True]], False),
 ])
 async def test_output_entries_go_packed_at_fixed_width(app, sid, entries, packs):
-    transport, seen = recording(app)
     record = turn([1, 2, 3], [e[1] for e in entries])["record"]
     record["response"]["choices"][0]["meta_info"]["output_token_logprobs"] = entries
-    before = json.dumps(record)
-    async with TurnlogClient("http://turnlog", transport=transport) as client:
-        await client.open(session_id=sid, version="v2")
-        with contextlib.suppress(TurnlogError):
-            await client.append(sid, record, event_id="e0")
-    sent = seen[-1].content
+    sent = await appended(app, sid, record)
     decoded = msgspec.msgpack.decode(sent)["record"]["response"]["choices"][0]
     assert decoded["meta_info"]["output_token_logprobs"] == entries
     first = struct.pack(">BBdBI", 0x90 + len(entries[0]), 0xCB, entries[0][0], 0xCE,
                         entries[0][1])
     assert (struct.pack(">BI", 0xDD, len(entries)) + first in sent) == packs
-    assert json.dumps(record) == before
 
 
 @pytest.mark.parametrize("body", [
