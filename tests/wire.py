@@ -51,7 +51,7 @@ def to_msgpack(body: Any) -> bytes:
     return msgspec.msgpack.encode(with_bin(body))
 
 
-def packed(ids: list[int], header: str = "array32") -> msgspec.Raw:
+def packed_ids(ids: list[int], header: str = "array32") -> msgspec.Raw:
     """`ids` as a packed MessagePack array: each a uint32 (`0xce`, 4 bytes big-endian),
     after an array 16 or 32 header — written item by item, the test's own oracle."""
     head = struct.pack(">BH", 0xDC, len(ids)) if header == "array16" else \
@@ -71,7 +71,7 @@ def to_packed_msgpack(body: Any) -> bytes:
     """`to_msgpack`, with `record.request.input_ids` and the output entries packed."""
     out = with_bin(body)
     request = out["record"]["request"]
-    request["input_ids"] = packed(request["input_ids"])
+    request["input_ids"] = packed_ids(request["input_ids"])
     meta = out["record"]["response"]["choices"][0]["meta_info"]
     meta["output_token_logprobs"] = packed_entries(meta["output_token_logprobs"])
     return msgspec.msgpack.encode(out)

@@ -10,7 +10,9 @@ retries of `errors.py`, failed answers as `TurnlogError`s).
 Owns the wire of a turn too: turns go as MessagePack by default (`wire="json"`
 opts out) with the record taken as the session server wrote it and its base64
 R3 decoded once here into the raw int32 bin the server stores without another
-decode; R3 tensors stream into one preallocated array (`npy_stream.py`).
+decode, and the prompt and output entries written packed (fixed-width items the
+server reads without an object per item; docs/ingest.md, "Packed lists"); R3
+tensors stream into one preallocated array (`npy_stream.py`).
 
 Refuses to own any rule of the store: answers are returned as the JSON the
 server sent (plain dicts), and R3 tensors as numpy arrays read from `.npy`.
@@ -85,8 +87,10 @@ def _r3_bin(text: str) -> bytes | None:
 # Long lists written at fixed width (valid if not minimal MessagePack), which the
 # server reads with numpy, with no Python object per item: a prompt's ids as uint32s
 # (`0xce` + 4 bytes big-endian each), and output entries as `[float64, uint32]` (or
-# with a nil third, as SGLang writes `[logprob, token_id, null]`).
-_PACKED_MIN = 16  # shorter lists go as msgspec writes them: nothing to gain
+# with a nil third, as SGLang writes `[logprob, token_id, null]`). The item layouts
+# and the minimum length are the server's (docs/ingest.md, "Packed lists").
+_MIN_ITEMS = 16  # shorter lists go as msgspec writes them: nothing to gain
+_FIXARRAY, _FLOAT64, _UINT32_TAG, _NIL = 0x90, 0xCB, 0xCE, 0xC0
 _UINT32 = list[Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]]
 _ID_ITEM = np.dtype([("tag", "u1"), ("id", ">u4")])
 _ENTRY_ITEMS = {
@@ -112,20 +116,20 @@ def _array(items: np.ndarray) -> msgspec.Raw:
 
 def _packed_ids(ids: Any) -> msgspec.Raw | None:
     """A list of ints in [0, 2**32) as one packed array; None for anything else."""
-    if type(ids) is not list or len(ids) < _PACKED_MIN:
+    if type(ids) is not list or len(ids) < _MIN_ITEMS:
         return None
     values = _uint32s(ids)
     if values is None:
         return None
     items = np.empty(len(ids), _ID_ITEM)
-    items["tag"], items["id"] = 0xCE, values
+    items["tag"], items["id"] = _UINT32_TAG, values
     return _array(items)
 
 
 def _packed_entries(entries: Any) -> msgspec.Raw | None:
     """Output entries, all `[float, int]` or all `[float, int, None]` (ids in the
     uint32 range), as one packed array; None for anything else."""
-    if type(entries) is not list or len(entries) < _PACKED_MIN \
+    if type(entries) is not list or len(entries) < _MIN_ITEMS \
             or set(map(type, entries)) != {list}:
         return None
     widths = set(map(len, entries))
@@ -138,10 +142,10 @@ def _packed_entries(entries: Any) -> msgspec.Raw | None:
             or (width == 3 and any(item is not None for item in columns[2])):
         return None
     items = np.empty(len(entries), _ENTRY_ITEMS[width])
-    items["head"], items["float"], items["tag"] = 0x90 + width, 0xCB, 0xCE
+    items["head"], items["float"], items["tag"] = _FIXARRAY + width, _FLOAT64, _UINT32_TAG
     items["logprob"], items["id"] = columns[0], ids
     if width == 3:
-        items["nil"] = 0xC0
+        items["nil"] = _NIL
     return _array(items)
 
 

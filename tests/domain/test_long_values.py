@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.domain.body.session import SessionDefinition
-from app.domain.body.turn import TOKEN_MAX, parse_turn
+from app.domain.body.turn import parse_turn
 from app.domain.errors import InvalidRequest, TooLarge
 from app.domain.log.events import prepare_turn
-from app.domain.wire import msgpackio
-from app.domain.wire import packed as packed_module
+from app.domain.wire import msgpackio, packed
 from app.domain.wire.packed import OutputEntries
+from app.domain.wire.validate import TOKEN_MAX
 from tests.factory import r3_b64, turn
-from tests.wire import packed, packed_entries, with_bin
+from tests.wire import packed_entries, packed_ids, with_bin
 
 IDS = list(range(1000, 1040))
 DEFINITION = SessionDefinition("s", "v2", "in_place", 2, False, 0)
@@ -73,7 +73,7 @@ def decoded(raw: bytes):
 
 
 def test_a_packed_prompt_is_read_as_an_array_of_the_same_ids():
-    raw = msgspec.msgpack.encode(body_with(packed(IDS)))
+    raw = msgspec.msgpack.encode(body_with(packed_ids(IDS)))
     buffer = bytearray(raw)
     value = msgpackio.loads(buffer)
     ids = value["record"]["request"]["input_ids"]
@@ -91,7 +91,7 @@ def test_a_packed_prompt_is_read_as_an_array_of_the_same_ids():
 
 
 def test_an_array16_header_is_read_too():
-    raw = msgspec.msgpack.encode(body_with(packed(IDS, "array16")))
+    raw = msgspec.msgpack.encode(body_with(packed_ids(IDS, "array16")))
     assert isinstance(msgpackio.loads(bytearray(raw))["record"]["request"]["input_ids"],
                       np.ndarray)
     assert decoded(raw) == msgspec.msgpack.decode(raw)
@@ -118,7 +118,7 @@ def test_any_other_encoding_decodes_as_it_comes(items, why):
 
 def test_an_id_beyond_the_token_range_is_named_by_the_turn_rules():
     ids = [*IDS[:-1], TOKEN_MAX + 1]
-    value = msgpackio.loads(bytearray(msgspec.msgpack.encode(body_with(packed(ids)))))
+    value = msgpackio.loads(bytearray(msgspec.msgpack.encode(body_with(packed_ids(ids)))))
     assert value["record"]["request"]["input_ids"] == ids
     with pytest.raises(InvalidRequest) as refused:
         parse_turn(value, DEFINITION)
@@ -134,7 +134,8 @@ def _map(pairs: list[tuple[str, bytes]]) -> bytes:
 @pytest.mark.parametrize("last_packed", [True, False])
 def test_a_repeated_key_keeps_the_last_value_as_every_decoder_does(last_packed):
     listed = msgspec.msgpack.encode([5] * 20)
-    first, last = (listed, bytes(packed(IDS))) if last_packed else (bytes(packed(IDS)), listed)
+    ids = bytes(packed_ids(IDS))
+    first, last = (listed, ids) if last_packed else (ids, listed)
     request = _map([("input_ids", first), ("input_ids", last)])
     raw = _map([("event_id", msgspec.msgpack.encode("e")),
                 ("record", _map([("request", request)]))])
@@ -155,7 +156,7 @@ def test_a_repeated_key_keeps_the_last_value_as_every_decoder_does(last_packed):
 ])
 def test_a_malformed_body_with_a_packed_prompt_is_refused_and_left_as_it_was(
         case, make, typed_pass_reads_it):
-    raw = make(msgspec.msgpack.encode(body_with(packed(IDS), metadata={"zz": 1})))
+    raw = make(msgspec.msgpack.encode(body_with(packed_ids(IDS), metadata={"zz": 1})))
     buffer = bytearray(raw)
     assert any(long.key == "input_ids" for long in msgpackio.layout(buffer).longs) \
         == typed_pass_reads_it
@@ -170,18 +171,23 @@ def test_the_width_is_checked_before_a_packed_list_is_read(monkeypatch):
     def never(_span):
         raise AssertionError("a packed list was read before the width check")
 
-    monkeypatch.setattr(packed_module, "prompt", never)
-    monkeypatch.setattr(packed_module, "output_entries", never)
-    raw = msgspec.msgpack.encode(body_with(packed(list(range(2000)))))
+    monkeypatch.setattr(packed, "prompt", never)
+    monkeypatch.setattr(packed, "output_entries", never)
+    raw = msgspec.msgpack.encode(body_with(packed_ids(list(range(2000)))))
     with pytest.raises(TooLarge):
         msgpackio.loads(bytearray(raw), 1000)
 
 
-def test_a_bin_where_the_prompt_stands_is_still_refused():
-    """The decoder sees a bin where it reads a packed prompt: a bin sent there is not one."""
-    raw = msgspec.msgpack.encode(body_with(b"\x00" * (5 + 5 * len(IDS))))
+def test_a_bin_as_the_prompt_is_still_refused_beside_values_not_decoded():
+    """With the R3 bin and packed entries left undecoded, a bin sent as `input_ids` is
+    still a bin where none may be."""
+    body = body_with_entries(packed_entries(ENTRIES), layers=48, topk=8)
+    body["record"]["request"]["input_ids"] = b"\x00" * (5 + 5 * len(IDS))
+    buffer = bytearray(msgspec.msgpack.encode(body))
+    assert {"routed_experts", "output_token_logprobs"} <= {
+        long.key for long in msgpackio.layout(buffer).longs}
     with pytest.raises(InvalidRequest, match="bin is not allowed"):
-        msgpackio.loads(bytearray(raw))
+        msgpackio.loads(buffer)
 
 
 @settings(max_examples=200, deadline=None)
@@ -191,7 +197,7 @@ def test_a_bin_where_the_prompt_stands_is_still_refused():
                              max_size=3),
        header=st.sampled_from(["array16", "array32"]))
 def test_packed_or_not_the_value_is_the_plain_decode(ids, extra, header):
-    body = body_with(packed(ids, header))
+    body = body_with(packed_ids(ids, header))
     body["record"]["request"].update({k: v for k, v in extra.items() if k != "input_ids"})
     raw = msgspec.msgpack.encode(body)
     buffer = bytearray(raw)
@@ -203,15 +209,15 @@ def test_packed_or_not_the_value_is_the_plain_decode(ids, extra, header):
 def test_a_layout_that_does_not_match_the_decode_falls_back_to_the_plain_decode():
     """Should a rewritten array not be the one `record.request` ends up with (the typed
     pass and the decoder disagreeing), the body is decoded again as it is."""
-    raw = msgspec.msgpack.encode(body_with(packed(IDS), metadata={"other": packed(IDS)}))
-    start = raw.rindex(bytes(packed(IDS)))  # metadata's twin, not the prompt
-    wrong = msgpackio.Layout(msgpackio.r3_span(raw), (msgpackio.Long(
-        start, start + len(bytes(packed(IDS))), ("record", "request"), "input_ids"),))
+    raw = msgspec.msgpack.encode(body_with(packed_ids(IDS), metadata={"other": packed_ids(IDS)}))
+    start = raw.rindex(bytes(packed_ids(IDS)))  # metadata's twin, not the prompt
+    wrong = msgpackio.Layout(msgpackio.layout(raw).r3, (msgpackio.Long(
+        start, start + len(bytes(packed_ids(IDS))), "input_ids"),))
     value = msgpackio.loads(bytearray(raw), found=wrong)
     assert value == msgspec.msgpack.decode(raw)
 
 
-@pytest.mark.parametrize("ids_value", [IDS, packed(IDS)], ids=["listed", "packed"])
+@pytest.mark.parametrize("ids_value", [IDS, packed_ids(IDS)], ids=["listed", "packed"])
 def test_a_large_r3_bin_is_a_read_only_view_of_the_body(ids_value):
     raw = msgspec.msgpack.encode(body_with(ids_value, BIG_OUTPUT, 48, 8))
     buffer = bytearray(raw)
@@ -230,17 +236,11 @@ def test_a_large_r3_bin_is_a_read_only_view_of_the_body(ids_value):
     assert np.array_equal(ours.facts.r3_values, theirs.facts.r3_values)
 
 
-def test_a_smaller_r3_bin_is_decoded_as_it_comes():
-    value = msgpackio.loads(bytearray(msgspec.msgpack.encode(body_with(packed(IDS), layers=48,
-                                                                       topk=8))))
-    assert type(r3_of(value)) is bytes
-
-
 @pytest.mark.parametrize("code", [101, 5])
 def test_a_clients_ext_is_refused_whatever_its_code(code):
-    """Ext 101 is what the decoder is shown in place of the long values: one sent is
-    still an ext, refused as the plain decode refuses it."""
-    body = body_with(packed(IDS), BIG_OUTPUT, 48, 8, metadata={"zz": 1})
+    """Ext 101 is what the decoder is shown in place of the long values: one a client
+    sends is still an ext, refused as the plain decode refuses it."""
+    body = body_with(packed_ids(IDS), BIG_OUTPUT, 48, 8, metadata={"zz": 1})
     raw = msgspec.msgpack.encode(body).replace(b"\xa2zz\x01",
                                                b"\xa2zz\xd4" + bytes((code, 0)))
     buffer = bytearray(raw)
@@ -254,12 +254,12 @@ def test_a_clients_ext_is_refused_whatever_its_code(code):
 ENTRIES = [[-0.5 - i / 7, 3000 + i] for i in range(20)]
 
 
-def body_with_entries(entries_value, entries=ENTRIES, **over):
+def body_with_entries(entries_value, entries=ENTRIES, layers=2, topk=2, **over):
     """A turn whose output is `entries` (as the plain decode reads them), its output
     entries sent as `entries_value`."""
     rows = len(IDS) + len(entries) - 1
-    body = with_bin(turn(IDS, [e[1] for e in entries], r3=r3_b64(rows, 2, 2), start=0,
-                         event_id="e", **over))
+    body = with_bin(turn(IDS, [e[1] for e in entries], r3=r3_b64(rows, layers, topk),
+                         start=0, event_id="e", **over))
     meta_of(body)["output_token_logprobs"] = entries_value
     return body
 
@@ -292,23 +292,24 @@ F64 = b"\xcb" + struct.pack(">d", -0.5)
 U32 = b"\xce" + struct.pack(">I", 3001)
 
 
-@pytest.mark.parametrize(("odd", "why"), [
-    (_entry(0x92, b"\xca" + struct.pack(">f", -0.5), U32), "a float32 log-prob"),
-    (_entry(0x92, b"\x00", U32), "an integer log-prob"),
-    (_entry(0x92, F64, b"\xcd" + struct.pack(">H", 3001)), "a uint16 id"),
-    (_entry(0x93, F64, U32, b"\xc0"), "one entry of three among pairs"),
-    (_entry(0x92, b"\xcb" + struct.pack(">d", float("inf")), U32), "an infinite log-prob"),
-    (_entry(0x92, F64, b"\xce" + struct.pack(">I", TOKEN_MAX + 1)), "an id out of range"),
+@pytest.mark.parametrize(("odd", "why", "refused"), [
+    (_entry(0x92, b"\xca" + struct.pack(">f", -0.5), U32), "a float32 log-prob", False),
+    (_entry(0x92, b"\x00", U32), "an integer log-prob", False),
+    (_entry(0x92, F64, b"\xcd" + struct.pack(">H", 3001)), "a uint16 id", False),
+    (_entry(0x93, F64, U32, b"\xc0"), "one entry of three among pairs", False),
+    (_entry(0x92, b"\xcb" + struct.pack(">d", float("inf")), U32), "an infinity", True),
+    (_entry(0x92, F64, b"\xce" + struct.pack(">I", TOKEN_MAX + 1)), "an id out of range",
+     False),
 ])
-def test_any_other_entry_is_decoded_as_it_comes(odd, why):
+def test_any_other_entry_is_decoded_as_it_comes(odd, why, refused):
     items = [_entry(0x92, F64, U32)] * 19 + [odd]
     raw = msgspec.msgpack.encode(body_with_entries(msgspec.Raw(
         struct.pack(">BI", 0xDD, 20) + b"".join(items)), [[-0.5, 3001]] * 20))
-    try:
-        value = msgpackio.loads(bytearray(raw))
-    except InvalidRequest as refused:  # the infinity: refused as the plain decode is
-        assert refused.field == "body" and "non-finite" in str(refused)
+    if refused:  # as the plain decode refuses it
+        with pytest.raises(InvalidRequest, match="non-finite"):
+            msgpackio.loads(bytearray(raw))
         return
+    value = msgpackio.loads(bytearray(raw))
     assert type(meta_of(value)["output_token_logprobs"]) is list, why
     assert as_list(value) == msgspec.msgpack.decode(raw)
 

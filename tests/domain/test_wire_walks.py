@@ -157,7 +157,7 @@ def test_values_are_refused_exactly_over_the_limit_whatever_the_r3_bin(payload, 
     raw = msgspec.msgpack.encode(body)
     assert values(body) == limit + over
     assert len(raw) > 4 * limit
-    assert (msgpackio.r3_span(raw) > 0) == (choices == 1)
+    assert (msgpackio.layout(raw).r3 > 0) == (choices == 1)
     if over > 0:
         with pytest.raises(TooLarge):
             msgpackio.loads(raw, limit)
@@ -169,7 +169,7 @@ def test_the_walk_is_skipped_only_when_the_rest_is_under_the_limit():
     """`scalar`'s bound, at its edge: the bytes outside the bin plus the bin's one value."""
     limit = 1000
     raw = msgspec.msgpack.encode(turn_with(b"\x00" * 4000, 0))
-    span = msgpackio.r3_span(raw)
+    span = msgpackio.layout(raw).r3
     assert span == 3 + 4000  # bin 16: its header and its bytes
     # Many one-byte values after the bin: a body of exactly `limit + 1` values, its
     # non-bin bytes `limit` (the bound says at most limit + 1: it must walk, and refuse).
@@ -177,10 +177,10 @@ def test_the_walk_is_skipped_only_when_the_rest_is_under_the_limit():
     body["filler"] = [0] * (limit + 1 - values(body))
     raw = msgspec.msgpack.encode(body)
     with pytest.raises(TooLarge):
-        width.check_msgpack(raw, limit, msgpackio.r3_span(raw))
+        width.check_msgpack(raw, limit, msgpackio.layout(raw).r3)
     body["filler"].pop()
     raw = msgspec.msgpack.encode(body)
-    width.check_msgpack(raw, limit, msgpackio.r3_span(raw))
+    width.check_msgpack(raw, limit, msgpackio.layout(raw).r3)
 
 
 @pytest.mark.parametrize("raw", [
@@ -194,7 +194,7 @@ def test_the_walk_is_skipped_only_when_the_rest_is_under_the_limit():
     b"",
 ])
 def test_a_body_the_typed_pass_cannot_read_has_no_span(raw):
-    assert msgpackio.r3_span(raw) == 0
+    assert msgpackio.layout(raw).r3 == 0
 
 
 @pytest.mark.parametrize("limit_over_values", [-1, 0, 1])

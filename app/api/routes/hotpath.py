@@ -160,7 +160,7 @@ class AppendRoute(BaseRoute):
                 definition = svc.writer.cached_definition(session_id) if large else None
                 if definition is None:
                     body = await decode_turn(decode, raw, self.uploads, offload)
-                    del raw  # the decoded body may be all that is left of it
+                    del raw  # only the decoded body's views (an R3 bin in place) keep it now
                     written = await svc.writer.append_turn(session_id, body, offload=offload)
                 else:
                     # The session is known: decoding and validating are one step (one

@@ -96,7 +96,7 @@ async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JS
             raw = await read_body(request)
             offload = uploads.is_large(request) and uploads.offloads(raw, decode)
             body = await decode_turn(decode, raw, uploads, offload)
-            del raw  # the decoded body may be all that is left of it
+            del raw  # only the decoded body's views (an R3 bin in place) keep it now
             written = await svc.writer.append_turn(session_id, body, offload=offload)
     except DomainError as exc:
         turn_rejected(svc.metrics, session_id, body, exc, started)

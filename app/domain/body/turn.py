@@ -107,9 +107,9 @@ class TurnBody:
 
 
 def json_carried(record: dict[str, Any]) -> dict[str, Any]:
-    """`record` as JSON carries it: an R3 bin (MessagePack; bytes or a view of the
-    body's) becomes its base64 text, and the packed lists `msgpackio` reads into
-    arrays (`packed`) their lists.
+    """`record` as JSON carries it, for comparing contents: an R3 bin (MessagePack;
+    bytes, or a view of the request's body) becomes its base64 text, and a packed
+    prompt or packed output entries (`msgpackio` reads them into arrays) their lists.
 
     Copies only the maps on those paths; with none of them, `record` itself.
     """
@@ -122,18 +122,25 @@ def json_carried(record: dict[str, Any]) -> dict[str, Any]:
         prompt = record["request"]["input_ids"]
         if isinstance(prompt, np.ndarray):
             record = {**record, "request": {**record["request"], "input_ids": prompt.tolist()}}
-    return listed_entries(record)
+    entries = _packed_entries(record)
+    return record if entries is None else \
+        _with_meta(record, output_token_logprobs=entries.as_lists())
 
 
-def listed_entries(record: dict[str, Any], to_write: bool = False) -> dict[str, Any]:
-    """`record` with packed output entries (`packed.OutputEntries`) as their lists,
-    or as tuples when the record is only `to_write` as JSON (the same text)."""
+def entries_to_write(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with packed output entries as tuples: for writing it as JSON only (the
+    text of the lists, for half the CPU of making them). Copies the maps on the path."""
+    entries = _packed_entries(record)
+    return record if entries is None else \
+        _with_meta(record, output_token_logprobs=entries.as_items())
+
+
+def _packed_entries(record: dict[str, Any]) -> OutputEntries | None:
     with contextlib.suppress(KeyError, IndexError, TypeError):
         entries = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
         if type(entries) is OutputEntries:
-            return _with_meta(record, output_token_logprobs=entries.as_items() if to_write
-                              else entries.as_lists())
-    return record
+            return entries
+    return None
 
 
 def _with_meta(record: dict[str, Any], **values: Any) -> dict[str, Any]:

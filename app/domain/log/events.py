@@ -23,7 +23,7 @@ from app.domain.body.turn import (
     OMITTED,
     TurnBody,
     TurnFacts,
-    listed_entries,
+    entries_to_write,
     parse_turn,
     stored_turn_facts,
 )
@@ -78,10 +78,10 @@ def without_r3(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
-    """Copy of `record` without `input_ids` (and the R3 payload unless `keep_r3`),
-    packed output entries as their lists."""
+    """Copy of `record` without `input_ids` (and the R3 payload unless `keep_r3`), for
+    writing as JSON (packed output entries as tuples: `entries_to_write`)."""
     out = dict(record) if keep_r3 else without_r3(record)
-    out = listed_entries(out, to_write=True)
+    out = entries_to_write(out)
     request = dict(out["request"])
     request.pop("input_ids", None)
     out["request"] = request

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import chain, compress
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import numpy as np
@@ -51,7 +51,7 @@ def _invalid(why: str, actual: Any) -> InvalidRequest:
                           actual=actual)
 
 
-def _reject_ext(code: int, _data: memoryview) -> Any:
+def _reject_ext(code: int, _data: memoryview) -> NoReturn:
     raise _invalid(f"ext type {code}", f"ext type {code}")
 
 
@@ -89,31 +89,37 @@ class _Turn(msgspec.Struct):
 _LAYOUT = msgspec.msgpack.Decoder(_Turn)
 # The first byte of a str or bin (str 8/16/32, bin 8/16/32; fixstr never holds R3).
 _STR_OR_BIN = frozenset({0xd9, 0xda, 0xdb, 0xc4, 0xc5, 0xc6})
-_BIN32 = 0xC6
+_BIN32, _BIN32_HEADER = 0xC6, 5
 # What the decoder is shown in place of a long value it need not read: an ext 32
-# (header: 0xc9, 4 bytes of length, the type) of a type code no client may send
-# (every ext is refused), covering the value's bytes; see `_decode_around`.
-_EXT32 = 0xC9
-_STAND_CODE = 101
-_STAND_HEADER = 6
-_PROMPT_PATH: tuple[str | int, ...] = ("record", "request")
-_META_PATH = R3_PATH[:-1]
+# (header: 0xc9, 4 bytes of length, the type) of a type code of ours, covering the
+# value's bytes (see `_decode_around`). Its length field bounds what it can cover.
+_EXT32, _STAND_CODE, _STAND_HEADER = 0xC9, 101, 6
+_STAND_MAX = (1 << 32) - 1 + _STAND_HEADER
+# The map holding each long value, by its key.
+_HOLDERS: dict[str, tuple[str | int, ...]] = {
+    "input_ids": ("record", "request"),
+    "output_token_logprobs": R3_PATH[:-1],
+    "routed_experts": R3_PATH[:-1],
+}
+# A body this short has no long value to find.
+_WORTH_A_LOOK = packed.MIN_ITEMS * 5
+_UNDECODED: Any = object()  # `_decode_around` could not: decode the body as it is
+_R3_VIEW: Any = object()  # the R3 bin: a view of the body, taken after the decode
 
 
 @dataclass(frozen=True)
 class Long:
-    """A long value found in a body's bytes `start:end` (header included): the key
-    of the map at `path` that holds it."""
+    """A long value at `start:end` of a body's bytes (header included), and the key it
+    is found under (its map: `_HOLDERS`)."""
 
     start: int
     end: int
-    path: tuple[str | int, ...]
     key: str
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a turn body's long values stand, from one typed pass."""
+    """Where a turn body's long values lie, from one typed pass."""
 
     r3: int = 0  # the R3 str or bin's bytes, header included (0: none found)
     # Values the decode may not need to read: the prompt, the output entries (if
@@ -122,12 +128,10 @@ class Layout:
 
 
 _NO_LAYOUT = Layout()
-# The longest value an ext 32 can stand in for (its length field is 4 bytes).
-_STAND_MAX = (1 << 32) - 1 + _STAND_HEADER
 
 
 def layout(raw: bytes | bytearray | memoryview) -> Layout:
-    """The R3 payload's size and where the long values of a MessagePack body stand.
+    """The R3 payload's size and where the long values of a MessagePack body lie.
 
     A typed decode that allocates a few objects whatever the body (one choice only:
     `choices` of another length, or anything the typed pass cannot read, finds
@@ -144,8 +148,7 @@ def layout(raw: bytes | bytearray | memoryview) -> Layout:
     response = record.response
     choices = response.choices if response is not None else None
     meta = choices[0].meta_info if choices else None
-    body = np.frombuffer(raw, np.uint8)
-    found: list[tuple[msgspec.Raw, tuple[str | int, ...], str]] = []
+    candidates: list[tuple[str, msgspec.Raw]] = []
     r3 = 0
     if meta is not None and meta.routed_experts:
         with memoryview(meta.routed_experts) as view:
@@ -153,24 +156,25 @@ def layout(raw: bytes | bytearray | memoryview) -> Layout:
         if first not in _STR_OR_BIN:
             r3 = 0
         elif first == _BIN32:
-            found.append((meta.routed_experts, _META_PATH, "routed_experts"))
+            candidates.append(("routed_experts", meta.routed_experts))
     if meta is not None and meta.output_token_logprobs:
-        found.append((meta.output_token_logprobs, _META_PATH, "output_token_logprobs"))
+        candidates.append(("output_token_logprobs", meta.output_token_logprobs))
     if record.request is not None and record.request.input_ids:
-        found.append((record.request.input_ids, _PROMPT_PATH, "input_ids"))
+        candidates.append(("input_ids", record.request.input_ids))
     longs = []
-    for value, path, key in found:
-        span = np.frombuffer(value, np.uint8)
-        start = int(span.ctypes.data - body.ctypes.data)  # the typed pass's views of `raw`
-        if 0 <= start <= body.size - span.size and _STAND_HEADER < span.size <= _STAND_MAX:
-            longs.append(Long(start, start + span.size, path, key))
+    for key, value in candidates:
+        start, size = _offset(raw, value), len(memoryview(value))
+        if start >= 0 and _STAND_HEADER < size <= _STAND_MAX:
+            longs.append(Long(start, start + size, key))
     return Layout(r3, tuple(longs))
 
 
-def r3_span(raw: bytes | bytearray | memoryview) -> int:
-    """The bytes of the str or bin at `R3_PATH` of a MessagePack body, header included
-    (0: none found, or the body is not shaped so that the typed pass can tell)."""
-    return layout(raw).r3
+def _offset(raw: bytes | bytearray | memoryview, view: Any) -> int:
+    """Where `view` (of the typed pass, or an ext's data) starts in `raw`; -1 if it is
+    not a view of `raw`'s bytes."""
+    body, span = np.frombuffer(raw, np.uint8), np.frombuffer(view, np.uint8)
+    start = int(span.ctypes.data - body.ctypes.data)
+    return start if 0 <= start <= body.size - span.size else -1
 
 
 def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
@@ -183,19 +187,20 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
     it can serve). In a bytearray, the long values are not decoded: a packed
     prompt becomes its ids (an int64 array), packed output entries a
     `packed.OutputEntries`, and an R3 bin 32 a read-only view of the body (no
-    copy) — `_decode_around` says how.
+    copy), which holds the bytearray: it cannot be resized while the value
+    lives, and must not be written to. `_decode_around` says how.
     """
     if found is None and (len(raw) > max_values or
                           (isinstance(raw, bytearray) and len(raw) > _WORTH_A_LOOK)):
         found = layout(raw)
     check_msgpack(raw, max_values, found.r3 if found is not None else 0)
-    value = _OMITTED
+    value = _UNDECODED
     if found is not None and found.longs and isinstance(raw, bytearray):
         longs = _read(raw, found.longs)
         if longs:
             value = _decode_around(raw, longs)
-    if value is _OMITTED:
-        value = _decode(raw)
+    if value is _UNDECODED:
+        value = _decode(raw, _DECODER)
     aside = [(holder, key, holder[key]) for holder, key in _allowed(value)]
     # The allowed values step aside for the walk (by place, not identity: b"" is shared).
     for holder, key, _ in aside:
@@ -206,9 +211,6 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
         for holder, key, kept in aside:
             holder[key] = kept
     return value
-
-
-_R3_VIEW: Any = object()  # the R3 bin: a view of the body, taken after the decode
 
 
 def _read(raw: bytearray, longs: tuple[Long, ...]) -> list[tuple[Long, Any]]:
@@ -226,38 +228,27 @@ def _read(raw: bytearray, longs: tuple[Long, ...]) -> list[tuple[Long, Any]]:
     return out
 
 
-_OMITTED: Any = object()
-# A body this short has no long value to find.
-_WORTH_A_LOOK = packed.MIN_ITEMS * 5
-
-
 def _allowed(value: Any) -> list[tuple[dict[str, Any], str]]:
     """Where a decoded body holds a value the walk would refuse but is allowed: an R3
     bin (or its view), a packed prompt's array and packed output entries."""
     out: list[tuple[dict[str, Any], str]] = []
-    meta = _holder(value, _META_PATH)
+    meta = _holder(value, _HOLDERS["routed_experts"])
     if meta is not None:
         if isinstance(meta.get("routed_experts"), bytes | memoryview):
             out.append((meta, "routed_experts"))
         if type(meta.get("output_token_logprobs")) is packed.OutputEntries:
             out.append((meta, "output_token_logprobs"))
-    request = _holder(value, _PROMPT_PATH)
+    request = _holder(value, _HOLDERS["input_ids"])
     if request is not None and type(request.get("input_ids")) is np.ndarray:
         out.append((request, "input_ids"))
     return out
 
 
-class _Stand:
-    """What the decoder makes of a value `_decode_around` hid from it."""
-
-
-def _decode(raw: bytes | bytearray | memoryview, ext_hook: Any = _reject_ext) -> Any:
+def _decode(raw: bytes | bytearray | memoryview, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
     """The full decode."""
     try:
         with gc_paused():
-            if ext_hook is _reject_ext:
-                return _DECODER.decode(raw)
-            return msgspec.msgpack.Decoder(ext_hook=ext_hook).decode(raw)
+            return decoder.decode(raw)
     except RecursionError:
         raise _too_deep() from None
     except msgspec.DecodeError as exc:
@@ -266,25 +257,35 @@ def _decode(raw: bytes | bytearray | memoryview, ext_hook: Any = _reject_ext) ->
                              actual="malformed MessagePack") from None
 
 
+@dataclass(frozen=True, eq=False)
+class _Stand:
+    """What the decoder makes of the long value at `start` that `_decode_around` hid."""
+
+    start: int
+
+
 def _decode_around(raw: bytearray, longs: list[tuple[Long, Any]]) -> Any:
     """The full decode, with `longs` not read, each replaced by what goes with it:
-    `_OMITTED` when the decoded body does not hold them where the typed pass saw them
-    (the caller then decodes it as it is).
+    `_UNDECODED` when the decoded body does not hold them where the typed pass saw
+    them (the caller then decodes it as it is).
 
-    Each is shown to the decoder as an ext value of its own type code (its first
-    bytes rewritten in the buffer, and restored before this returns), which the
-    decoder steps over without copying; then what was read of it takes its place.
-    A client's own ext is still refused: one of another code by the hook, one of
-    this code because it makes one value more than there were places, and the
-    plain decode then refuses it.
+    Each is shown to the decoder as an ext value of our own type code (its first
+    bytes rewritten in the buffer, restored before this returns), which the decoder
+    steps over without copying; then what was read of it takes its place. The ext
+    hook knows each by where its data lies in the buffer; any other ext (a client's
+    own, whatever its code) is refused as the plain decode refuses it.
     """
-    made: list[_Stand] = []
+    hidden = {long.start + _STAND_HEADER: long.start for long, _ in longs}
+    strays: list[int] = []
 
     def stand(code: int, data: memoryview) -> Any:
         if code != _STAND_CODE:
             _reject_ext(code, data)
-        made.append(_Stand())
-        return made[-1]
+        start = hidden.get(_offset(raw, data))
+        if start is None:  # not one we hid: the plain decode judges it
+            strays.append(code)
+            return None
+        return _Stand(start)
 
     saved = [bytes(raw[long.start:long.start + _STAND_HEADER]) for long, _ in longs]
     try:
@@ -292,26 +293,27 @@ def _decode_around(raw: bytearray, longs: list[tuple[Long, Any]]) -> Any:
             raw[long.start:long.start + _STAND_HEADER] = bytes((_EXT32,)) + \
                 (long.end - long.start - _STAND_HEADER).to_bytes(4, "big") + \
                 bytes((_STAND_CODE,))
-        value = _decode(raw, stand)
+        value = _decode(raw, msgspec.msgpack.Decoder(ext_hook=stand))
     finally:
         for (long, _), kept in zip(longs, saved, strict=True):
             raw[long.start:long.start + _STAND_HEADER] = kept
-    if len(made) != len(longs):
-        return _OMITTED
-    holders = [_holder(value, long.path) for long, _ in longs]
+    if strays:
+        return _UNDECODED
+    holders = [_holder(value, _HOLDERS[long.key]) for long, _ in longs]
     for holder, (long, _) in zip(holders, longs, strict=True):
-        if holder is None or type(holder.get(long.key)) is not _Stand:
-            return _OMITTED
+        placed = None if holder is None else holder.get(long.key)
+        if type(placed) is not _Stand or placed.start != long.start:
+            return _UNDECODED
     for holder, (long, read) in zip(holders, longs, strict=True):
         assert holder is not None
-        # A bin 32's header is 5 bytes; its view is taken once the buffer is restored.
-        holder[long.key] = memoryview(raw)[long.start + 5:long.end].toreadonly() \
-            if read is _R3_VIEW else read
+        # The view is taken once the buffer is restored.
+        holder[long.key] = read if read is not _R3_VIEW else \
+            memoryview(raw)[long.start + _BIN32_HEADER:long.end].toreadonly()
     return value
 
 
 def _holder(value: Any, path: tuple[str | int, ...]) -> dict[str, Any] | None:
-    """The map at `path` of a decoded body, if one stands there."""
+    """The map at `path` of a decoded body, if it is there."""
     node = value
     for key in path:
         if type(key) is str:

@@ -1,6 +1,6 @@
 """Packed MessagePack arrays: long lists of a turn written item by item at fixed width.
 
-Owns the two layouts a MessagePack turn may use for its long lists, and reading
+Owns the two encodings a MessagePack turn may use for its long lists, and reading
 them from a body's bytes with numpy, with no Python object per item:
 
 - a prompt (`record.request.input_ids`): an array 16 or 32 of uint32 items

@@ -24,7 +24,7 @@ from typing import Any, TypeGuard
 from app.domain.errors import InvalidRequest
 
 TEXT_MAX = 1024
-# The largest token id (int32, what the stored prompt and R3 rows hold).
+# The largest token id (the stored prompt holds int32).
 TOKEN_MAX = (1 << 31) - 1
 
 
