@@ -24,7 +24,7 @@ from support import LossyProxy, Sample, fake_http, free_port, new_sid
 
 from turnlog_client import TurnlogClient
 from turnlog_client import miles as hooks
-from turnlog_client.miles import Settings, agent, rm
+from turnlog_client.miles import Settings, agent, reward_value, rm
 
 SESSION_SERVER = "http://127.0.0.1:30000/sessions"
 
@@ -392,6 +392,19 @@ async def test_dict_rewards_are_read_by_the_reward_key(
     (recorded,) = await rewards_of(server_url, sid)
     assert recorded["reward"] == 0.7
     assert not warnings.records
+
+
+@pytest.mark.parametrize(("reward", "args", "read"), [
+    ({"score": 0.7, "acc": 1.0}, {"reward_key": "score", "eval_reward_key": "acc"}, 0.7),
+    ({"acc": 1.0}, {"reward_key": "score", "eval_reward_key": "acc"}, 1.0),  # an eval call
+    ({"acc": 1.0}, {"reward_key": None, "eval_reward_key": "acc"}, 1.0),
+    ({"other": 1.0}, {"reward_key": "score", "eval_reward_key": "acc"}, None),
+    ({"score": 0.7}, {}, {"score": 0.7}),  # no key at all: the dict, never recorded
+    (0.5, {"reward_key": "score"}, 0.5),
+])
+def test_a_dict_reward_is_read_as_miles_reads_it_for_training_or_evaluation(
+        reward: Any, args: dict[str, Any], read: Any) -> None:
+    assert reward_value(reward, types.SimpleNamespace(**args)) == read
 
 
 async def test_a_result_the_id_cannot_be_added_to_goes_back_as_it_is(

@@ -942,12 +942,19 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
         return await send_rewards(sender, rewards)
 
 
-def reward_value(reward: Any, key: Any) -> Any:
+def reward_value(reward: Any, args: Any) -> Any:
     """A sample's reward as miles reads it: a dict reward's `args.reward_key` entry
-    (`--reward-key`), else the reward itself."""
-    if isinstance(reward, Mapping) and isinstance(key, str) and key:
-        return reward.get(key)
-    return reward
+    (`--reward-key`), else the reward itself. A dict without that entry is read at
+    `args.eval_reward_key` (`--eval-reward-key`), which miles reads for its
+    evaluation datasets: the hook cannot tell an evaluation call from another."""
+    if not isinstance(reward, Mapping):
+        return reward
+    keys = [key for key in (getattr(args, "reward_key", None),
+                            getattr(args, "eval_reward_key", None))
+            if isinstance(key, str) and key]
+    if not keys:
+        return reward  # a dict: not a number, so not recorded
+    return next((reward[key] for key in keys if key in reward), None)
 
 
 async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
@@ -962,13 +969,12 @@ async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
     rewards = inner(args, samples, **kwargs)
     if inspect.isawaitable(rewards):
         rewards = await rewards
-    key = getattr(args, "reward_key", None)
     if isinstance(samples, list):
-        scored = [(sample, reward_value(reward, key)) for sample, reward in
+        scored = [(sample, reward_value(reward, args)) for sample, reward in
                   zip(samples, rewards if isinstance(rewards, list | tuple) else [],
                       strict=False)]
     else:
-        scored = [(samples, reward_value(rewards, key))]
+        scored = [(samples, reward_value(rewards, args))]
     try:
         failed, problems = await record_rewards(settings, scored, settings.rm[:SOURCE_MAX])
     except Exception as exc:  # turnlog never fails the rollout
