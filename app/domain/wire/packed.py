@@ -65,12 +65,16 @@ class OutputEntries:
         return list(zip(*columns, strict=True))
 
 
-def _items(span: np.ndarray, item: np.dtype) -> np.ndarray | None:
-    """The items of an array 16/32 at the start of `span` (which holds it whole), if
-    there are at least `MIN_ITEMS` and they fill it exactly at `item`'s width."""
+def _header(span: np.ndarray) -> int:
+    """The bytes of the array 16/32 header `span` starts with (0: not one, or no item
+    follows it)."""
     header = _ARRAY_HEADERS.get(int(span[0]), 0) if span.size else 0
-    if not header:
-        return None
+    return header if span.size > header else 0
+
+
+def _items(span: np.ndarray, header: int, item: np.dtype) -> np.ndarray | None:
+    """The items after `header`, if there are at least `MIN_ITEMS` and they fill `span`
+    exactly at `item`'s width."""
     count = int.from_bytes(span[1:header].tobytes(), "big")
     if count < MIN_ITEMS or span.size != header + item.itemsize * count:
         return None
@@ -79,7 +83,8 @@ def _items(span: np.ndarray, item: np.dtype) -> np.ndarray | None:
 
 def prompt(span: np.ndarray) -> np.ndarray | None:
     """A packed prompt's ids (int64), or None: not one, or an id out of range."""
-    items = _items(span, _ID_ITEM)
+    header = _header(span)
+    items = _items(span, header, _ID_ITEM) if header else None
     if items is None or not (items["tag"] == _UINT32).all() \
             or int(items["id"].max()) > TOKEN_MAX:
         return None
@@ -89,10 +94,10 @@ def prompt(span: np.ndarray) -> np.ndarray | None:
 def output_entries(span: np.ndarray) -> OutputEntries | None:
     """Packed output entries, or None: not packed, an id out of range or a log-prob
     that is not finite."""
-    header = _ARRAY_HEADERS.get(int(span[0]), 0) if span.size > 5 else 0
+    header = _header(span)
     width = int(span[header]) - _FIXARRAY if header else 0
     item = _ENTRY_ITEMS.get(width)
-    items = None if item is None else _items(span, item)
+    items = None if item is None else _items(span, header, item)
     if items is None:
         return None
     shaped = (items["head"] == _FIXARRAY + width) & (items["float"] == _FLOAT64) \
