@@ -143,6 +143,10 @@ def make_session(rng: np.random.Generator, turns: int, new_tokens: int) -> Sessi
     return SessionPlan(sid, open_body, plan)
 
 
+# The machine's CPU over the last `run_workers`, by who spent it (`machine_cpu`).
+last_split: dict[str, float] = {}
+
+
 async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  # noqa: ANN001
     queue: asyncio.Queue[SessionPlan] = asyncio.Queue()
     for p in plans:
@@ -152,9 +156,14 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
         while not queue.empty():
             await work(i, queue.get_nowait())
 
+    before = machine_cpu()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i) for i in range(clients)))
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    after = machine_cpu()
+    last_split.clear()
+    last_split.update({key: after[key] - before[key] for key in after})
+    return elapsed
 
 
 async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, workers: int,
@@ -304,15 +313,37 @@ def process_tree(pid: int) -> list[int]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of `pid` and its live descendants (/proc/<pid>/stat)."""
-    ticks = 0
+    total = 0.0
     for member in process_tree(pid):
-        try:
-            stat = Path(f"/proc/{member}/stat").read_text()
-        except OSError:
+        with contextlib.suppress(OSError):  # the process ended meanwhile
+            total += cpu_seconds_of(member)
+    return total
+
+
+def machine_cpu() -> dict[str, float]:
+    """CPU seconds so far: the whole machine busy, and its idle; every PostgreSQL
+    process (the benchmark's cluster is the only one it starts); this process (the
+    clients). Two snapshots' difference splits a phase's CPU by who spent it."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    postgres = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return ticks / os.sysconf("SC_CLK_TCK")
+        with contextlib.suppress(OSError):
+            if (entry / "comm").read_text().strip() == "postgres":
+                postgres += cpu_seconds_of(int(entry.name))
+    own = os.times()
+    return {"busy": (sum(fields[:8]) - idle) / ticks, "idle": idle / ticks,
+            "postgres": postgres, "clients": own.user + own.system}
+
+
+def cpu_seconds_of(pid: int) -> float:
+    """User + system CPU seconds of `pid` alone."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int, field: str) -> int:
@@ -520,6 +551,7 @@ async def main() -> None:
 
     results: dict[str, tuple[float, int]] = {}
     cpu: dict[str, float] = {}
+    splits: dict[str, dict[str, float]] = {}
     phases: list[tuple[str, Any]] = []
     for workers in worker_counts:
         for wire in wires:
@@ -555,6 +587,7 @@ async def main() -> None:
                 drop_database(server, url.rsplit("/", 1)[1])
             if name not in results or elapsed < results[name][0]:
                 results[name] = (elapsed, size)
+                splits[name] = dict(last_split)
             print(f"  {name:12s} {elapsed:7.2f} s", flush=True)
 
     print()
@@ -566,6 +599,17 @@ async def main() -> None:
         print(f"{name:12s} {turns / elapsed:9.2f} {raw_r3 / 1e6 / elapsed:9.1f} "
               f"{stored} {t_floor / elapsed:8.2f} {t_naive / elapsed:8.2f} "
               f"{(f'{cpu[name] / turns * 1e3:.2f}' if name in cpu else '-'):>19s}")
+    print()
+    print("the machine's CPU per turn (ms) in each phase's best round, by who spent it "
+          "(server: turnlog or uvicorn; clients: this process)")
+    print(f"{'phase':12s} {'busy':>7s} {'server':>7s} {'postgres':>9s} {'clients':>8s} "
+          f"{'other':>7s} {'idle':>7s}")
+    for name, split in splits.items():
+        server_ms = cpu.get(name, 0.0) / turns * 1e3 if name in cpu else 0.0
+        per = {key: value / turns * 1e3 for key, value in split.items()}
+        other = per["busy"] - server_ms - per["postgres"] - per["clients"]
+        print(f"{name:12s} {per['busy']:7.2f} {server_ms:7.2f} {per['postgres']:9.2f} "
+              f"{per['clients']:8.2f} {other:7.2f} {per['idle']:7.2f}")
     print()
     for name, (elapsed, _size) in results.items():
         if name.endswith("base"):
