@@ -46,3 +46,29 @@ async def test_upgrade_downgrade_upgrade(empty_url):
 
 async def test_schema_matches_table_definitions(db_url):
     assert await drift(db_url) == []
+
+
+PAYLOAD_COMPRESSION = ("SELECT attcompression::text FROM pg_attribute "
+                       "WHERE attrelid = '{table}'::regclass AND attname = 'payload'")
+
+
+@pytest.mark.postgres_only
+async def test_turn_payload_is_compressed_with_lz4(db_url, backend):
+    """Migration 0011: `events.payload` uses LZ4 (`attcompression` 'l') where the
+    server has it, on every Citus shard too; where it has not, the default (''). """
+    engine = create_async_engine(db_url)
+    async with engine.connect() as conn:
+        has_lz4 = (await conn.exec_driver_sql(
+            "SELECT 'lz4' = ANY(enumvals) FROM pg_settings "
+            "WHERE name = 'default_toast_compression'")).scalar()
+        found = [(await conn.exec_driver_sql(PAYLOAD_COMPRESSION.format(table="events"))).scalar()]
+        if backend == "citus":
+            rows = await conn.exec_driver_sql(
+                "SELECT result FROM run_command_on_shards('events', $$"
+                + PAYLOAD_COMPRESSION.format(table="%s") + "$$)")
+            shards = [row[0] for row in rows]
+            assert shards, "no shard of events"
+            found += shards
+    await engine.dispose()
+    assert has_lz4 is not None
+    assert set(found) == {"l" if has_lz4 else ""}
