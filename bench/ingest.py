@@ -34,6 +34,10 @@ system CPU seconds of the `turnlog serve` process tree (/proc/<pid>/stat,
 read before and after the phase) divided by the turns appended. Unlike the
 wall-clock rates it barely moves with the machine's other load. `--curve`
 adds turns/s against client count, for turnlog (MessagePack) and the floor.
+`--in-process 0,1000` adds the same MessagePack turns appended in the
+benchmark's own process through the store's services (decode, validate,
+`Writer.append_parsed`; no HTTP), once per group commit window: what the
+append costs without the HTTP hop.
 """
 
 from __future__ import annotations
@@ -211,6 +215,46 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
         stop_server(proc)
+
+
+async def bench_in_process(url: str, plans: list[SessionPlan], clients: int,
+                           window_us: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of the same MessagePack turns appended
+    in this process through the store's services, as the hot route does after it has
+    the body (decode, validate, `Writer.append_parsed`), `clients` at a time, with a
+    group commit window of `window_us`: the append without HTTP (no body sent or
+    received, no middleware), for telling the two costs apart."""
+    from app.domain.wire import msgpackio
+    from app.logs import configure_logging
+    from app.services import build_services
+    from app.settings import Settings
+    from app.store.append.writes import parse_prepared
+
+    configure_logging("warning")  # as `serve` logs, without a line per group
+    settings = Settings.load(database_url=url, migrate_on_start=False, api_tokens="",
+                             group_commit_window_us=window_us)
+    services = build_services(settings)
+    writer = services.writer
+
+    async def work(_i: int, plan: SessionPlan) -> None:
+        opened = await writer.open(json.loads(plan.open_body))
+        for turn in plan.turns:
+            raw = bytearray(turn.msgpack)
+            value = msgpackio.loads(raw, settings.limits.max_body_values,
+                                    found=msgpackio.layout(raw))
+            body, prepared = parse_prepared(value, opened.definition)
+            written = await writer.append_parsed(plan.session_id, opened.definition, body,
+                                                 False, prepared)
+            assert written.created
+
+    try:
+        cpu0 = time.process_time()
+        elapsed = await run_workers(plans, clients, work)
+        cpu_s = time.process_time() - cpu0
+        last_split["clients"] -= cpu_s  # this process is the server here, not a client
+        return elapsed, cpu_s
+    finally:
+        await services.db.dispose()
 
 
 async def bench_http_floor(plans: list[SessionPlan], clients: int,
@@ -520,6 +564,10 @@ async def main() -> None:
                              "'<wire> base' in the same run")
     parser.add_argument("--baseline-revision", default="0007",
                         help="the migration the --baseline checkout's schema stops at")
+    parser.add_argument("--in-process", metavar="WINDOWS_US",
+                        help="also append the MessagePack turns in this process through the "
+                             "store's services (no HTTP), once per group commit window, "
+                             "e.g. 0,1000: phases 'inproc gc<window>'")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
     parser.add_argument("--sqlite", action="store_true",
@@ -559,6 +607,9 @@ async def main() -> None:
     if args.baseline:
         for wire in wires:
             phases.append((f"{wire} base", ("baseline", wire, 1)))
+    if args.in_process:
+        phases += [(f"inproc gc{w}", ("inproc", None, int(w)))
+                   for w in args.in_process.split(",")]
     phases += [("naive", ("naive", None, 0)), ("floor", ("floor", None, 0))]
     phases += [(f"http {wire}", ("http", wire, 1)) for wire in wires]
     for round_no in range(1, args.rounds + 1):
@@ -570,7 +621,12 @@ async def main() -> None:
                 cpu[name] = min(cpu.get(name, cpu_s), cpu_s)
             else:
                 url = create_database(server, f"bench_{kind}_{uuid.uuid4().hex[:6]}")
-                if kind in ("turnlog", "baseline"):
+                if kind == "inproc":
+                    await migrate.upgrade_async(url)
+                    elapsed, cpu_s = await bench_in_process(url, plans, args.clients, workers)
+                    cpu[name] = min(cpu.get(name, cpu_s), cpu_s)
+                    tables: tuple[str, ...] = TURNLOG_TABLES
+                elif kind in ("turnlog", "baseline"):
                     root = args.baseline if kind == "baseline" else None
                     # The other checkout knows only the revisions it ships.
                     await migrate.upgrade_async(url, "head" if root is None else
@@ -578,7 +634,7 @@ async def main() -> None:
                     elapsed, cpu_s = await bench_turnlog(url, plans, args.clients, workers,
                                                          wire, args.py_spy, root)
                     cpu[name] = min(cpu.get(name, cpu_s), cpu_s)
-                    tables: tuple[str, ...] = TURNLOG_TABLES
+                    tables = TURNLOG_TABLES
                 elif kind == "naive":
                     elapsed, tables = await bench_naive(url, plans, args.clients), ("records",)
                 else:
