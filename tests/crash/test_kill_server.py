@@ -57,12 +57,13 @@ TURNS = 10
 CLIENTS = 4
 
 
-# PostgreSQL runs twice: with group commit (the default; a wider window and more clients
-# so that appends of several sessions do share commits when the kill comes) and with
-# one transaction per append.
+# PostgreSQL runs twice: with group commit (the default; a wider window, more clients and
+# a group whenever a commit is in flight, so that appends of several sessions do share
+# commits when the kill comes) and with one transaction per append.
 RUNS = {
     "sqlite": ("sqlite", {}, CLIENTS),
     "postgres": ("postgres", {"TURNLOG_GROUP_COMMIT_WINDOW_US": "2000",
+                              "TURNLOG_GROUP_COMMIT_SIBLINGS": "1",
                               "TURNLOG_LOG_LEVEL": "debug"}, 2 * CLIENTS),
     "postgres-no-group": ("postgres", {"TURNLOG_GROUP_COMMIT_WINDOW_US": "0"}, CLIENTS),
 }

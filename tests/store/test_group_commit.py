@@ -240,6 +240,31 @@ async def test_a_killed_connection_answers_every_member_an_error_and_stores_none
         blocked: 2, held: 1, **dict.fromkeys(sids, 1)}
 
 
+async def test_calls_run_alone_until_enough_transactions_are_in_flight(
+        client, pool, plain_postgres):
+    """`siblings` = 3: three calls in flight (blocked on the test's row locks) each ran
+    alone, on connections of their own; the fourth opens a group, which the fifth
+    fills. With fewer in flight nothing waits for the window (5 s here)."""
+    sids = [f"gn-{i}-{uuid.uuid4().hex}" for i in range(5)]
+    await opened(client, *sids)
+    group = GroupCommit(pool, window_s=5.0, max_appends=2, max_bytes=1 << 30, siblings=3)
+    blocker = Blocker(pool)
+    await blocker.lock(*sids[:3])
+    try:
+        alone = [asyncio.create_task(group.append(call_args(s, 1))) for s in sids[:3]]
+        await waiting_on_lock(pool, 3)  # three transactions in flight at once: none grouped
+        assert group.stats.alone == 3 and group.stats.groups == 0
+        grouped = await asyncio.wait_for(asyncio.gather(
+            *(group.append(call_args(s, 1)) for s in sids[3:])), 30)
+        assert all(isinstance(p, int) for p in grouped), grouped
+        assert group.stats.groups == 1 and group.stats.largest == 2
+    finally:
+        await blocker.release()
+    assert all(isinstance(p, int) for p in await asyncio.gather(*alone))
+    assert group.stats.alone == 3
+    assert await turn_counts(pool, sids) == dict.fromkeys(sids, 2)
+
+
 async def test_two_appends_of_a_session_never_share_a_group(client, pool, plain_postgres):
     """The second call of a session closes the open group and opens the next: the two
     never share a transaction, and only one of them writes."""

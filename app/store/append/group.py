@@ -1,17 +1,19 @@
 """Group commit: concurrent one-round-trip appends of different sessions share one commit.
 
 PostgreSQL only (not Citus, not SQLite: see docs/ingest.md, "Group commit").
-While a commit is in flight, the fast-path calls that arrive collect in an
-open group for at most `window_s`, `max_appends` calls or `max_bytes` of
-arguments; then one connection runs
+While `siblings` or more transactions are in flight, the fast-path calls that
+arrive collect in an open group for at most `window_s`, `max_appends` calls or
+`max_bytes` of arguments; then one connection runs
 
     BEGIN; SELECT turnlog_try_append(...) × n (one pipelined batch); COMMIT
 
 and each caller is answered only once that COMMIT has returned, so every
-position handed out is durable. When nothing is in flight a call does not
-wait: it runs alone, as the plain single call (one round trip, no window
-added to an unloaded server's latency; PostgreSQL's `commit_delay` waits only
-when `commit_siblings` are active for the same reason).
+position handed out is durable. With fewer in flight a call does not wait: it
+runs alone, as the plain single call, on a connection of its own, in parallel
+with the others — PostgreSQL already flushes the WAL of commits that wait
+together once, and a group would run its members one after another on one
+backend and make each wait for the window (PostgreSQL's `commit_delay` waits
+only when `commit_siblings` transactions are active, for the same reason).
 
 Why the guarantees of the single call still hold:
 
@@ -106,11 +108,12 @@ class GroupCommit:
     """One per process and database: see the module docstring."""
 
     def __init__(self, pool: asyncpg.Pool, window_s: float, max_appends: int,
-                 max_bytes: int) -> None:
+                 max_bytes: int, siblings: int = 1) -> None:
         self.pool = pool
         self.window_s = window_s
         self.max_appends = max_appends
         self.max_bytes = max_bytes
+        self.siblings = siblings
         self.stats = GroupStats()
         self._open: _Group | None = None
         self._in_flight = 0
@@ -124,7 +127,8 @@ class GroupCommit:
             self._flush(group)  # never two calls of one session in one group
             group = None
         if group is None:
-            if self._in_flight == 0 or self.max_appends <= 1 or nbytes >= self.max_bytes:
+            if self._in_flight < self.siblings or self.max_appends <= 1 \
+                    or nbytes >= self.max_bytes:
                 return await self._alone(args)
             group = self._open = _Group()
             group.timer = asyncio.get_running_loop().call_later(

@@ -180,7 +180,8 @@ class Writer:
                     if not citus:
                         via = GroupCommit(pool, settings.store.group_commit_window_us / 1e6,
                                           settings.store.group_commit_max_appends,
-                                          settings.store.group_commit_max_bytes)
+                                          settings.store.group_commit_max_bytes,
+                                          settings.store.group_commit_siblings)
                 self._via = (pool, via)
             return self._via[1]
 
