@@ -97,8 +97,8 @@ class StoreSettings(_Group):
     group_commit_window_us: int = Field(default=1000, ge=0, le=100_000)
     group_commit_max_appends: int = Field(default=32, ge=1)
     group_commit_max_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
-    # An append waits for a group only while this many transactions are in flight;
-    # with fewer it runs alone, in parallel (docs/ingest.md, "Group commit").
+    # An append waits for a group only while this many of the process's appends (or
+    # groups) are in flight; with fewer it runs alone, in parallel (docs/ingest.md).
     group_commit_siblings: int = Field(default=5, ge=1)
 
 

@@ -1,9 +1,11 @@
 """Group commit: concurrent one-round-trip appends of different sessions share one commit.
 
 PostgreSQL only (not Citus, not SQLite: see docs/ingest.md, "Group commit").
-While `siblings` or more transactions are in flight, the fast-path calls that
-arrive collect in an open group for at most `window_s`, `max_appends` calls or
-`max_bytes` of arguments; then one connection runs
+While `siblings` or more of this process's one-trip appends are in flight (a
+call alone, or a committing group, counts once), the calls that arrive collect
+in an open group (and any call joins a group already open) for at most
+`window_s`, `max_appends` calls or `max_bytes` of arguments; then one
+connection runs
 
     BEGIN; SELECT turnlog_try_append(...) × n (one pipelined batch); COMMIT
 
@@ -18,8 +20,9 @@ only when `commit_siblings` transactions are active, for the same reason).
 Why the guarantees of the single call still hold:
 
 - a group holds at most one call per session: a call whose session is
-  already in the open group closes that group (it is committed now) and opens
-  the next one, so two appends of a session are never in one transaction.
+  already in the open group closes that group (it is committed now) and then
+  opens the next one, or runs alone if fewer than `siblings` are in flight,
+  so two appends of a session are never in one transaction.
   Two calls of one session are pending together only when they were sent
   without waiting for each other's reply (a client that waits sends the next
   turn after the previous one's commit); like two single calls they are then
@@ -109,6 +112,8 @@ class GroupCommit:
 
     def __init__(self, pool: asyncpg.Pool, window_s: float, max_appends: int,
                  max_bytes: int, siblings: int = 1) -> None:
+        # siblings=1: a group whenever anything is in flight (what tests that build
+        # groups deterministically want); the server passes its setting (default 5).
         self.pool = pool
         self.window_s = window_s
         self.max_appends = max_appends
