@@ -3,8 +3,9 @@
 An event's `payload` (a 2k-token turn's record without its prompt and R3:
 ~20 KB of JSON, mostly the output's logprobs) is TOASTed and compressed on
 every append. With PostgreSQL's default, pglz, that compression cost the
-backend ~0.3 ms per turn of its ~3.3 ms (an INSERT of the same payloads:
-0.54 ms/row with pglz, 0.22 with LZ4), for ~10 % fewer bytes (12.9 KB vs
+backend ~0.25–0.3 ms per turn (PostgreSQL's CPU per turn in `bench/ingest.py`:
+2.25 → 2.00 ms; an INSERT of the same payloads alone: 0.54 ms/row with pglz,
+0.22 with LZ4), for ~10 % fewer bytes (12.9 KB vs
 14.3 KB a row, next to ~0.8 MB of the turn's R3 patch). Reads decompress
 faster too. Rows written before keep their pglz values: PostgreSQL reads
 both, per value.
