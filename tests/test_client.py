@@ -43,7 +43,8 @@ def decoded(request: httpx.Request) -> dict:
     """A sent body, whichever wire it went on."""
     if not request.content:
         return {}
-    if request.headers.get("content-type") == "application/msgpack":
+    if request.headers.get("content-type") in ("application/msgpack",
+                                               "application/vnd.turnlog.narrow-r3+msgpack"):
         return msgspec.msgpack.decode(request.content)
     return json.loads(request.content)
 
@@ -197,24 +198,88 @@ def meta_of(record):
     return record["response"]["choices"][0]["meta_info"]
 
 
-async def test_turns_go_as_msgpack_with_r3_as_bin_by_default(app, sid):
+@pytest.mark.parametrize("wire", [None, "msgpack"], ids=["default", "msgpack"])
+async def test_turns_go_as_msgpack_with_r3_as_bin(app, sid, wire):
+    """By default the R3 bin is narrowed (a width byte, then uint8 values here); on the
+    "msgpack" wire it is the raw int32 bytes. Either way the same turn is stored."""
     transport, seen = recording(app)
     record = r3_turn()
     before = json.dumps(record)
-    async with TurnlogClient("http://turnlog", transport=transport) as client:
-        assert client.wire == "msgpack"
+    async with TurnlogClient("http://turnlog", transport=transport,
+                             **({} if wire is None else {"wire": wire})) as client:
+        assert client.wire == (wire or "narrow")
         await client.open(session_id=sid, version="v2", pause_generation_mode="in_place",
                           r3={"num_layers": 2})
         reply = await client.append(sid, record, event_id="e0")
         assert reply["r3"] == {"start": 0, "end": 4}
         events = await client.events(sid)
     sent = seen[1]
-    assert sent.headers["content-type"] == "application/msgpack"
+    int32 = base64.b64decode(meta_of(record)["routed_experts"])
     body = msgspec.msgpack.decode(sent.content)
-    assert meta_of(body["record"])["routed_experts"] == base64.b64decode(
-        meta_of(record)["routed_experts"])
+    if wire is None:
+        assert sent.headers["content-type"] == "application/vnd.turnlog.narrow-r3+msgpack"
+        values = struct.unpack(f"<{len(int32) // 4}i", int32)
+        assert meta_of(body["record"])["routed_experts"] == bytes([1, *values])
+    else:
+        assert sent.headers["content-type"] == "application/msgpack"
+        assert meta_of(body["record"])["routed_experts"] == int32
     assert json.dumps(record) == before  # the caller's record is left as it was
     assert events[1]["record"] == record  # read back as the session server wrote it
+
+
+@pytest.mark.parametrize(("values", "width", "code"), [
+    ([0, 7, 255], 1, "B"), ([0, 256, 65535], 2, "H"), ([0, 65536], 4, "i"),
+    ([-1, 3], 4, "i"), ([2**31 - 1, 0], 4, "i")])
+def test_the_r3_bin_is_narrowed_to_the_narrowest_width_that_holds_it(values, width, code):
+    text = base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
+    record = turn([1, 2], [3])["record"]
+    meta_of(record)["routed_experts"] = text
+    sent, kind = _encode_turn({"event_id": "e", "record": record}, "narrow")
+    assert kind == "application/vnd.turnlog.narrow-r3+msgpack"
+    got = meta_of(msgspec.msgpack.decode(sent)["record"])["routed_experts"]
+    assert got == bytes([width]) + struct.pack(f"<{len(values)}{code}", *values)
+
+
+async def test_a_server_without_the_narrowed_wire_gets_plain_msgpack_from_then_on(app, sid):
+    """A server older than the narrowed wire answers its media type 415 and stores
+    nothing: the client sends the same turn (the same event id) as plain MessagePack,
+    and every later turn straight away so."""
+    inner = httpx.ASGITransport(app=app)
+    seen: list[httpx.Request] = []
+
+    class Older(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            seen.append(request)
+            if request.headers.get("content-type", "").startswith("application/vnd.turnlog"):
+                return httpx.Response(415, json={
+                    "type": "urn:turnlog:unsupported-media-type", "status": 415,
+                    "title": "Unsupported media type", "field": "content-type",
+                    "detail": "a turn's body must be JSON or MessagePack"},
+                    headers={"content-type": "application/problem+json"})
+            return await inner.handle_async_request(request)
+
+    async with TurnlogClient("http://turnlog", transport=Older()) as client:
+        await client.open(session_id=sid, version="v2", pause_generation_mode="in_place",
+                          r3={"num_layers": 2})
+        first = await client.append(sid, r3_turn(), event_id="e0")
+        assert first["seq"] == 0 and client.wire == "msgpack"
+        second = await client.append(sid, turn([1, 2, 3, 4, 5, 6], [7], r3=r3_b64(2, 2, 2),
+                                               start=4)["record"], event_id="e1")
+        assert second["seq"] == 1
+    kinds = [r.headers.get("content-type") for r in seen[1:]]
+    assert kinds == ["application/vnd.turnlog.narrow-r3+msgpack", "application/msgpack",
+                     "application/msgpack"]
+    assert [decoded(r)["event_id"] for r in seen[1:]] == ["e0", "e0", "e1"]
+
+
+async def test_any_other_refusal_of_a_narrowed_turn_is_raised_not_resent(app, sid):
+    transport, seen = recording(app)
+    async with TurnlogClient("http://turnlog", transport=transport) as client:
+        await client.open(session_id=sid, version="v2")  # no R3 asked for: a bin is 422
+        with pytest.raises(TurnlogError) as caught:
+            await client.append(sid, r3_turn(), event_id="e0")
+        assert client.wire == "narrow"
+    assert caught.value.status == 422 and len(seen) == 2
 
 
 async def appended(app, sid, record) -> bytes:

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 
 MSGPACK = "application/msgpack"
+NARROW = "application/vnd.turnlog.narrow-r3+msgpack"
 R3_KEYS = ("record", "response", "choices", 0, "meta_info")
 
 
@@ -49,6 +50,33 @@ def with_bin(body: Any) -> Any:
 
 def to_msgpack(body: Any) -> bytes:
     return msgspec.msgpack.encode(with_bin(body))
+
+
+def narrowed(raw: bytes, width: int | None = None) -> bytes:
+    """Little-endian int32 R3 bytes as the narrowed wire's bin: a width byte, then each
+    value at that width (the narrowest that holds them all unless `width` says),
+    written value by value: the test's own oracle."""
+    values = struct.unpack(f"<{len(raw) // 4}i", raw)
+    if width is None:
+        top = max(values, default=0)
+        width = 4 if min(values, default=0) < 0 or top > 0xFFFF else 2 if top > 0xFF else 1
+    code = {1: "B", 2: "H", 4: "i"}[width]
+    return bytes([width]) + struct.pack(f"<{len(values)}{code}", *values)
+
+
+def to_narrow_msgpack(body: Any, width: int | None = None) -> bytes:
+    """`to_msgpack` for the narrowed wire: an R3 bin (a canonical base64 payload) as
+    `narrowed` writes it; a payload that stays a str is sent as it is."""
+    out = with_bin(body)
+    node = out
+    try:
+        for key in R3_KEYS:
+            node = node[key]
+    except (KeyError, IndexError, TypeError):
+        return msgspec.msgpack.encode(out)
+    if isinstance(node.get("routed_experts"), bytes) and len(node["routed_experts"]) % 4 == 0:
+        node["routed_experts"] = narrowed(node["routed_experts"], width)
+    return msgspec.msgpack.encode(out)
 
 
 def packed_ids(ids: list[int], header: str = "array32") -> msgspec.Raw:
@@ -88,7 +116,9 @@ class WireClient:
         return getattr(self._http, name)
 
     async def post(self, url: str, **kwargs: Any) -> httpx.Response:
-        if self.wire == "msgpack" and url.endswith("/turns") and "json" in kwargs:
-            kwargs["content"] = to_msgpack(kwargs.pop("json"))
-            kwargs["headers"] = {**kwargs.get("headers", {}), "content-type": MSGPACK}
+        if self.wire != "json" and url.endswith("/turns") and "json" in kwargs:
+            body = kwargs.pop("json")
+            kwargs["content"], kind = (to_msgpack(body), MSGPACK) if self.wire == "msgpack" \
+                else (to_narrow_msgpack(body), NARROW)
+            kwargs["headers"] = {**kwargs.get("headers", {}), "content-type": kind}
         return await self._http.post(url, **kwargs)

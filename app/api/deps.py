@@ -204,11 +204,15 @@ async def decode_large_off_loop(decode: Callable[[Any, int], Any], raw: bytes | 
 
 
 def turn_decoder(kind: str | None) -> Callable[[Any, int], Any]:
-    """How a turn body of media type `kind` is decoded: MessagePack or JSON; else 415."""
+    """How a turn body of media type `kind` is decoded: MessagePack (plain or with the
+    R3 bin narrowed) or JSON; else 415."""
     if kind in msgpackio.MEDIA_TYPES:
         return msgpackio.loads
+    if kind == msgpackio.NARROW_MEDIA_TYPE:
+        return msgpackio.loads_narrow
     if kind is not None and kind != JSON:
-        raise _unsupported(kind, (JSON, *sorted(msgpackio.MEDIA_TYPES)))
+        raise _unsupported(kind, (JSON, *sorted(msgpackio.MEDIA_TYPES),
+                                  msgpackio.NARROW_MEDIA_TYPE))
     return r3text.loads_turn  # jsonio.loads, the R3 text decoded from the bytes
 
 
@@ -295,7 +299,7 @@ class Uploads:
             return True
         if len(raw) <= self.threshold:
             return False
-        payload = (found or msgpackio.layout(raw)).r3 if decode is msgpackio.loads else \
+        payload = (found or msgpackio.layout(raw)).r3 if decode in msgpackio.DECODERS else \
             r3text.text_span(raw) if decode is r3text.loads_turn else 0
         return len(raw) - payload > self.threshold
 

@@ -37,6 +37,7 @@ import numpy as np
 import pybase64
 
 from turnlog_client.consumers import Claim, ConsumerCalls, bounds
+from turnlog_client.errors import TurnlogError
 from turnlog_client.npy_stream import HttpReply, fast_path_url, get_npy, read_chunks
 from turnlog_client.transport import (
     JSON,
@@ -56,8 +57,12 @@ __all__ = [
 ]
 
 OMITTED: Any = object()
-WIRES = ("msgpack", "json")
+WIRES = ("narrow", "msgpack", "json")
 MSGPACK = "application/msgpack"
+# MessagePack with the R3 bin narrowed: a width byte (1, 2 or 4), then the values at
+# that width, a quarter of the int32 bytes for up to 256 experts (docs/ingest.md).
+NARROW = "application/vnd.turnlog.narrow-r3+msgpack"
+_WIDTHS = ((0xFF, 1, np.dtype("u1")), (0xFFFF, 2, np.dtype("<u2")))
 
 
 def new_event_id() -> str:
@@ -182,8 +187,22 @@ def _first_choice(choices: Any) -> Any:
     return choices[0]
 
 
-def _with_r3_bin(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`body` with its R3 text as a bin, copying only the maps on the payload's path."""
+def _narrowed(raw: bytes) -> bytes:
+    """Little-endian int32 R3 bytes as the narrowed wire's bin: the narrowest width
+    that holds every value (a negative one keeps int32), then the values."""
+    values = np.frombuffer(raw, "<i4")
+    if not values.size:
+        return raw
+    top = int(values.view("<u4").max())  # a negative value reads as above 0xFFFF
+    for limit, width, dtype in _WIDTHS:
+        if top <= limit:
+            return bytes((width,)) + values.astype(dtype).tobytes()
+    return b"\x04" + raw
+
+
+def _with_r3_bin(body: Mapping[str, Any], narrow: bool = False) -> Mapping[str, Any]:
+    """`body` with its R3 text as a bin (narrowed if `narrow`), copying only the maps
+    on the payload's path."""
     try:
         record = body["record"]
         response = record["response"]
@@ -195,6 +214,8 @@ def _with_r3_bin(body: Mapping[str, Any]) -> Mapping[str, Any]:
     raw = _r3_bin(payload) if isinstance(payload, str) else None
     if raw is None:
         return body
+    if narrow:
+        raw = _narrowed(raw)
     choices = list(response["choices"])
     choices[0] = {**choice, "meta_info": {**meta, "routed_experts": raw}}
     return {**body, "record": {**record, "response": {**response, "choices": choices}}}
@@ -203,9 +224,11 @@ def _with_r3_bin(body: Mapping[str, Any]) -> Mapping[str, Any]:
 def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
     """A turn body on `wire`; what MessagePack cannot carry (ints beyond 64 bits) goes
     as JSON, for the server to judge."""
-    if wire == "msgpack":
+    if wire in ("msgpack", "narrow"):
+        narrow = wire == "narrow"
         with contextlib.suppress(OverflowError, TypeError):
-            return msgspec.msgpack.encode(_with_packed_lists(_with_r3_bin(body))), MSGPACK
+            return msgspec.msgpack.encode(_with_packed_lists(_with_r3_bin(body, narrow))), \
+                NARROW if narrow else MSGPACK
     return encode(body), JSON
 
 
@@ -233,8 +256,11 @@ class TurnlogClient(ConsumerCalls):
     (past it: a `TurnlogConnectionError`, as for a server that never answered).
     `backoff` / `max_backoff` shape the jittered exponential wait between
     attempts. `transport` lets tests plug in `httpx.ASGITransport(app=...)`.
-    `wire` is how turns are sent: "msgpack" (default, R3 as raw int32 bytes) or
-    "json" (the record exactly as given); every other call is JSON.
+    `wire` is how turns are sent: "narrow" (default: MessagePack, R3 as its values
+    at the narrowest width, a quarter of the bytes for up to 256 experts; a server
+    that does not read it answers 415, and the client then sends "msgpack" from
+    there on), "msgpack" (R3 as raw int32 bytes) or "json" (the record exactly as
+    given); every other call is JSON.
     """
 
     def __init__(
@@ -249,7 +275,7 @@ class TurnlogClient(ConsumerCalls):
         max_backoff: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
-        wire: str = "msgpack",
+        wire: str = "narrow",
     ) -> None:
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}")
@@ -318,9 +344,20 @@ class TurnlogClient(ConsumerCalls):
         if payload.get("event_id") is None:
             payload["event_id"] = new_event_id()
         # Encoded once, outside the retries: a resend sends the very same bytes.
-        result: dict[str, Any] = await self._transport.json(
-            "POST", f"/v1/sessions/{session_id}/turns",
-            encoded=_encode_turn(payload, self.wire), event_id=payload["event_id"])
+        path = f"/v1/sessions/{session_id}/turns"
+        encoded = _encode_turn(payload, self.wire)
+        try:
+            result: dict[str, Any] = await self._transport.json(
+                "POST", path, encoded=encoded, event_id=payload["event_id"])
+        except TurnlogError as exc:
+            if exc.status != 415 or encoded[1] != NARROW:
+                raise
+            # A server older than the narrowed wire: it stored nothing; from now on
+            # this client sends the plain MessagePack every server reads.
+            self.wire = "msgpack"
+            result = await self._transport.json(
+                "POST", path, encoded=_encode_turn(payload, self.wire),
+                event_id=payload["event_id"])
         return result
 
     async def close(

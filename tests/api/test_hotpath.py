@@ -13,16 +13,24 @@ import json
 import re
 
 import httpx
+import msgspec
 
 from app.api.routes.hotpath import AppendRoute
 from app.main import create_app
 from app.settings import Settings
 from app.store.engine import migrate
 from tests.factory import open_body, r3_b64, turn
-from tests.wire import MSGPACK, to_msgpack, with_bin
+from tests.wire import MSGPACK, NARROW, to_msgpack, to_narrow_msgpack, with_bin
 
 L, K = 2, 2
 TIMESTAMP = re.compile(rb'"\d{4}-\d\d-\d\dT[\d:.]+Z"')
+
+
+def bad_width(body: dict) -> bytes:
+    """`body` on the narrowed wire with a width byte of 3."""
+    out = with_bin(body)
+    out["record"]["response"]["choices"][0]["meta_info"]["routed_experts"] = b"\x03" * 25
+    return msgspec.msgpack.encode(out)
 
 
 def requests(sid: str) -> list[tuple[str, str, bytes | None, dict[str, str]]]:
@@ -38,6 +46,8 @@ def requests(sid: str) -> list[tuple[str, str, bytes | None, dict[str, str]]]:
         ("POST", path, to_msgpack(with_bin(first)), {"content-type": MSGPACK}),  # cross-wire
         ("POST", path, json.dumps({**first, "metadata": {"x": 1}}).encode(), json_h),  # 409
         ("POST", path, to_msgpack(with_bin(second)), {"content-type": MSGPACK}),
+        ("POST", path, to_narrow_msgpack(second), {"content-type": NARROW}),      # repeat
+        ("POST", path, bad_width(second), {"content-type": NARROW}),              # 422 width
         ("POST", path, b"\xc1", {"content-type": MSGPACK}),                       # 422
         ("POST", path, b"{", json_h),                                              # 422
         ("POST", path, b"", json_h),                                               # {} → 422

@@ -1,6 +1,7 @@
 """POST /v1/sessions/{sid}/turns: replies, derived parents and every status of docs/api.md §1.2.
 
-Every test here runs on both wires: JSON and MessagePack (tests/wire.py).
+Every test here runs on every wire: JSON, MessagePack and the narrowed MessagePack
+(tests/wire.py).
 """
 
 import base64
@@ -14,7 +15,7 @@ from tests.factory import open_body, r3_b64, turn
 from tests.wire import WireClient
 
 
-@pytest.fixture(params=["json", "msgpack"])
+@pytest.fixture(params=["json", "msgpack", "narrow"])
 def client(request, client):
     """The API client of conftest, sending turn bodies on the parametrized wire."""
     return WireClient(client, request.param)

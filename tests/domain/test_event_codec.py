@@ -3,6 +3,7 @@
 import base64
 import dataclasses
 import random
+import struct
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from app.domain.body.turn import parse_turn
 from app.domain.log.events import encode_turn, restore_prompt, restore_record, stored_facts
 from app.domain.log.tree import SessionState
 from app.domain.wire import jsonio
-from app.domain.wire.r3 import narrow
+from app.domain.wire.r3 import NarrowR3, narrow
 from tests.fuzz.budget import DERANDOMIZE, examples
 
 json_leaf = st.one_of(
@@ -110,6 +111,23 @@ def test_narrowing_is_lossless(values):
     assert np.array_equal(back.astype("<i4"), arr)
     if arr.size and arr.min() >= 0 and arr.max() < 256:
         assert code == "u1"
+
+
+@given(st.lists(int32, max_size=64), st.sampled_from([1, 2, 4]))
+def test_the_narrowed_wire_holds_the_same_values_and_narrows_alike(values, width):
+    """A `NarrowR3` of the values written at any width that holds them (the
+    test's own struct packing) reads back the int32 values, and narrows at rest to
+    exactly what the int32 values narrow to."""
+    arr = np.asarray(values, dtype="<i4")
+    if width < 4 and arr.size and (arr.min() < 0 or arr.max() >= 1 << (8 * width)):
+        width = 4
+    fmt = {1: "B", 2: "H", 4: "i"}[width]
+    sent = NarrowR3(bytes([width]) + struct.pack(f"<{len(values)}{fmt}", *values))
+    got = sent.values("f")
+    assert got.dtype.itemsize == width and np.array_equal(got.astype("<i4"), arr)
+    assert sent.int32() == arr.tobytes()
+    assert len(sent) == width * len(values)
+    assert narrow(got) == narrow(arr)
 
 
 def assert_same_facts(got, want):

@@ -28,12 +28,13 @@ from app.access import Unauthorized
 from app.api.http_errors import ForeignHost, HeadersTooLarge
 from app.api.problems import send_problem
 from app.domain.errors import UnsupportedMediaType
+from app.domain.wire import msgpackio
 from app.domain.wire.url_tokens import query_token_param
 
 log = structlog.get_logger("turnlog.guard")
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
-WRITE_TYPES = frozenset({"application/json", "application/msgpack", "application/vnd.msgpack",
-                         "application/x-msgpack"})
+WRITE_TYPES = frozenset({"application/json", *msgpackio.MEDIA_TYPES,
+                         msgpackio.NARROW_MEDIA_TYPE})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 

@@ -149,12 +149,12 @@ class AppendRoute(BaseRoute):
             async with self.uploads.slot_for(declared, chunked) as large:
                 decode = turn_decoder(media_type_of(content_type))
                 raw = await receive_body(receive, declared, self.uploads if large else None)
-                if large and decode is msgpackio.loads and len(raw) <= self.uploads.offload:
+                if large and decode in msgpackio.DECODERS and len(raw) <= self.uploads.offload:
                     # One typed pass serves the offload decision and the decode (a
                     # body above the offload size goes to a thread, which reads it).
                     found = msgpackio.layout(raw)
-                    decode = functools.partial(msgpackio.loads, found=found)
-                    offload = self.uploads.offloads(raw, msgpackio.loads, found)
+                    offload = self.uploads.offloads(raw, decode, found)
+                    decode = functools.partial(decode, found=found)
                 else:
                     offload = large and self.uploads.offloads(raw, decode)
                 definition = svc.writer.cached_definition(session_id) if large else None

@@ -82,7 +82,9 @@ async def get_session(session_id: str, svc: ServicesDep) -> JSONText:
 async def append_turn(session_id: str, svc: ServicesDep, request: Request) -> JSONText:
     """Append one turn. The body is JSON, or MessagePack (`application/msgpack`,
     `application/vnd.msgpack`, `application/x-msgpack`) with `routed_experts` as a bin
-    of raw little-endian int32 (docs/ingest.md); any other content type is 415."""
+    of raw little-endian int32, or turnlog's narrowed MessagePack
+    (`application/vnd.turnlog.narrow-r3+msgpack`: the bin a width byte and the values
+    at that width; docs/ingest.md); any other content type is 415."""
     # `turnlog serve` answers these POSTs on the bare route `app.api.routes.hotpath.AppendRoute`
     # (same steps, no FastAPI objects); this one documents the route and serves an app
     # built without it.

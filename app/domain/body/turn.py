@@ -22,7 +22,7 @@ from app.domain.body.session import SessionDefinition
 from app.domain.body.specinfo import SPEC_INFO_KEYS, SpecInfo
 from app.domain.errors import InvalidR3, InvalidRequest
 from app.domain.wire.packed import OutputEntries
-from app.domain.wire.r3 import decode_payload, decode_raw, infer_topk
+from app.domain.wire.r3 import NarrowR3, decode_payload, decode_raw, infer_topk
 from app.domain.wire.validate import (
     TOKEN_MAX,
     describe,
@@ -115,6 +115,8 @@ def json_carried(record: dict[str, Any]) -> dict[str, Any]:
     """
     with contextlib.suppress(KeyError, IndexError, TypeError):
         payload = record["response"]["choices"][0]["meta_info"]["routed_experts"]
+        if isinstance(payload, NarrowR3):
+            payload = payload.int32()
         if isinstance(payload, bytes | memoryview):
             record = _with_meta(record, routed_experts=pybase64.b64encode(payload)
                                 .decode("ascii"))
@@ -354,7 +356,7 @@ def _r3(
     if rows < 0:
         raise InvalidR3(f"routed_experts_start_len {start} is past the turn's last row {end}",
                         field=start_field, expected=f"at most {end}", actual=start)
-    if payload is not None and not isinstance(payload, str | bytes | memoryview):
+    if payload is not None and not isinstance(payload, str | bytes | memoryview | NarrowR3):
         raise InvalidR3("routed_experts must be a base64 string", field=payload_field,
                         expected="base64 string (or a MessagePack bin of int32)",
                         actual=describe(payload))
@@ -366,8 +368,10 @@ def _r3(
                             field=payload_field, expected=f"payload of {rows} rows",
                             actual="absent")
         return True, start, None, None
-    # A MessagePack bin is already the raw int32 bytes: no base64 to undo.
-    values = (decode_raw(payload, payload_field) if isinstance(payload, bytes | memoryview)
+    # A MessagePack bin is already the raw int32 bytes: no base64 to undo; the
+    # narrowed wire's bin holds the values at the width it names.
+    values = (payload.values(payload_field) if isinstance(payload, NarrowR3)
+              else decode_raw(payload, payload_field) if isinstance(payload, bytes | memoryview)
               else decode_payload(payload, payload_field))
     if rows == 0:
         raise InvalidR3("routed_experts payload sent for a turn with zero rows",

@@ -12,6 +12,7 @@ parts, this module decides what they are.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from app.domain.body.turn import (
 )
 from app.domain.log.tree import Attachment
 from app.domain.wire import jsonio
-from app.domain.wire.r3 import Patch, narrow
+from app.domain.wire.r3 import NarrowR3, Patch, narrow
 
 SESSION_OPENED = "session_opened"
 TURN_RECORDED = "turn_recorded"
@@ -81,6 +82,11 @@ def _strip(record: dict[str, Any], keep_r3: bool) -> dict[str, Any]:
     """Copy of `record` without `input_ids` (and the R3 payload unless `keep_r3`), for
     writing as JSON (packed output entries as tuples: `entries_to_write`)."""
     out = dict(record) if keep_r3 else without_r3(record)
+    if keep_r3:  # a payload kept inline is empty; the narrowed wire's becomes its bytes
+        with contextlib.suppress(KeyError, IndexError, TypeError):
+            payload = out["response"]["choices"][0]["meta_info"]["routed_experts"]
+            if isinstance(payload, NarrowR3):
+                out = _with_r3(out, payload.int32())
     out = entries_to_write(out)
     request = dict(out["request"])
     request.pop("input_ids", None)

@@ -6,8 +6,10 @@ timestamp included), finite floats, the JSON path's nesting limit, no
 trailing bytes, and a bin in exactly one place — the turn's
 `record.response.choices[0].meta_info.routed_experts`, where it holds the raw
 little-endian int32 R3 bytes. Every failure is an `InvalidRequest` naming
-`body`. Also owns the media types that mean MessagePack. No I/O; which wire a
-request uses is the API's decision.
+`body`. Also owns the media types that mean MessagePack, and the narrowed wire
+(`NARROW_MEDIA_TYPE`, `loads_narrow`): the same body, its R3 bin a width byte
+and the values at that width (`r3.NarrowR3`). No I/O; which wire a request
+uses is the API's decision.
 
 The long values of a turn are not decoded into Python objects when the body
 is a bytearray (the API's receive buffer): a prompt and output entries written
@@ -30,11 +32,15 @@ import numpy as np
 from app.domain.errors import InvalidRequest
 from app.domain.wire import packed
 from app.domain.wire.jsonio import MAX_DEPTH, containers_in, gc_paused, level_of
+from app.domain.wire.r3 import NarrowR3
 from app.domain.wire.width import MAX_VALUES, check_msgpack
 
 MEDIA_TYPES = frozenset({"application/msgpack", "application/vnd.msgpack",
                          "application/x-msgpack"})
 MEDIA_TYPE = "application/msgpack"
+# turnlog's own MessagePack turn: the R3 bin narrowed (`loads_narrow`). A server
+# that does not know it answers 415, so a client can fall back to `MEDIA_TYPE`.
+NARROW_MEDIA_TYPE = "application/vnd.turnlog.narrow-r3+msgpack"
 # Where a bin may stand: the turn's R3 payload (`TurnBody` keys, then the record's path).
 R3_PATH: tuple[str | int, ...] = ("record", "response", "choices", 0, "meta_info",
                                   "routed_experts")
@@ -211,6 +217,21 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
         for holder, key, kept in aside:
             holder[key] = kept
     return value
+
+
+def loads_narrow(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
+                 found: Layout | None = None) -> Any:
+    """`loads` for the narrowed wire: the same body and rules, the R3 bin (if a bin)
+    read as `NarrowR3` (its width byte and values are judged with the turn)."""
+    value = loads(raw, max_values, found)
+    meta = _holder(value, _HOLDERS["routed_experts"])
+    if meta is not None and isinstance(meta.get("routed_experts"), bytes | memoryview):
+        meta["routed_experts"] = NarrowR3(meta["routed_experts"])
+    return value
+
+
+# The decoders of MessagePack turn bodies (whose R3 payload `layout` can find).
+DECODERS = frozenset({loads, loads_narrow})
 
 
 def _read(raw: bytearray, longs: tuple[Long, ...]) -> list[tuple[Long, Any]]:
