@@ -12,8 +12,10 @@ Run by hand (not in CI):
 Addition-mode (in_place) sessions with Qwen3-30B-A3B geometry (48 layers,
 top-8, 128 experts), 10 turns per session, ~2k new tokens per turn, appended
 by 4 concurrent clients. turnlog runs once per wire and per `--workers`
-count: JSON bodies as the session server writes them (base64 R3), and
-MessagePack bodies as `TurnlogClient` sends them by default (R3 as a bin).
+count: JSON bodies as the session server writes them (base64 R3),
+MessagePack bodies with R3 as int32 bytes (`TurnlogClient(wire="msgpack")`),
+and the narrowed MessagePack `TurnlogClient` sends by default (R3 as uint8
+values: a quarter of the bytes).
 In the same run, with the same turns and concurrency, two references:
 - naive: one row per record as received (base64 R3 inside) in a JSONB column,
   inserted with asyncpg;
@@ -22,7 +24,7 @@ In the same run, with the same turns and concurrency, two references:
 Without --postgres-url a throwaway cluster is started from the installed
 PostgreSQL binaries (tests/pg/). Every phase gets its own database so
 the stored sizes are clean. Last, `--big-turn-mb`: one turn of that many MB
-of JSON (and its MessagePack twin) is appended to a fresh `serve --workers 1`
+of JSON (and its two MessagePack twins) is appended to a fresh `serve --workers 1`
 and the server's peak resident memory growth is reported against the body.
 
 `--py-spy DIR` samples each turnlog phase's server into DIR (`$PY_SPY_RATE`
@@ -33,7 +35,8 @@ Beside each turnlog phase's ratios: the server's CPU per turn, the user +
 system CPU seconds of the `turnlog serve` process tree (/proc/<pid>/stat,
 read before and after the phase) divided by the turns appended. Unlike the
 wall-clock rates it barely moves with the machine's other load. `--curve`
-adds turns/s against client count, for turnlog (MessagePack) and the floor.
+adds turns/s against client count, for turnlog (`--curve-wire`, default the
+narrowed MessagePack) and the floor.
 `--in-process 0,1000` adds the same MessagePack turns appended in the
 benchmark's own process through the store's services (decode, validate,
 `Writer.append_parsed`; no HTTP), once per group commit window: what the
@@ -80,15 +83,26 @@ TURNLOG_TABLES = ("events", "r3_patches", "nodes", "sessions", "session_labels",
 
 
 MSGPACK = "application/msgpack"
+NARROW = "application/vnd.turnlog.narrow-r3+msgpack"
 
 
 @dataclass
 class Turn:
     body: bytes  # the JSON the session server sends
-    msgpack: bytes  # what TurnlogClient sends by default
+    msgpack: bytes  # what TurnlogClient sends on its "msgpack" wire (R3 as int32 bytes)
+    narrow: bytes  # what it sends by default (R3 as uint8 values: a width byte, then them)
     r3_rows: int
     r3_narrow: bytes  # what the floor keeps
     token_delta: bytes
+
+
+def on_wire(turn: Turn, wire: str) -> tuple[bytes, str]:
+    """A turn's body and content type on `wire` (json, msgpack or narrow)."""
+    if wire == "msgpack":
+        return turn.msgpack, MSGPACK
+    if wire == "narrow":
+        return turn.narrow, NARROW
+    return turn.body, "application/json"
 
 
 @dataclass
@@ -141,7 +155,8 @@ def make_session(rng: np.random.Generator, turns: int, new_tokens: int) -> Sessi
         }
         delta = np.asarray(prompt[len(tokens):], dtype="<i4").tobytes()
         packed, _ = _encode_turn(body, "msgpack")
-        plan.append(Turn(json.dumps(body).encode(), packed, rows,
+        narrow, _ = _encode_turn(body, "narrow")
+        plan.append(Turn(json.dumps(body).encode(), packed, narrow, rows,
                          r3.astype(np.uint8).tobytes(), delta))
         tokens = prompt + out
     return SessionPlan(sid, open_body, plan)
@@ -195,10 +210,7 @@ async def bench_turnlog(url: str, plans: list[SessionPlan], clients: int, worker
                 raise RuntimeError(reply.decode())
             for turn in plan.turns:
                 path = f"/v1/sessions/{plan.session_id}/turns"
-                if wire == "msgpack":
-                    status, reply = await http.post_json(path, turn.msgpack, MSGPACK)
-                else:
-                    status, reply = await http.post_json(path, turn.body)
+                status, reply = await http.post_json(path, *on_wire(turn, wire))
                 if status != 201:
                     raise RuntimeError(reply.decode())
 
@@ -281,9 +293,7 @@ async def bench_http_floor(plans: list[SessionPlan], clients: int,
 
         async def work(i: int, plan: SessionPlan) -> None:
             for turn in plan.turns:
-                body, kind = (turn.msgpack, MSGPACK) if wire == "msgpack" else \
-                    (turn.body, "application/json")
-                status, _reply = await connections[i].post_json("/turns", body, kind)
+                status, _reply = await connections[i].post_json("/turns", *on_wire(turn, wire))
                 assert status == 201
 
         cpu0 = cpu_seconds(proc.pid)
@@ -405,11 +415,10 @@ async def big_turn_memory(url: str, megabytes: float) -> list[tuple[str, int, in
     proc, base = await start_server(url, 1)
     try:
         async with RawHttp(base) as http:
-            for wire in ("json", "msgpack"):
+            for wire in ("json", "msgpack", "narrow"):
                 plan = make_session(rng, 1, tokens)
                 turn = plan.turns[0]
-                body, kind = (turn.body, "application/json") if wire == "json" else \
-                    (turn.msgpack, MSGPACK)
+                body, kind = on_wire(turn, wire)
                 status, reply = await http.post_json("/v1/sessions", plan.open_body)
                 assert status == 201, reply
                 before = rss_kib(proc.pid, "VmRSS")
@@ -479,8 +488,8 @@ async def clients_curve(server: Any, rng: np.random.Generator, args: argparse.Na
                     settings = (None if window is None
                                 else {"TURNLOG_GROUP_COMMIT_WINDOW_US": str(window)})
                     before = await wal_syncs(server)
-                    elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1, "msgpack",
-                                                         settings=settings)
+                    elapsed, cpu_s = await bench_turnlog(url, plans, clients, 1,
+                                                         args.curve_wire, settings=settings)
                     await asyncio.sleep(0.5)  # the server's backends report as they exit
                     fsyncs[kind] = (await wal_syncs(server) - before) / turns
                     xacts[kind] = await transactions_per_turn(url)
@@ -541,7 +550,10 @@ async def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--workers", default="1",
                         help="turnlog server processes, a comma-separated list (e.g. 1,2)")
-    parser.add_argument("--wires", default="json,msgpack")
+    parser.add_argument("--wires", default="json,msgpack,narrow",
+                        help="json (base64 R3), msgpack (R3 as int32 bytes), narrow "
+                             "(R3 as uint8 values: what TurnlogClient sends by default)")
+    parser.add_argument("--curve-wire", default="narrow", help="the wire of --curve")
     parser.add_argument("--big-turn-mb", type=float, default=100,
                         help="peak memory on one turn of this many MB (0: skip)")
     parser.add_argument("--rounds", type=int, default=2,
@@ -592,8 +604,10 @@ async def main() -> None:
     raw_r3 = rows * LAYERS * TOPK * 4
     body_mb = sum(len(t.body) for p in plans for t in p.turns) / 1e6
     packed_mb = sum(len(t.msgpack) for p in plans for t in p.turns) / 1e6
+    narrow_mb = sum(len(t.narrow) for p in plans for t in p.turns) / 1e6
     print(f"{turns} turns, {rows} R3 rows, raw int32 R3 {raw_r3 / 1e6:.1f} MB, "
-          f"request bodies {body_mb:.1f} MB JSON / {packed_mb:.1f} MB MessagePack", flush=True)
+          f"request bodies {body_mb:.1f} MB JSON / {packed_mb:.1f} MB MessagePack / "
+          f"{narrow_mb:.1f} MB narrowed", flush=True)
 
     from app.store.engine import migrate
 
@@ -671,7 +685,7 @@ async def main() -> None:
         if name.endswith("base"):
             print(f"turnlog {name} (--baseline) / floor:  {t_floor / elapsed:.2f}   "
                   f"server CPU {cpu[name] / turns * 1e3:.2f} ms/turn")
-        elif name.startswith("msgpack"):
+        elif name.startswith(("msgpack", "narrow")):
             print(f"turnlog MessagePack ({name}) / floor: {t_floor / elapsed:.2f}   "
                   f"(target >= 0.5); server CPU {cpu[name] / turns * 1e3:.2f} ms/turn "
                   f"(target <= 4)")
@@ -682,7 +696,7 @@ async def main() -> None:
         if f"http {wire}" in results:
             print(f"uvicorn receiving the {wire} bodies alone / floor: "
                   f"{t_floor / results[f'http {wire}'][0]:.2f}   (no parsing, no storing)")
-    some = next(name for name in results if name[:4] in ("json", "msgp"))
+    some = next(name for name in results if name[:4] in ("json", "msgp", "narr"))
     print(f"turnlog bytes stored: {results[some][1] / raw_r3:.3f} x raw int32 R3   "
           f"(target <= 0.3)")
 

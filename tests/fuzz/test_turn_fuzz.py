@@ -1,11 +1,13 @@
-"""Corrupted turns on both wires, JSON and MessagePack: the parser and the HTTP append
+"""Corrupted turns on every wire, JSON, MessagePack and the narrowed MessagePack: the
+parser and the HTTP append
 reject each with a 4xx problem, store nothing, and never fail any other way
 (docs/ingest.md).
 
 Every example starts from one valid second turn of an addition-R3 session
 (a parent with rows [0, 4), the turn's patch [4, 7)), encoded by one wire —
-JSON, or MessagePack with its R3 as a bin (`tests/wire.py`) — and breaks it
-one way. The same properties hold on both wires, so they are written once and
+JSON, MessagePack with its R3 as a bin, or the narrowed wire with its R3 as a
+width byte and uint8 values (`tests/wire.py`) — and breaks it
+one way. The same properties hold on every wire, so they are written once and
 run per wire: a wrong R3 payload length, wrong offsets, huge numbers,
 non-finite numbers in the raw bytes, over-deep nesting, a wrong type at a
 validated path, a missing required key; MessagePack adds what only it can
@@ -35,10 +37,11 @@ from hypothesis import strategies as st
 from app.domain.body.turn import json_carried, parse_turn
 from app.domain.errors import DomainError
 from app.domain.wire import jsonio, msgpackio
+from app.domain.wire.r3 import NarrowR3
 from app.sim.simulator import fold_in_memory
 from tests.factory import open_body, r3_b64, turn
 from tests.fuzz.budget import DERANDOMIZE, examples
-from tests.wire import MSGPACK, to_msgpack, with_bin
+from tests.wire import MSGPACK, NARROW, narrowed, to_msgpack, with_bin
 
 L, K = 2, 2
 Path = tuple[str | int, ...]
@@ -215,6 +218,8 @@ class Wire:
     nest: Callable[[st.DrawFn, bytes, int], bytes]
     any_value: st.SearchStrategy[Any]
     payload_types: tuple[type, ...]  # what the R3 payload may be
+    # The record as JSON carries it, from the record as this wire sends it.
+    carried: Callable[[dict[str, Any]], dict[str, Any]] = json_carried
 
 
 JSON = Wire("json", "application/json", second_turn, lambda b: json.dumps(b).encode(),
@@ -223,6 +228,34 @@ JSON = Wire("json", "application/json", second_turn, lambda b: json.dumps(b).enc
 MSG = Wire("msgpack", MSGPACK, lambda: with_bin(second_turn()), msgspec.msgpack.encode,
            msgpackio.loads, INT64, msgpack_huge, msgpack_non_finite, msgpack_nest,
            any_msgpack, (str, bytes))
+
+
+def narrow_base() -> dict[str, Any]:
+    body = with_bin(second_turn())
+    set_at(body, PAYLOAD, narrowed(get_at(body, PAYLOAD)))
+    return body
+
+
+def narrow_carried(record: dict[str, Any]) -> dict[str, Any]:
+    """`json_carried` of a narrowed wire's record: a bin at the payload is read as the
+    server reads it there (`NarrowR3`)."""
+    try:
+        response = record["response"]
+        choice = response["choices"][0]
+        payload = choice["meta_info"]["routed_experts"]
+    except (KeyError, IndexError, TypeError):
+        return json_carried(record)
+    if not isinstance(payload, bytes):
+        return json_carried(record)
+    choices = [{**choice, "meta_info": {**choice["meta_info"],
+                                        "routed_experts": NarrowR3(payload)}},
+               *response["choices"][1:]]
+    return json_carried({**record, "response": {**response, "choices": choices}})
+
+
+NARROWED = Wire("narrow", NARROW, narrow_base, msgspec.msgpack.encode, msgpackio.loads_narrow,
+                INT64, msgpack_huge, msgpack_non_finite, msgpack_nest, any_msgpack,
+                (str, bytes), narrow_carried)
 # cached_tokens is never refused (a count that is not one counts 0), so it is only in the
 # non-finite cases.
 COUNTED = [p for p in NUMBERS if p != (*META, "cached_tokens")]
@@ -341,11 +374,13 @@ def corruptions(wire: Wire) -> dict[str, st.SearchStrategy[bytes]]:
     return found
 
 
-CORRUPTIONS = {wire.name: corruptions(wire) for wire in (JSON, MSG)}
-# Hundreds of appends per backend: the JSON wire runs on SQLite and PostgreSQL, not repeated
-# on Citus (MessagePack, the newer wire, keeps its Citus run).
+CORRUPTIONS = {wire.name: corruptions(wire) for wire in (JSON, MSG, NARROWED)}
+# Hundreds of appends per backend: the JSON and narrowed wires run on SQLite and PostgreSQL,
+# not repeated on Citus (MessagePack, whose decoder the narrowed wire shares, keeps its
+# Citus run).
 WIRES = [pytest.param(JSON, id="json", marks=pytest.mark.not_citus),
-         pytest.param(MSG, id="msgpack")]
+         pytest.param(MSG, id="msgpack"),
+         pytest.param(NARROWED, id="narrow", marks=pytest.mark.not_citus)]
 WIRE_KINDS = [pytest.param(wire, kind, id=f"{wire.name}-{kind}", marks=p.marks)
               for p in WIRES for wire in p.values for kind in CORRUPTIONS[wire.name]]
 
@@ -358,6 +393,9 @@ def test_the_uncorrupted_turn_is_valid():
 def test_the_uncorrupted_turn_decodes_to_its_json_twin():
     value = msgpackio.loads(to_msgpack(second_turn()))
     assert json_carried(value["record"]) == second_turn()["record"]
+    value = msgpackio.loads_narrow(NARROWED.encode(narrow_base()))
+    assert json_carried(value["record"]) == second_turn()["record"]
+    assert narrow_carried(narrow_base()["record"]) == second_turn()["record"]
 
 
 @pytest.mark.parametrize("wire", WIRES)
@@ -388,6 +426,8 @@ async def fresh_session(client, wire: Wire) -> str:
     sid = f"fz-{uuid.uuid4().hex}"
     assert (await client.post("/v1/sessions", json=open_spec(sid))).status_code == 201
     first = first_turn() if wire is JSON else with_bin(first_turn())
+    if wire is NARROWED:
+        set_at(first, PAYLOAD, narrowed(get_at(first, PAYLOAD)))
     r = await post_raw(client, sid, wire, wire.encode(first))
     assert r.status_code == 201, r.text
     return sid
@@ -443,7 +483,7 @@ async def test_any_value_at_any_path_is_stored_losslessly_or_rejected(client, wi
     num_nodes, events = await stored(client, sid)
     if r.status_code == 201:
         assert num_nodes == 2 and len(events) == 3
-        carried = json_carried(body["record"])
+        carried = wire.carried(body["record"])
         assert events[2]["record"] == carried
         # The same turn as JSON carries it is the same turn: a repeat.
         again = await client.post(f"/v1/sessions/{sid}/turns",
