@@ -240,6 +240,34 @@ def test_the_r3_bin_is_narrowed_to_the_narrowest_width_that_holds_it(values, wid
     assert got == bytes([width]) + struct.pack(f"<{len(values)}{code}", *values)
 
 
+@pytest.mark.parametrize(("payload", "kind", "sent"), [
+    # text of bytes that are not whole int32 values: kept as text, refused as in JSON
+    ("AAAA", "application/vnd.turnlog.narrow-r3+msgpack", "AAAA"),
+    # int32 bytes given as bytes: narrowed like text
+    (struct.pack("<2i", 5, 300), "application/vnd.turnlog.narrow-r3+msgpack",
+     b"\x02" + struct.pack("<2H", 5, 300)),
+    # bytes that are not whole int32 values: only the plain wire carries them as they are
+    (b"\x01\x02\x03", "application/msgpack", b"\x01\x02\x03"),
+])
+def test_r3_that_cannot_be_narrowed_goes_as_it_is(payload, kind, sent):
+    record = turn([1, 2], [3])["record"]
+    meta_of(record)["routed_experts"] = payload
+    raw, got_kind = _encode_turn({"event_id": "e", "record": record}, "narrow")
+    assert got_kind == kind
+    assert meta_of(msgspec.msgpack.decode(raw)["record"])["routed_experts"] == sent
+
+
+async def test_a_non_whole_r3_is_refused_by_the_server_on_the_default_wire(app, sid):
+    record = r3_turn()
+    meta_of(record)["routed_experts"] = "AAAA"
+    async with TurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app)) as client:
+        await client.open(session_id=sid, version="v2", pause_generation_mode="in_place",
+                          r3={"num_layers": 2})
+        with pytest.raises(TurnlogError) as caught:
+            await client.append(sid, record)
+    assert caught.value.slug == "invalid-r3"
+
+
 async def test_a_server_without_the_narrowed_wire_gets_plain_msgpack_from_then_on(app, sid):
     """A server older than the narrowed wire answers its media type 415 and stores
     nothing: the client sends the same turn (the same event id) as plain MessagePack,

@@ -65,8 +65,8 @@ def narrowed(raw: bytes, width: int | None = None) -> bytes:
 
 
 def to_narrow_msgpack(body: Any, width: int | None = None) -> bytes:
-    """`to_msgpack` for the narrowed wire: an R3 bin (a canonical base64 payload) as
-    `narrowed` writes it; a payload that stays a str is sent as it is."""
+    """`to_msgpack` for the narrowed wire: an R3 bin (a canonical base64 payload of whole
+    int32 values) as `narrowed` writes it; any other payload is sent as it is."""
     out = with_bin(body)
     node = out
     try:
@@ -74,8 +74,11 @@ def to_narrow_msgpack(body: Any, width: int | None = None) -> bytes:
             node = node[key]
     except (KeyError, IndexError, TypeError):
         return msgspec.msgpack.encode(out)
-    if isinstance(node.get("routed_experts"), bytes) and len(node["routed_experts"]) % 4 == 0:
-        node["routed_experts"] = narrowed(node["routed_experts"], width)
+    payload = node.get("routed_experts")
+    if isinstance(payload, bytes):
+        # Bytes that are not whole int32 values go back to their text, refused as in JSON.
+        node["routed_experts"] = narrowed(payload, width) if len(payload) % 4 == 0 \
+            else base64.b64encode(payload).decode("ascii")
     return msgspec.msgpack.encode(out)
 
 

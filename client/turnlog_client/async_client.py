@@ -200,9 +200,12 @@ def _narrowed(raw: bytes) -> bytes:
     return b"\x04" + raw
 
 
-def _with_r3_bin(body: Mapping[str, Any], narrow: bool = False) -> Mapping[str, Any]:
-    """`body` with its R3 text as a bin (narrowed if `narrow`), copying only the maps
-    on the payload's path."""
+def _with_r3_bin(body: Mapping[str, Any], narrow: bool = False) -> Mapping[str, Any] | None:
+    """`body` with its R3 text as a bin (narrowed if `narrow`, and so is a payload given
+    as int32 bytes), copying only the maps on the payload's path. Text that is not
+    canonical base64 of whole int32 values stays text, for the server to refuse as on
+    the JSON wire. None (`narrow` only): bytes that are not whole int32 values, which
+    only the plain wire carries as they are."""
     try:
         record = body["record"]
         response = record["response"]
@@ -211,8 +214,15 @@ def _with_r3_bin(body: Mapping[str, Any], narrow: bool = False) -> Mapping[str, 
         payload = meta["routed_experts"]
     except (KeyError, IndexError, TypeError):
         return body
-    raw = _r3_bin(payload) if isinstance(payload, str) else None
-    if raw is None:
+    if isinstance(payload, str):
+        raw = _r3_bin(payload)
+        if raw is None or (narrow and len(raw) % 4):
+            return body
+    elif narrow and isinstance(payload, bytes | bytearray | memoryview):
+        raw = bytes(payload)
+        if len(raw) % 4:
+            return None
+    else:
         return body
     if narrow:
         raw = _narrowed(raw)
@@ -227,7 +237,10 @@ def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
     if wire in ("msgpack", "narrow"):
         narrow = wire == "narrow"
         with contextlib.suppress(OverflowError, TypeError):
-            return msgspec.msgpack.encode(_with_packed_lists(_with_r3_bin(body, narrow))), \
+            shaped = _with_r3_bin(body, narrow)
+            if shaped is None:  # R3 bytes only the plain wire carries as they are
+                shaped, narrow = body, False
+            return msgspec.msgpack.encode(_with_packed_lists(shaped)), \
                 NARROW if narrow else MSGPACK
     return encode(body), JSON
 

@@ -153,6 +153,27 @@ async def test_a_bin_of_no_values_is_the_empty_payload(client, sid, empty):
     assert meta((await events(client, sid))[-1])["routed_experts"] == ""
 
 
+@pytest.mark.parametrize("empty", [b"", b"\x01"])
+@pytest.mark.parametrize("r3", [True, False], ids=["r3-session", "no-r3-session"])
+async def test_a_bin_of_no_values_is_empty_without_return_routed_experts(client, sid, empty, r3):
+    """A turn that asks for no R3 may carry the empty payload on every wire."""
+    if r3:
+        await addition_session(client, sid)
+    else:
+        assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+    body = with_bin(turn([1, 2, 3], [4, 5], event_id="e0"))
+    meta(body)["routed_experts"] = empty
+    r = await post_raw(client, sid, msgspec.msgpack.encode(body))
+    assert r.status_code == 201, r.text
+    meta(body)["routed_experts"] = ""
+    again = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert again.status_code == 200 and again.json() == r.json()
+    meta(body)["routed_experts"] = b"\x07"  # a width byte of no width is not empty
+    body["event_id"] = "e1"
+    r = await post_raw(client, sid, msgspec.msgpack.encode(body))
+    assert r.status_code == 422 and r.json()["field"] == FIELD
+
+
 @pytest.mark.parametrize(("case", "raw"), [
     ("trailing bytes", to_narrow_msgpack(turn([1, 2, 3], [4, 5], r3=r3_b64(4, L, K), start=0))
      + b"\x00"),
@@ -183,14 +204,19 @@ async def test_opens_do_not_read_the_narrowed_wire(client, sid):
     assert r.status_code == 415 and r.json()["field"] == "content-type"
 
 
+@pytest.mark.parametrize("route", ["bare", "fastapi"])
 @pytest.mark.parametrize("offload_body_bytes", [16 << 20, 2000], ids=["on-loop", "offloaded"])
-async def test_a_large_narrowed_turn_is_read_where_it_lies(settings, sid, offload_body_bytes):
+async def test_a_large_narrowed_turn_is_read_where_it_lies(settings, sid, offload_body_bytes,
+                                                          route):
     """A body above the large-body size, its R3 a bin 32 (64 KiB or more): located by
-    the typed pass and used as a view of the body, on the loop or a worker thread."""
+    the typed pass and used as a view of the body, on the loop or a worker thread, by
+    the bare append route and by FastAPI's."""
     import httpx
 
     app = create_app(settings.replace(large_body_bytes=2000,
                                       offload_body_bytes=offload_body_bytes))
+    if route == "fastapi":
+        del app.router.routes[0]  # the bare route (tests/api/test_hotpath.py)
     layers, topk = 4, 8
     prompt, output = list(range(100, 2100)), list(range(7, 107))
     rows = len(prompt) + len(output) - 1

@@ -332,7 +332,9 @@ def _r3(
     payload_field = f"{META}.routed_experts"
     start_field = "record.request.routed_experts_start_len"
     if not returns:
-        if payload is not None and payload not in ("", b""):
+        # Empty: "" in JSON, the empty bin, or the narrowed wire's bin of no values.
+        if payload is not None and not (isinstance(payload, str | bytes | memoryview | NarrowR3)
+                                        and not payload):
             raise InvalidR3("routed_experts sent but return_routed_experts is not true",
                             field=payload_field, expected="absent, null or \"\"",
                             actual="a payload")
@@ -358,7 +360,7 @@ def _r3(
                         field=start_field, expected=f"at most {end}", actual=start)
     if payload is not None and not isinstance(payload, str | bytes | memoryview | NarrowR3):
         raise InvalidR3("routed_experts must be a base64 string", field=payload_field,
-                        expected="base64 string (or a MessagePack bin of int32)",
+                        expected="base64 string (or a MessagePack bin)",
                         actual=describe(payload))
     if stored_r3 is not None:
         return True, start, None, stored_r3[1]
@@ -376,7 +378,7 @@ def _r3(
     if rows == 0:
         raise InvalidR3("routed_experts payload sent for a turn with zero rows",
                         field=payload_field, expected="absent, null or \"\"",
-                        actual=f"{values.size} int32 values")
+                        actual=f"{values.size} values")
     topk = infer_topk(values.size, rows, definition.num_layers, payload_field)
     return True, start, values, topk
 

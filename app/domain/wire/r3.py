@@ -135,6 +135,9 @@ class NarrowR3:
     def __init__(self, data: bytes | memoryview) -> None:
         self.data = data
 
+    def __repr__(self) -> str:
+        return f"NarrowR3({len(self.data)} bytes)"
+
     def __len__(self) -> int:
         """The values' bytes: a bin of nothing, or of a width byte alone, is empty (as
         the text "" is); a bin with another first byte counts whole, to be refused."""
@@ -184,6 +187,7 @@ def narrow(values: np.ndarray) -> tuple[str, bytes]:
     """
     if values.size == 0:
         return "u1", b""
+    assert values.dtype == WIRE_DTYPE or values.dtype.kind == "u", values.dtype
     unsigned = values if values.dtype != WIRE_DTYPE else values.view(np.dtype("<u4"))
     hi = int(unsigned.max())
     code = "u1" if hi <= 0xFF else "u2" if hi <= 0xFFFF else "i4"
