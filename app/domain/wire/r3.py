@@ -188,6 +188,8 @@ def narrow(values: np.ndarray) -> tuple[str, bytes]:
     if values.size == 0:
         return "u1", b""
     assert values.dtype == WIRE_DTYPE or values.dtype.kind == "u", values.dtype
+    if values.dtype == DTYPES["u1"]:  # the narrowed wire's bytes: nothing to reduce
+        return "u1", values.tobytes()
     unsigned = values if values.dtype != WIRE_DTYPE else values.view(np.dtype("<u4"))
     hi = int(unsigned.max())
     code = "u1" if hi <= 0xFF else "u2" if hi <= 0xFFFF else "i4"
