@@ -156,6 +156,7 @@ async def test_a_non_finite_reward_is_422(client, sid, text):
     r = await client.post(f"/v1/sessions/{sid}/rewards", content=text,
                           headers={"content-type": "application/json"})
     assert_problem(r, 422, "invalid-request")
+    assert r.json()["field"] == "reward"  # the field, not the body, for every form
     assert await event_count(client, sid) == 3
 
 

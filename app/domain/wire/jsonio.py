@@ -28,13 +28,19 @@ MAX_DEPTH = 64
 _OPENINGS = tuple(b"[{")
 
 
+class _NonFinite(Exception):
+    """A non-finite number met while parsing (its text): refused once its field is known."""
+
+
+class _Found:
+    """Where a non-finite number stands in a refused body, found for the field's name."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 def _reject_constant(name: str) -> Any:
-    raise InvalidRequest(
-        f"non-finite number {name} is not valid JSON here",
-        field="body",
-        expected="finite JSON numbers",
-        actual=name,
-    )
+    raise _NonFinite(name)
 
 
 def _finite_float(text: str) -> float:
@@ -42,6 +48,40 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         _reject_constant(text)
     return value
+
+
+def _mark_float(text: str) -> Any:
+    return _Found(text) if not math.isfinite(float(text)) else 0.0
+
+
+def _non_finite(raw: bytes | bytearray | str, text: str) -> InvalidRequest:
+    """The refusal of a body holding a non-finite number (NaN, ±Infinity, 1e999), naming
+    the field where the first one stands (`reward`, `labels.x`, `records[2].y`): the
+    body is parsed again with the numbers marked, on this error path only."""
+    field = "body"
+    try:
+        value = json.loads(raw, parse_constant=_Found, parse_float=_mark_float)
+    except (ValueError, RecursionError):
+        value = None
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if type(item) is _Found:
+            field, text = path or "body", item.text
+            break
+        if type(item) is dict:
+            stack.extend((f"{path}.{key}" if path else key, child)
+                         for key, child in reversed(item.items()))
+        elif type(item) is list:
+            stack.extend((f"{path}[{index}]", child)
+                         for index, child in reversed(list(enumerate(item))))
+    return InvalidRequest(
+        f"non-finite number {text} is not valid JSON here"
+        + (f" ({field})" if field != "body" else ""),
+        field=field,
+        expected="a finite JSON number",
+        actual=text,
+    )
 
 
 def _depth(value: Any) -> int:
@@ -216,8 +256,8 @@ def loads_stored(raw: bytes | str) -> Any:
 def _loads_stdlib(raw: bytes | bytearray | str) -> Any:
     try:
         return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except InvalidRequest:
-        raise
+    except _NonFinite as exc:
+        raise _non_finite(raw, str(exc)) from None
     except RecursionError:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
