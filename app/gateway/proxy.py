@@ -33,7 +33,7 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 import aiohttp
@@ -42,6 +42,7 @@ import brotli
 import httpx
 import structlog
 import zstandard
+from aiohttp.abc import AbstractStreamWriter
 from yarl import URL
 
 from app.access import Forbidden, TokenTable, Unauthorized, authorize, bearer_token, challenge
@@ -456,7 +457,7 @@ class Gateway:
         url, headers = self._target(scope)
         try:
             response = await self.client.request(
-                scope["method"], url, data=body,
+                scope["method"], url, data=_bounded(body, self.config.upstream_timeout),
                 headers=[(name.decode("latin-1"), value.decode("latin-1"))
                          for name, value in headers],
                 allow_redirects=False)
@@ -464,6 +465,9 @@ class Gateway:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc.__cause__, ClientGone):  # aiohttp wraps the upload's error
                 raise ClientGone() from exc
+            if isinstance(exc, UploadStalled):
+                raise UpstreamUnavailable(str(exc), extra={"upstream": str(self.upstream)}
+                                          ) from exc
             raise UpstreamUnavailable(
                 f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
                 + (f" ({exc})" if str(exc) else ""),
@@ -563,6 +567,72 @@ async def _stream_body(receive: Any) -> AsyncIterator[bytes]:
             yield chunk
         if not message.get("more_body", False):
             return
+
+
+# A request body goes up in slices of this size, each written within the upstream
+# timeout (see `_bounded`).
+UPLOAD_SLICE = 1 << 20
+
+
+class UploadStalled(TimeoutError):
+    """The upstream took no more of a request body within the upstream timeout."""
+
+
+class _BoundedWriter:
+    """aiohttp's request-body writer, each slice's write (its drain included) bounded by
+    `timeout`: an upstream that stops reading the body times out like one that stops
+    answering. Everything but `write` is the writer's own."""
+
+    def __init__(self, writer: Any, timeout: float) -> None:
+        self.writer = writer
+        self.timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.writer, name)
+
+    async def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        view = memoryview(chunk).cast("B")
+        for start in range(0, len(view), UPLOAD_SLICE):
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self.writer.write(view[start:start + UPLOAD_SLICE])
+            except TimeoutError:
+                raise UploadStalled(
+                    f"the upstream took no more of the request body within "
+                    f"{self.timeout:g} s (--upstream-timeout)") from None
+
+
+def _bounded_writer(writer: AbstractStreamWriter, timeout: float) -> AbstractStreamWriter:
+    return cast(AbstractStreamWriter, _BoundedWriter(writer, timeout))
+
+
+class _BoundedBytes(aiohttp.payload.BytesPayload):
+    timeout: float
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        await super().write_with_length(_bounded_writer(writer, self.timeout), content_length)
+
+
+class _BoundedStream(aiohttp.payload.AsyncIterablePayload):
+    timeout: float
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        await super().write_with_length(_bounded_writer(writer, self.timeout), content_length)
+
+
+def _bounded(body: Any, timeout: float) -> aiohttp.payload.Payload | None:
+    """A request body (bytes, an `_Upload` or None) as aiohttp sends it, with each
+    write bounded by `timeout`. aiohttp's own read timeout starts only once the body
+    is sent, and it has no write timeout: a body larger than the sockets' buffers
+    going to an upstream that stopped reading would hold the caller for good."""
+    if body is None:
+        return None
+    payload: _BoundedBytes | _BoundedStream = (
+        _BoundedBytes(body) if isinstance(body, bytes | bytearray) else _BoundedStream(body))
+    payload.timeout = timeout
+    return payload
 
 
 class _Upload:

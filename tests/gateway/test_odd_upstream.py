@@ -10,8 +10,10 @@ These record nothing, so they run on one SQLite file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -136,3 +138,66 @@ async def test_a_reply_that_breaks_off_cuts_the_callers_connection_with_one_log_
     log = gateway.log_tail(300)
     assert "upstream reply broke off" in log, log
     assert "Traceback" not in log
+
+
+@pytest.fixture
+async def stalled_upstream() -> AsyncIterator[str]:
+    """An upstream that accepts connections and never reads from them (a hung router)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def serve(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+        for writer in held:
+            writer.close()
+
+
+async def _post_while_reading(port: int, head: bytes, body: bytes) -> tuple[bytes, bytes]:
+    """POST `body` on one connection while reading the reply (a proxy that stops
+    taking the body must still be heard): the reply's head and its body (by its
+    Content-Length; the connection may stay open, the upload unfinished)."""
+    def run() -> tuple[bytes, bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            def upload() -> None:
+                with contextlib.suppress(OSError):  # the reply came first and closed it
+                    sock.sendall(head + body)
+            threading.Thread(target=upload, daemon=True).start()
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += sock.recv(65536) or b"<closed>\r\n\r\n"
+            reply_head, _, rest = received.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in reply_head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(rest) < length and (data := sock.recv(65536)):
+                rest += data
+            return reply_head, rest
+    return await asyncio.to_thread(run)
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["passthrough", "turn"])
+async def test_an_upstream_that_stops_reading_the_body_is_a_502(
+        tmp_path, gateway_process, stalled_upstream, recorded):
+    """aiohttp's read timeout starts only once a request body is sent: a body larger than
+    the sockets' buffers, to an upstream that takes none of it, must still end in the
+    upstream timeout's 502 (it hung the caller for good)."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", "--upstream-timeout", "1",
+                              upstream=stalled_upstream)
+    await gateway.wait_ready()
+    # 24 MB: more than the loopback sockets buffer between the gateway and the upstream.
+    if recorded:  # a turn, buffered whole by the gateway, then sent up
+        body = b'{"input_ids": [1, 2], "pad": "' + b"x" * (24 << 20) + b'"}'
+        path, extra = b"/v1/chat/completions", b"X-SMG-Routing-Key: s-stalled\r\n"
+    else:  # passthrough, streamed up as it comes
+        body, path, extra = b"x" * (24 << 20), b"/generate", b""
+    head = (b"POST " + path + b" HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+            + extra + b"Content-Length: %d\r\n\r\n" % len(body))
+    first, rest = await _post_while_reading(gateway.port, head, body)
+    assert first.startswith(b"HTTP/1.1 502"), first + rest[:300]
+    problem = json.loads(rest)
+    assert problem["type"] == "urn:turnlog:upstream-unavailable"
+    assert "request body" in problem["detail"] and "1 s" in problem["detail"]
+    assert "Traceback" not in gateway.log_tail(300)
