@@ -382,6 +382,14 @@ class Gateway:
             self.metrics.unrecorded.labels(NO_SESSION).inc()
             await self._passthrough(scope, receive, send)  # streamed, never held
             return
+        assert self.recorder is not None
+        with self.recorder.generating(session_id):
+            await self._turn(scope, receive, send, session_id, request_timestamp)
+
+    async def _turn(self, scope: dict[str, Any], receive: Any, send: Any, session_id: str,
+                    request_timestamp: float) -> None:
+        """A request that may be a turn of `session_id`: forwarded, its reply recorded
+        (or relayed unrecorded, counted by reason) before the caller gets it."""
         # A turn above the store's body limit could never be stored: not held either.
         declared = _content_length(scope)
         if declared is not None and declared > self.max_turn_bytes:

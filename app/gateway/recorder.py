@@ -35,6 +35,9 @@ a crash between commit and delete stores nothing twice). With
 `idle_close_seconds`, sessions opened by a gateway are closed once their last
 recorded turn is older than that: those this gateway records turns for, and
 the open ones a gateway opened before this one started (found in the store).
+The store's last event of the session decides, not this gateway's memory
+(another gateway on the same store may be recording it), and a session with
+a turn on its way through this gateway (`generating`) is left open.
 
 Refuses: HTTP (app.gateway.proxy) and the rules of what a turn is
 (app.domain.body.gateway).
@@ -46,7 +49,8 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import Coroutine
+from collections import Counter
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import asyncpg
@@ -81,7 +85,7 @@ from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import CLOSE, REWARD, TURN, Spool, Spooled
 from app.services import Services
 from app.store.append.writes import Opened
-from app.store.read.gateway import open_sessions_opened_by
+from app.store.read.gateway import last_event_us, open_sessions_opened_by
 
 log = structlog.get_logger("turnlog.gateway")
 
@@ -157,6 +161,8 @@ class Recorder:
         self.drain_failing = False  # the last drain attempt got no verdict
         # Sessions opened by a gateway → monotonic time of their last recorded turn.
         self.last_turn: dict[str, float] = {}
+        # Sessions with turns sent upstream and not yet recorded → how many.
+        self.in_flight: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
         # The drainer's attempt: (entry, its store call, monotonic time it began).
         self._attempt: tuple[Any, asyncio.Future[None], float] | None = None
@@ -536,6 +542,19 @@ class Recorder:
 
     # -- idle close ------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def generating(self, session_id: str) -> Iterator[None]:
+        """A turn of `session_id` is on its way (sent upstream, its reply not yet recorded):
+        the idle close leaves the session open meanwhile (a generation may outlast
+        the idle time; closing under it would lose the turn)."""
+        self.in_flight[session_id] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[session_id] -= 1
+            if not self.in_flight[session_id]:
+                del self.in_flight[session_id]
+
     async def _touch(self, session_id: str) -> None:
         if not self.idle_close_seconds:
             return
@@ -561,6 +580,21 @@ class Recorder:
             log.info("tracking open sessions opened by a gateway", sessions=len(found))
         return True
 
+    async def _latest_turn(self, session_id: str, last: float) -> float | None:
+        """The later of `last` and the session's last event in the store, on the
+        monotonic clock; None when the store does not answer."""
+        try:
+            last_us = await bounded(last_event_us(self.services.db, session_id),
+                                    self.store_timeout)
+        except Exception as exc:
+            log.warning("idle check failed; retrying", session_id=session_id,
+                        error=type(exc).__name__)
+            return None
+        if last_us is None:
+            return last
+        stored = time.monotonic() - max(0.0, time.time() - last_us / 1e6)
+        return max(last, stored)
+
     async def _idle_loop(self) -> None:
         assert self.idle_close_seconds
         limit = self.idle_close_seconds
@@ -570,21 +604,36 @@ class Recorder:
             await asyncio.sleep(period)
             if not adopted:
                 adopted = await self._adopt_open_sessions()
-            now = time.monotonic()
             for session_id, last in list(self.last_turn.items()):
-                if now - last <= limit or self.spool.holds(session_id):
-                    continue
-                try:
-                    await bounded(self.services.writer.close_session(
-                        session_id, {"metadata": dict(IDLE_CLOSE)}), self.store_timeout)
-                except (SessionClosed, UnknownSession):
-                    pass  # closed by someone else (another body) or gone
-                except Exception as exc:
-                    log.warning("idle close failed; retrying", session_id=session_id,
-                                error=type(exc).__name__)
-                    continue
-                else:
-                    log.info("session closed after idle time", session_id=session_id,
-                             idle_seconds=round(now - last, 3))
-                if self.last_turn.get(session_id) == last:
-                    del self.last_turn[session_id]
+                if time.monotonic() - last > limit:
+                    await self._close_if_idle(session_id, last, limit)
+
+    async def _close_if_idle(self, session_id: str, last: float, limit: float) -> None:
+        """Close `session_id` if no turn of it came for `limit` seconds: none recorded here
+        since `last`, none on its way here or held in the spool, none in the store
+        (another gateway on it may be recording the session)."""
+        if self.spool.holds(session_id) or session_id in self.in_flight:
+            return
+        latest = await self._latest_turn(session_id, last)
+        if latest is None or self.last_turn.get(session_id) != last \
+                or session_id in self.in_flight:
+            return  # the store cannot say now, or a turn came meanwhile: next round
+        if latest > last:
+            self.last_turn[session_id] = latest  # idle from the other gateway's turn
+            if time.monotonic() - latest <= limit:
+                return
+            last = latest
+        try:
+            await bounded(self.services.writer.close_session(
+                session_id, {"metadata": dict(IDLE_CLOSE)}), self.store_timeout)
+        except (SessionClosed, UnknownSession):
+            pass  # closed by someone else (another body) or gone
+        except Exception as exc:
+            log.warning("idle close failed; retrying", session_id=session_id,
+                        error=type(exc).__name__)
+            return
+        else:
+            log.info("session closed after idle time", session_id=session_id,
+                     idle_seconds=round(time.monotonic() - last, 3))
+        if self.last_turn.get(session_id) == last:
+            del self.last_turn[session_id]

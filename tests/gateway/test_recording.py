@@ -8,6 +8,7 @@ forward) for the R3 rows.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import uuid
@@ -301,3 +302,72 @@ async def test_a_restarted_gateway_idle_closes_what_a_gateway_opened(db_url, cli
     await wait_for(closed, what="the idle close of a session a gateway opened before")
     assert (await client.get(f"/v1/sessions/{mine}")).json()["status"] == "open"
     assert (await client.get(f"/v1/sessions/{labelled}")).json()["status"] == "open"
+
+
+async def _conversation(http: httpx.AsyncClient, session: str, turns: int, pause: float,
+                        headers: dict[str, str] | None = None) -> None:
+    """`turns` turns of one growing conversation, `pause` seconds apart; each recorded."""
+    prompt = [1, 2, 3]
+    for i in range(turns):
+        turn = await send_turn(http, session, chat(prompt), headers)
+        assert turn.status == 200, turn.reply
+        output = [t for _, t in
+                  json.loads(turn.reply)["choices"][0]["meta_info"]["output_token_logprobs"]]
+        prompt = prompt + output + [40 + i]
+        await asyncio.sleep(pause)
+
+
+async def test_idle_close_leaves_a_session_another_gateway_is_recording(
+        db_url, client, gateway_process):
+    """One gateway per node on one store: a gateway with an idle close does not close a
+    session whose turns go through another gateway (its own memory has no turn of it
+    since it started; the store's last event decides)."""
+    session = sid()
+    recording = gateway_process(db_url)
+    await recording.wait_ready()
+    async with httpx.AsyncClient(base_url=recording.url, timeout=30) as http:
+        # Turns 0.2 s apart for ~5 s, never 1.5 s idle in the store, while the other
+        # gateway starts (taking the session in, as a gateway opened it) and watches.
+        talking = asyncio.create_task(_conversation(http, session, 20, 0.2))
+        closing = gateway_process(db_url, "--idle-close-seconds", "1.5")
+        await closing.wait_ready()
+        await talking
+        assert (await client.get(f"/v1/sessions/{session}")).json()["status"] == "open"
+        metrics = await scrape(http)
+    assert metric(metrics, "turnlog_gateway_unrecorded_total", 'reason="session-closed"') == 0
+    turns = [e for e in await events(client, session) if e["type"] == "turn_recorded"]
+    assert len(turns) == 20
+
+    async def closed() -> bool:
+        return bool((await client.get(f"/v1/sessions/{session}")).json()["status"] == "closed")
+
+    # Once no turn comes, the other gateway's idle close does close it.
+    await wait_for(closed, what="the idle close once the turns stopped")
+    close = [e for e in await events(client, session) if e["type"] == "session_closed"]
+    assert close[0]["close"]["metadata"] == {"closed_by": "gateway-idle"}
+
+
+async def test_idle_close_waits_for_a_turn_on_its_way(db_url, client, gateway_process):
+    """A generation longer than the idle time: the session stays open while its turn is
+    upstream, and the turn is recorded; the session is closed after it, once idle."""
+    gateway = gateway_process(db_url, "--idle-close-seconds", "0.5")
+    await gateway.wait_ready()
+    session = sid()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        await _conversation(http, session, 1, 0)
+        # Turn 2 takes 2 s upstream: four idle periods without a recorded turn.
+        first = (await events(client, session))[-1]["record"]["response"]
+        output = [t for _, t in first["choices"][0]["meta_info"]["output_token_logprobs"]]
+        turn = await send_turn(http, session, chat([1, 2, 3, *output, 9]),
+                               {"X-Sim-Delay": "2"})
+        assert turn.status == 200, turn.reply
+        metrics = await scrape(http)
+    assert metric(metrics, "turnlog_gateway_unrecorded_total", 'reason="session-closed"') == 0
+    assert metric(metrics, "turnlog_gateway_recorded_total") == 2
+
+    async def closed() -> bool:
+        return bool((await client.get(f"/v1/sessions/{session}")).json()["status"] == "closed")
+
+    await wait_for(closed, what="the idle close after the slow turn")
+    kinds = [e["type"] for e in await events(client, session)]
+    assert kinds == ["session_opened", "turn_recorded", "turn_recorded", "session_closed"]

@@ -2,7 +2,9 @@
 
 `open_sessions_opened_by` finds the open sessions whose open body names an
 opener (`"opened_by": "gateway"`), with the time of their last event, so a
-gateway that starts again can still close the ones left idle. Read-only.
+gateway that starts again can still close the ones left idle;
+`last_event_us` is one session's last event time, so a gateway does not
+close for idleness a session another gateway is recording. Read-only.
 """
 
 from __future__ import annotations
@@ -34,3 +36,11 @@ async def open_sessions_opened_by(db: Database, opened_by: str) -> list[tuple[st
         rows = (await conn.execute(query)).all()
     return [(row.session_id, int(row.last_us)) for row in rows
             if jsonio.loads_stored(row.payload)["session"].get("opened_by") == opened_by]
+
+
+async def last_event_us(db: Database, session_id: str) -> int | None:
+    """The `recorded_us` of the session's last event (None: no such session)."""
+    query = sa.select(sa.func.max(events.c.recorded_us)).where(events.c.session_id == session_id)
+    async with db.read() as conn:
+        last = (await conn.execute(query)).scalar()
+    return None if last is None else int(last)
