@@ -805,9 +805,15 @@ async def _read_reply(response: aiohttp.ClientResponse,
 
 
 def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list[Any]:
-    """A buffered reply's headers: hop-by-hop ones dropped, its length (not chunked)."""
-    headers = end_to_end(raw, NO_CONTENT_LENGTH)
-    headers.append((b"content-length", str(length).encode()))
+    """A buffered reply's headers: hop-by-hop ones dropped, its framing the upstream's —
+    its Content-Length, or none when it came chunked (uvicorn then sends it chunked
+    too, as the upstream did). A Content-Length other than the `length` read (one
+    sent beside chunked framing, which wins) is replaced by it."""
+    headers = end_to_end(raw)
+    declared = [value for name, value in headers if name == b"content-length"]
+    if declared and declared != [str(length).encode()]:
+        headers = [pair for pair in headers if pair[0] != b"content-length"]
+        headers.append((b"content-length", str(length).encode()))
     return headers
 
 

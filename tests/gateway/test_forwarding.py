@@ -165,6 +165,22 @@ async def test_a_turn_whose_reply_cannot_be_recorded_is_streamed(forwarder, stat
         assert (await http.get("/turnlog/healthz")).status_code == 200
 
 
+async def test_a_chunked_turn_reply_held_to_be_judged_stays_chunked(forwarder, fake_sglang):
+    """A 200 JSON reply to a turn is held whole (only its end says whether it is a turn);
+    one that came chunked goes back chunked, not re-framed with a Content-Length."""
+    headers = {"X-SMG-Routing-Key": "s-chunked-json", "X-Sim-Chunks": "2"}
+    replies = []
+    for base in (fake_sglang.url, forwarder.url):
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            replies.append(await http.post("/v1/chat/completions", json=chat([1, 2, 3]),
+                                           headers=headers))
+    straight, via = replies
+    assert straight.headers.get("transfer-encoding") == "chunked"
+    assert via.status_code == 200 and via.content == straight.content
+    assert via.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in via.headers
+
+
 async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_process):
     closed_port = free_port()  # nothing listens there
     down = gateway_process(_sqlite(tmp_path), upstream=f"http://127.0.0.1:{closed_port}")
