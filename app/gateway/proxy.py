@@ -52,6 +52,7 @@ from app.domain.body.gateway import (
     NO_SESSION,
     NOT_TITO,
     REJECTED,
+    UPSTREAM_UNAVAILABLE,
     Candidate,
     GatewayDefaults,
     Unrecorded,
@@ -408,6 +409,7 @@ class Gateway:
         try:
             response = await self._open(scope, body)
         except UpstreamUnavailable as exc:
+            self.metrics.unrecorded.labels(UPSTREAM_UNAVAILABLE).inc()
             await _problem(send, exc)
             return
         finally:
@@ -425,6 +427,7 @@ class Gateway:
         try:
             raw = await self._read(response, self.max_turn_bytes - len(body))
         except UpstreamUnavailable as exc:
+            self.metrics.unrecorded.labels(UPSTREAM_UNAVAILABLE).inc()
             await _problem(send, exc)
             return
         if isinstance(raw, tuple):  # past the bound: relayed as it comes, not held

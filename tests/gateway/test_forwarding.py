@@ -195,12 +195,19 @@ async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_proce
             problem = reply.json()
             assert problem["type"] == "urn:turnlog:upstream-unavailable"
             assert problem["status"] == 502
+        # The turn-shaped request (a recorded path, a session) is counted; the others
+        # are passthrough, not counted there.
+        metrics = await scrape(http)
+        assert metric(metrics, "turnlog_gateway_unrecorded_total",
+                      'reason="upstream-unavailable"') == 1
     slow = gateway_process(_sqlite(tmp_path), "--upstream-timeout", "0.5")
     await slow.wait_ready()
     async with httpx.AsyncClient(base_url=slow.url, timeout=30) as http:
         turn = await send_turn(http, "s-slow", chat([1, 2]), {"X-Sim-Delay": "3"})
         assert turn.status == 502
         assert json.loads(turn.reply)["type"] == "urn:turnlog:upstream-unavailable"
+        assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                      'reason="upstream-unavailable"') == 1
 
 
 def _option(process: ServerProcess, name: str) -> str:

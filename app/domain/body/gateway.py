@@ -53,8 +53,10 @@ UPSTREAM_STATUS = "upstream-status"
 NOT_JSON = "not-json"
 SESSION_CLOSED = "session-closed"
 REJECTED = "rejected"
+# Not forwarded through: the upstream did not answer (or broke off); the caller got a 502.
+UPSTREAM_UNAVAILABLE = "upstream-unavailable"
 UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, SESSION_CLOSED,
-                      REJECTED)
+                      REJECTED, UPSTREAM_UNAVAILABLE)
 
 
 def check_reward_order(session_id: str, spooled_turns: int, spooled_close: bool) -> None:
