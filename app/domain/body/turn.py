@@ -165,8 +165,11 @@ def parse_event_id(body: dict[str, Any]) -> str:
     event_id = body.get("event_id")
     if not isinstance(event_id, str) or not 1 <= len(event_id) <= EVENT_ID_MAX \
             or not event_id.isprintable():
-        raise _invalid("event_id is required: a client-made id, unique within the session",
-                       "event_id", f"printable string of 1-{EVENT_ID_MAX} characters", event_id)
+        detail = ("event_id is required: a client-made id, unique within the session"
+                  if event_id is None else
+                  f"event_id must be a printable string of 1-{EVENT_ID_MAX} characters")
+        raise _invalid(detail, "event_id", f"printable string of 1-{EVENT_ID_MAX} characters",
+                       event_id)
     return event_id
 
 

@@ -1,11 +1,13 @@
-"""A body holding a non-finite number (NaN, ±Infinity, a float past float64) is refused
-naming the field where it stands, with what was expected: the rule every JSON route
-shares (`jsonio.loads`). Oracle: the path written by hand for each body."""
+"""Refusals that name what is wrong: a body holding a non-finite number (NaN, ±Infinity, a
+float past float64) names the field where it stands, with what was expected (the rule
+every JSON route shares, `jsonio.loads`; oracle: the path written by hand for each
+body); an event id that is there but not valid is not called missing."""
 
 from __future__ import annotations
 
 import pytest
 
+from app.domain.body.turn import parse_event_id
 from app.domain.errors import InvalidRequest
 from app.domain.wire import jsonio
 
@@ -34,3 +36,18 @@ def test_a_non_finite_number_is_refused_naming_its_field(text: str, field: str,
 def test_finite_numbers_and_big_integers_are_kept() -> None:
     value = jsonio.loads('{"reward": 1e308, "n": ' + "9" * 400 + ', "f": -0.0}')
     assert value["reward"] == 1e308 and value["n"] == int("9" * 400)
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({}, "event_id is required"),
+    ({"event_id": None}, "event_id is required"),
+    ({"event_id": "e" * 129}, "event_id must be a printable string of 1-128 characters"),
+    ({"event_id": "a\x00b"}, "event_id must be a printable string"),
+    ({"event_id": 7}, "event_id must be a printable string"),
+])
+def test_an_event_id_refusal_says_what_is_wrong(body: dict[str, object], says: str) -> None:
+    """A missing id is 'required'; one that is there but not valid says what it must be
+    (it said 'required' for both)."""
+    with pytest.raises(InvalidRequest) as caught:
+        parse_event_id(body)
+    assert caught.value.detail.startswith(says) and caught.value.field == "event_id"
