@@ -437,15 +437,15 @@ class Recorder:
             return wrote
         return (await writer.record_reward(session_id, body)).created
 
-    async def _drain_write(self, entry: Spooled) -> None:
+    async def _drain_write(self, entry: Spooled, body: dict[str, Any]) -> None:
         """A spooled close or reward. A close that finds its session closed already by
         a close without a reward leaves its own as a reward event
         (`reward_of_late_close`) and is done; else the store's refusal is raised."""
         try:
-            await self._write(entry.kind, entry.session_id, entry.body)
+            await self._write(entry.kind, entry.session_id, body)
         except SessionClosed:
             reward = reward_of_late_close(
-                parse_close(entry.body), await self.services.reader.close_of(entry.session_id)
+                parse_close(body), await self.services.reader.close_of(entry.session_id)
             ) if entry.kind == CLOSE else None
             if reward is None:
                 raise
@@ -477,8 +477,18 @@ class Recorder:
         """
         entry = self.spool.entries[0]
         if self._attempt is None or self._attempt[0] is not entry:
-            work = self._drain_write(entry) if entry.kind != TURN else \
-                self._store(entry.session_id, entry.body, entry.open_body or {}, entry.size)
+            try:
+                read = self.spool.read(entry)
+            except (OSError, DomainError) as unreadable:
+                # Not dropped: the spool is then not drained (readyz says so) until an
+                # operator restores or removes the file.
+                log.error("a spooled write cannot be read back; the drain waits for it",
+                          session_id=entry.session_id, sequence=entry.sequence,
+                          error=type(unreadable).__name__, detail=str(unreadable)[:300])
+                return False
+            work = self._drain_write(entry, read.body) if entry.kind != TURN else \
+                self._store(entry.session_id, read.body, read.open_body or {}, entry.size)
+            del read  # the attempt holds what it needs; the spool holds no bodies
             self._attempt = (entry, asyncio.ensure_future(work), time.monotonic())
         task = self._attempt[1]
         done, _ = await asyncio.wait({task}, timeout=self.store_timeout)
@@ -503,7 +513,7 @@ class Recorder:
                 # (e.g. by a client whose close waited on the same store): a lost turn.
                 log.error("a spooled turn arrived after its session was closed: not recorded",
                           session_id=entry.session_id, spooled_at=entry.spooled_at,
-                          event_id=entry.body.get("event_id"))
+                          event_id=entry.event_id)
         else:
             log.debug("drain attempt failed", error=type(exc).__name__)
             return False

@@ -42,13 +42,28 @@ NAME_DIGITS = 20
 
 @dataclass(frozen=True)
 class Spooled:
+    """A spooled write as the spool tracks it: where it is and what it is, not its body
+    (read from its file when it is drained, `Spool.read`): a parsed turn is ~10x its
+    bytes on disk, and `--spool-max-bytes` bounds the disk, so bodies kept in memory
+    made a full spool of long prompts take ~10 GB."""
+
     sequence: int
     session_id: str
-    body: dict[str, Any]  # the append body (event_id included), close body or reward body
-    open_body: dict[str, Any] | None  # a turn's: how to open the session if it is unknown
+    event_id: str | None  # the write's own (a turn's, a reward's); None for a close
     size: int  # bytes on disk
     spooled_at: float  # unix seconds
     kind: str = TURN
+
+
+@dataclass(frozen=True)
+class SpooledBody:
+    body: dict[str, Any]  # the append body (event_id included), close body or reward body
+    open_body: dict[str, Any] | None  # a turn's: how to open the session if it is unknown
+
+
+def _event_id(body: dict[str, Any]) -> str | None:
+    event_id = body.get("event_id")
+    return event_id if isinstance(event_id, str) else None
 
 
 class SpoolInUse(Exception):
@@ -96,7 +111,7 @@ class Spool:
             if kind not in KINDS:
                 raise SpoolUnreadable(f"{path} holds a write of kind {kind!r}, which this "
                                       "gateway does not know (a newer gateway's spool?)")
-            self._track(Spooled(sequence, entry["session_id"], entry["body"], entry.get("open"),
+            self._track(Spooled(sequence, entry["session_id"], _event_id(entry["body"]),
                                 len(data), float(entry["spooled_at"]), kind))
             self.next_sequence = max(self.next_sequence, sequence + 1)
 
@@ -164,9 +179,16 @@ class Spool:
             tmp.unlink(missing_ok=True)  # a full disk keeps no half-written turn
             path.unlink(missing_ok=True)  # renamed but not known durable: not spooled
             raise
-        entry = Spooled(sequence, session_id, body, open_body, len(data), spooled_at, kind)
+        entry = Spooled(sequence, session_id, _event_id(body), len(data), spooled_at, kind)
         self._track(entry)
         return entry
+
+    def read(self, entry: Spooled) -> SpooledBody:
+        """A spooled write's body, from its file (OSError or InvalidRequest when the file
+        is gone or damaged: it was fsynced by this spool, so only something outside it
+        does that)."""
+        data = jsonio.loads(self._path(entry.sequence).read_bytes())
+        return SpooledBody(data["body"], data.get("open"))
 
     def remove(self, entry: Spooled) -> None:
         """Forget the oldest write once the store acknowledged it."""

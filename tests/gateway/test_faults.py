@@ -334,9 +334,11 @@ def test_a_turn_with_r3_bytes_and_a_lone_surrogate_is_spooled_as_json_carries_it
     again = Spool(tmp_path / "spool", 1 << 20)
     try:
         [entry] = list(again.entries)
-        stored = entry.body["record"]["response"]["choices"][0]["meta_info"]["routed_experts"]
+        spooled = again.read(entry).body
+        stored = spooled["record"]["response"]["choices"][0]["meta_info"]["routed_experts"]
         assert base64.b64decode(stored) == payload
-        assert entry.body["record"]["request"] == body["record"]["request"]
+        assert spooled["record"]["request"] == body["record"]["request"]
+        assert entry.event_id == body["event_id"]
     finally:
         again.close()
 

@@ -289,7 +289,8 @@ def test_a_spool_file_of_an_earlier_gateway_reads_as_a_turn(tmp_path):
     spool.add("s-1", {"metadata": {}}, None, CLOSE)
     assert [(entry.kind, entry.sequence) for entry in spool.entries] == [("turn", 0),
                                                                          ("close", 1)]
-    assert spool.entries[0].open_body == {"session_id": "s-1"}
+    assert spool.read(spool.entries[0]).open_body == {"session_id": "s-1"}
+    assert [entry.event_id for entry in spool.entries] == ["e", None]
     assert (spool.turns, len(spool), spool.count_turns("s-1"),
             spool.count_writes("s-1")) == (1, 2, 1, 2)
     spool.remove(spool.entries[0])
