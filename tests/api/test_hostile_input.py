@@ -37,6 +37,32 @@ async def test_record_strings_keep_nul_and_surrogates(client, sid):
     assert evs[1]["record"] == json.loads(text)["record"]
 
 
+async def test_a_lone_surrogate_where_a_number_belongs_is_422(client, sid):
+    """msgspec's typed checks raise UnicodeEncodeError (not their validation error) while
+    wording a refusal that quotes such a string: it was a 500."""
+    await client.post("/v1/sessions", json=open_body(sid))
+    body = turn(list(range(1, 300)), [3, 4])
+    body["record"]["request"]["input_ids"][5] = "@"
+    logprobs = body["record"]["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+    logprobs[1] = [logprobs[1][0], "@"]
+    base = json.dumps(body)
+    for where, text in (("record.request.input_ids[5]", base.replace('"@"', '"\\ud800"', 1)),
+                        ("output_token_logprobs", base.replace(
+                            '"@"', "5", 1).replace('"@"', '"\\udc00"', 1))):
+        r = await client.post(f"/v1/sessions/{sid}/turns", content=text.encode(),
+                              headers={"content-type": "application/json"})
+        assert r.status_code == 422, (where, r.status_code, r.text)
+        assert where in r.json()["field"], r.json()
+    # Long lists of rows with one odd string (the JSON walk's typed shortcuts) are judged.
+    rows = json.dumps({"session_id": sid + "x", "version": "v2",
+                       "labels": {"a": [[1.5]] * 300 + [["\ud800"]]}})
+    r = await client.post("/v1/sessions", content=rows.encode(),
+                          headers={"content-type": "application/json"})
+    assert r.status_code < 500, r.text
+    evs = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    assert [e["type"] for e in evs] == ["session_opened"]
+
+
 async def test_weight_version_and_finish_reason_with_nul_are_422(client, sid):
     await client.post("/v1/sessions", json=open_body(sid))
     r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2], weight_version="7\x00"))

@@ -183,7 +183,8 @@ def _token_ids(values: list[Any]) -> bool:
     pass, a fifth of a type scan plus a copy to numpy and its min and max."""
     try:
         msgspec.convert(values, _TOKEN_LIST)
-    except msgspec.ValidationError:
+    except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate: msgspec
+        # raises the latter while wording its error
         return False
     return True
 

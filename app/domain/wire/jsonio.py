@@ -124,7 +124,8 @@ def _types(items: list[Any]) -> frozenset[type] | set[type]:
     refuses booleans, floats and ints beyond 64 bits, which then take the general scan."""
     try:
         msgspec.convert(items, _INT_LIST)
-    except msgspec.ValidationError:
+    except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate: msgspec
+        # raises the latter while wording its error
         return set(map(type, items))
     return _INTS
 
@@ -141,7 +142,8 @@ def _finite_rows(items: list[Any]) -> bool:
     level at a time. False says nothing: the general walk then decides."""
     try:
         msgspec.convert(items, _FINITE_ROWS)
-    except msgspec.ValidationError:
+    except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate: msgspec
+        # raises the latter while wording its error
         return False
     return True
 
