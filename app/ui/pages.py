@@ -38,7 +38,7 @@ from app.domain.projection.samples import session_carrier
 from app.store.read import browse
 from app.ui import plots, tokens
 from app.ui.guard import COOKIE
-from app.ui.render import error_page, render, templates
+from app.ui.render import error_page, render, templates, utf8
 from app.ui.views import run_view, text_of, tree_rows, turn_messages
 
 STATIC = Path(__file__).parent / "static"
@@ -220,11 +220,11 @@ async def r3_picture(session_id: str, index: int, svc: ServicesDep) -> Response:
         patches = await svc.samples.read_patches(session_id, plan)
     except DomainError as exc:
         svg = templates.get_template("message.svg").render(text=exc.detail)
-        return Response(svg, media_type="image/svg+xml")
+        return Response(utf8(svg), media_type="image/svg+xml")
     counts = browse.expert_usage(plan, patches)
     svg = templates.get_template("heatmap.svg").render(map=plots.heatmap(counts),
                                                         rows=plan.rows)
-    return Response(svg, media_type="image/svg+xml")
+    return Response(utf8(svg), media_type="image/svg+xml")
 
 
 def safe_next(target: str) -> str:

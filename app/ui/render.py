@@ -21,8 +21,15 @@ templates = Environment(loader=PackageLoader("app.ui", "templates"), autoescape=
 templates.globals.update(text_of=text_of, label_text=label_text, urlencode=urlencode)
 
 
+def utf8(text: str) -> bytes:
+    """A rendered page as UTF-8. Stored text may hold a lone surrogate (valid in a JSON
+    escape, not in UTF-8): it shows as its escape (`\\ud800`), not as a 500."""
+    return text.encode("utf-8", "backslashreplace")
+
+
 def render(template: str, code: int = 200, **context: Any) -> HTMLResponse:
-    return HTMLResponse(templates.get_template(template).render(**context), status_code=code)
+    return HTMLResponse(utf8(templates.get_template(template).render(**context)),
+                        status_code=code)
 
 
 def error_page(exc: DomainError) -> HTMLResponse:

@@ -63,6 +63,20 @@ async def test_a_lone_surrogate_where_a_number_belongs_is_422(client, sid):
     assert [e["type"] for e in evs] == ["session_opened"]
 
 
+async def test_pages_show_a_lone_surrogate_in_stored_text_as_its_escape(client, sid):
+    """A close's metadata is free JSON: a lone surrogate there is stored (the API reads it
+    back escaped), and the UI page that shows it answers 200 (encoding it was a 500)."""
+    await client.post("/v1/sessions", json=open_body(sid))
+    assert (await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2], [3]))
+            ).status_code == 201
+    r = await client.post(f"/v1/sessions/{sid}/close",
+                          content=b'{"metadata": {"reward": "\\ud800"}}',
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    page = await client.get(f"/ui/sessions/{sid}")
+    assert page.status_code == 200 and "\\ud800" in page.text
+
+
 async def test_weight_version_and_finish_reason_with_nul_are_422(client, sid):
     await client.post("/v1/sessions", json=open_body(sid))
     r = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2], weight_version="7\x00"))

@@ -251,6 +251,14 @@ def test_the_baseline_is_the_mean_of_the_twenty_newest_values() -> None:
     assert baseline_of([1.0, 3.0]) == (2.0, 2)
 
 
+def test_a_baseline_of_values_near_the_float64_limit_is_their_mean() -> None:
+    """Their sum is past float64 (fsum raised OverflowError: a 500 on evaluate)."""
+    top = 1.7976931348623157e308
+    mean, n = baseline_of([top, top, top])  # type: ignore[misc]
+    assert n == 3 and mean == pytest.approx(top, rel=1e-15) and math.isfinite(mean)
+    assert baseline_of([top, -top, top]) == (top / 3, 3)
+
+
 def test_no_values_means_no_baseline() -> None:
     assert baseline_of([]) is None
 

@@ -3,7 +3,11 @@ list's sort and filters, off-policy lag, reward histograms and mismatch lines.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.domain.errors import InvalidRequest
 from app.domain.projection.overview import (
@@ -16,6 +20,7 @@ from app.domain.projection.overview import (
     reward_number,
     session_overview,
 )
+from app.domain.wire.validate import finite_mean
 
 
 def test_a_session_overview_agrees_on_one_reward_or_averages():
@@ -86,6 +91,22 @@ def test_rewards_at_the_edges_of_float64_still_make_a_histogram():
     assert group.mean == pytest.approx(1e308 / 3)
     same = reward_distribution([(["1"], 1.7e308), (["1"], 1.7e308)])
     assert same.groups[0].mean == 1.7e308 and sum(same.groups[0].histogram) == 2
+
+
+def test_rewards_a_few_subnormals_apart_still_make_a_histogram():
+    """A range so small its bins underflow to 0 wide (ZeroDivisionError: a 500 on /ui)."""
+    tiny = reward_distribution([(["1"], 5e-324), (["1"], 0.0), (["1"], 1e-323)], bins=4)
+    assert (tiny.low, tiny.high) == (0.0, 1e-323)
+    assert tiny.groups[0].histogram == [1, 0, 1, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=40))
+def test_a_mean_of_finite_rewards_is_finite_and_between_them(values):
+    """Also where the sum is past float64 (the mean of three 1.797e308 overflowed)."""
+    mean = finite_mean(values)
+    assert math.isfinite(mean)
+    assert min(values) <= mean <= max(values) or mean == pytest.approx(min(values))
 
 
 @pytest.mark.parametrize("value", [10 ** 400, -(10 ** 400), float("nan"), float("inf"), True,

@@ -22,6 +22,7 @@ from typing import Any
 
 from app.domain.ci.gate_definitions import GateDefinition
 from app.domain.ci.metric_history import RunCoordinate, SeriesPoint, encode_value
+from app.domain.wire.validate import finite_mean
 
 BASELINE_WINDOW = 20
 LAST_STEP = -1
@@ -179,7 +180,7 @@ def baseline_of(values: Sequence[float], window: int = BASELINE_WINDOW) -> tuple
     recent = [v for v in values if math.isfinite(v)][:window]
     if not recent:
         return None
-    return math.fsum(recent) / len(recent), len(recent)
+    return finite_mean(recent), len(recent)
 
 
 BaselineSource = Callable[[GateCoordinate], Sequence[float]] | Mapping[GateCoordinate,

@@ -24,7 +24,7 @@ from typing import Any
 from app.domain.errors import InvalidRequest
 from app.domain.projection.samples_merge import ABORTED, COMPLETED, PENDING, TRUNCATED
 from app.domain.wire import jsonio
-from app.domain.wire.validate import describe
+from app.domain.wire.validate import describe, finite_mean
 
 SAMPLE_STATUSES = (COMPLETED, TRUNCATED, ABORTED, PENDING)
 SORTS = ("", "reward", "-reward", "response", "-response", "samples", "-samples")
@@ -240,25 +240,18 @@ def reward_distribution(samples: Iterable[tuple[Sequence[Any], Any]],
         rewards = by_version[key]
         histogram = [0] * bins
         for r in rewards:
-            histogram[_bin(r, low, width, bins) if high > low else 0] += 1
-        groups.append(RewardGroup(key, len(rewards), _mean(rewards), min(rewards),
+            histogram[_bin(r, low, high, width, bins) if high > low else 0] += 1
+        groups.append(RewardGroup(key, len(rewards), finite_mean(rewards), min(rewards),
                                   max(rewards), histogram))
     return RewardDistribution(low, high, groups, unrewarded)
 
 
-def _bin(reward: float, low: float, width: float, bins: int) -> int:
-    position = (reward - low) / width
+def _bin(reward: float, low: float, high: float, width: float, bins: int) -> int:
+    # A range of a few subnormals (5e-324 wide) has bins that underflow to 0 wide.
+    position = (reward - low) / (high - low) * bins if width == 0.0 else (reward - low) / width
     if not math.isfinite(position):
         position = reward / width - low / width
     return min(max(int(position), 0), bins - 1) if math.isfinite(position) else bins - 1
-
-
-def _mean(values: list[float]) -> float:
-    """The exact mean (`fsum`), also of values whose sum is beyond float64."""
-    try:
-        return math.fsum(values) / len(values)
-    except OverflowError:
-        return math.fsum(v / len(values) for v in values)
 
 
 def mismatch_lines(report: Any) -> list[str]:

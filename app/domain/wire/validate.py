@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TypeGuard
@@ -140,6 +141,17 @@ def finite_float(value: Any) -> float | None:
     """`as_float`, and None for NaN and the infinities too."""
     number = as_float(value)
     return number if number is not None and math.isfinite(number) else None
+
+
+def finite_mean(values: Sequence[float]) -> float:
+    """The mean of finite float64 values (at least one), correctly rounded by `fsum`, and
+    finite also where their sum is past float64 (rewards, baselines near ±1.8e308): then
+    the values are scaled down by a power of two (exact) so that the sum fits."""
+    try:
+        return math.fsum(values) / len(values)
+    except OverflowError:
+        scale = 2.0 ** len(values).bit_length()  # the sum of n values ≤ max, over 2^k ≥ n
+        return math.fsum(v / scale for v in values) / len(values) * scale
 
 
 @dataclass(frozen=True)
