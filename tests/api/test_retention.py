@@ -156,6 +156,23 @@ async def test_only_acks_strictly_before_the_time_count(client, sid):
     assert (await client.get(f"/v1/sessions/{only}/samples/0/r3")).status_code == 200
 
 
+async def test_times_at_the_edges_of_the_calendar(client, sid):
+    """The last representable instant is a time like any other (it rounded into the year
+    10000 through a float: a 500 after the prune committed); an instant past 9999 or
+    before year 1 once in UTC is a 422 naming acked_before, with nothing freed."""
+    name, (kept,) = await acked(client, {"run_id": sid})
+    for edge in ("9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+23:59"):
+        r = await client.post("/v1/retention/r3", json={"consumer": name,
+                                                        "acked_before": edge})
+        assert r.status_code == 422 and r.json()["field"] == "acked_before", r.text
+        assert (await client.get(f"/v1/sessions/{kept}/samples/0/r3")).status_code == 200
+    last = "9999-12-31T23:59:59.999999Z"
+    r = await client.post("/v1/retention/r3", json={"consumer": name, "acked_before": last})
+    assert r.status_code == 200 and r.json()["acked_before"] == last, r.text
+    assert r.json()["sessions"] == 1
+    assert (await client.get(f"/v1/sessions/{kept}/samples/0/r3")).status_code == 410
+
+
 async def test_sessions_without_r3_count_zero_and_get_no_event(client, sid):
     name, (plain,) = await acked(client, {"run_id": sid}, r3=False)
     assert await prune(client, name) == {"sessions": 0, "bytes": 0}

@@ -39,6 +39,12 @@ def parse_time_us(value: Any, field: str) -> int:
                              actual=value[:80]) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
+    try:
+        moment.astimezone(UTC)  # 9999-12-31T23:00-05:00 is past any time a reply can say
+    except OverflowError:
+        raise InvalidRequest(f"{field} is out of range", field=field,
+                             expected="a time from 0001-01-01 to 9999-12-31 in UTC",
+                             actual=value[:80]) from None
     delta = moment - datetime(1970, 1, 1, tzinfo=UTC)
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
@@ -40,9 +40,13 @@ def day_key(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d")
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def iso_us(us: int) -> str:
-    """Microseconds since the epoch → ISO-8601 UTC with a `Z`."""
-    return datetime.fromtimestamp(us / 1_000_000, UTC).isoformat().replace("+00:00", "Z")
+    """Microseconds since the epoch → ISO-8601 UTC with a `Z`; exact (integer arithmetic:
+    through a float, 9999-12-31T23:59:59.999999 rounded into the year 10000)."""
+    return (_EPOCH + timedelta(microseconds=us)).isoformat().replace("+00:00", "Z")
 
 
 def node_row(session_id: str, node: Node, position: int, recorded_us: int) -> dict[str, Any]:
