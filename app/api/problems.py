@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -24,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from app.api.http_errors import RequestTimeout, Unavailable
-from app.domain.errors import DomainError
+from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 
 PROBLEM = "application/problem+json"
@@ -109,6 +110,13 @@ def install(app: FastAPI) -> None:
         }, headers=getattr(exc, "headers", None))
 
     async def _unavailable(request: Request, exc: Exception) -> JSONText:
+        if sqlite_overflow(exc):
+            # Not transient: SQLite's SUM of integers stops at 2^63 (PostgreSQL's is exact).
+            return problem_response(InvalidRequest(
+                "the totals this request sums are beyond SQLite's 64-bit integers",
+                field="query",
+                expected="a narrower query (a label filter, a time range), or PostgreSQL",
+                actual="integer overflow").problem())
         if not database_unavailable(exc):
             return await _unexpected(request, exc)
         # Transient: the transaction was rolled back (or its commit is unknown);
@@ -165,16 +173,26 @@ def raised_by_database(exc: BaseException) -> bool:
     return False
 
 
-def database_unavailable(exc: BaseException) -> bool:
-    """A lost, refused or damaged database (retryable later), not a bad statement.
-
-    Looks through the chain: SQLAlchemy wraps the driver's error in `.orig`,
-    and a pool or connect failure may surface as the raw `OSError`.
-    """
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and what it wraps: SQLAlchemy's driver error in `.orig`, else the cause or
+    the context."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        yield current
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else (
+            current.__cause__ or current.__context__)
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """A lost, refused or damaged database (retryable later), not a bad statement.
+
+    Looks through the chain (`_chain`): a pool or connect failure may surface as the
+    raw `OSError`.
+    """
+    for current in _chain(exc):
         if isinstance(current, DBAPIError) and current.connection_invalidated:
             return True
         if isinstance(current, OperationalError | InterfaceError | PoolTimeout
@@ -188,10 +206,13 @@ def database_unavailable(exc: BaseException) -> bool:
         if isinstance(current, InternalClientError) and any(
                 sign in str(current) for sign in BROKEN_PROTOCOL):
             return True
-        orig = getattr(current, "orig", None)
-        current = orig if isinstance(orig, BaseException) else (
-            current.__cause__ or current.__context__)
     return False
+
+
+def sqlite_overflow(exc: BaseException) -> bool:
+    """SQLite's SUM past 2^63 ("integer overflow"), anywhere in the chain."""
+    return any(isinstance(current, sqlite3.OperationalError)
+               and str(current) == "integer overflow" for current in _chain(exc))
 
 
 def damaged_sqlite(exc: BaseException) -> bool:

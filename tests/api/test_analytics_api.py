@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from tests.api.helpers import close, opened
+from tests.conftest import backend_of
 from tests.factory import open_body, turn
 
 HOUR = 1764403200.0  # 2025-11-29T08:00:00Z
@@ -316,3 +317,22 @@ async def test_rollout_metrics_over_v1_and_v2_never_share_a_tito_key(client, sid
     assert body["rollout/tito_session_mismatch_rate/v2/assistant_text"] == 1.0
     assert "rollout/tito_session_mismatch_rate" not in body
     assert (body["sessions"], body["samples"]) == (2, 2)
+
+
+@pytest.mark.not_citus  # 2,100 appends; Citus sums as PostgreSQL does
+async def test_counter_totals_past_64_bits_are_exact_or_a_clear_422(client, db_url):
+    """Each counter may be up to 2^52; 2,100 such turns sum past 2^63. PostgreSQL sums
+    exactly; SQLite's SUM stops there: a 422 naming the query, not a 503 'retry'."""
+    big = 2 ** 52
+    run = run_id()
+    for _ in range(3):  # 3 x 700 turns (a session holds at most 1,000 nodes)
+        sid = await open_session(client, {"run_id": run}, version="v2")
+        await append(client, sid, *(root(i, spec=(big, big, big)) for i in range(700)))
+    r = await client.get("/v1/analytics/spec", params={"group_by": "run_id", "run_id": run})
+    if backend_of(db_url) == "sqlite":
+        assert r.status_code == 422, r.text
+        assert r.json()["field"] == "query"
+    else:
+        assert r.status_code == 200, r.text
+        (group,) = r.json()["groups"]
+        assert group["spec_verify_ct"] == 2100 * big and group["accept_rate"] == 1.0
