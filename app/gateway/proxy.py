@@ -452,6 +452,7 @@ class Gateway:
         outcome = await self._record(scope, decision, reply, request_timestamp, timestamp,
                                      len(body) + len(raw))
         if outcome == SPOOL_FULL:
+            self.metrics.unrecorded.labels(SPOOL_FULL).inc()
             log.error("turn answered 503 spool-full, not stored", session_id=decision.session_id)
             await _problem(send, SpoolFull(
                 "the store cannot take this turn now and the gateway's spool is full; "

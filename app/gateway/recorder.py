@@ -65,6 +65,7 @@ from app.domain.body.gateway import (
     OPENED_BY,
     REJECTED,
     SESSION_CLOSED,
+    SPOOL_FULL,
     check_reward_order,
     reward_may_wait,
     reward_of_late_close,
@@ -91,7 +92,7 @@ log = structlog.get_logger("turnlog.gateway")
 
 RECORDED = "recorded"
 SPOOLED = "spooled"
-SPOOL_FULL = "spool-full"
+# SPOOL_FULL (the domain's unrecorded reason) is an outcome too: the caller gets a 503.
 # `carry_out`'s answers for a close or a reward besides SPOOLED: done now, an identical
 # repeat.
 WRITTEN, REPEAT = "written", "repeat"

@@ -216,6 +216,9 @@ async def test_a_full_spool_answers_503_and_stores_nothing_of_that_turn(tmp_path
             problem = json.loads(sent.reply)
             assert problem["type"] == "urn:turnlog:spool-full"
         assert metric(metrics, "turnlog_gateway_spooled_bytes") <= 4000
+        # Each refused turn is counted, by its reason.
+        assert metric(metrics, "turnlog_gateway_unrecorded_total",
+                      'reason="spool-full"') == len(refused)
         await wait_for(lambda: drained(http), what="the spool to drain")
     async with api(f"sqlite+aiosqlite:///{path}") as http:
         await check_stored(http, a)  # the refused turns are not among them

@@ -55,8 +55,10 @@ SESSION_CLOSED = "session-closed"
 REJECTED = "rejected"
 # Not forwarded through: the upstream did not answer (or broke off); the caller got a 502.
 UPSTREAM_UNAVAILABLE = "upstream-unavailable"
+# The store could not take the turn and the spool was full: the caller got a 503.
+SPOOL_FULL = "spool-full"
 UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, SESSION_CLOSED,
-                      REJECTED, UPSTREAM_UNAVAILABLE)
+                      REJECTED, UPSTREAM_UNAVAILABLE, SPOOL_FULL)
 
 
 def check_reward_order(session_id: str, spooled_turns: int, spooled_close: bool) -> None:
