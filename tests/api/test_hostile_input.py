@@ -116,3 +116,32 @@ async def test_huge_numbers_in_records_round_trip(client, sid):
     evs = (await client.get(f"/v1/sessions/{sid}/events")).json()
     assert evs[1]["record"]["request"]["seed"] == 2**80
     assert type(evs[1]["record"]["request"]["seed"]) is int
+
+
+async def test_a_body_with_a_content_coding_is_415_and_stores_nothing(client, sid):
+    """Bodies are read as sent: a gzip body was judged as malformed JSON, and a plain
+    body labelled gzip was stored as if it were not."""
+    import gzip
+
+    plain = json.dumps(open_body(sid)).encode()
+    for coding, body in (("gzip", gzip.compress(plain)), ("gzip", plain), ("BR", plain),
+                         ("gzip, identity", plain)):
+        r = await client.post("/v1/sessions", content=body,
+                              headers={"content-type": "application/json",
+                                       "content-encoding": coding})
+        assert r.status_code == 415, (coding, r.text)
+        problem = r.json()
+        assert problem["field"] == "content-encoding" and problem["actual"] == coding.lower()
+    assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
+    r = await client.post("/v1/sessions", content=plain,
+                          headers={"content-type": "application/json",
+                                   "content-encoding": "identity"})
+    assert r.status_code == 201, r.text
+    # The turn's bare route sits behind the same check.
+    r = await client.post(f"/v1/sessions/{sid}/turns", content=json.dumps(turn([1], [2])),
+                          headers={"content-type": "application/json",
+                                   "content-encoding": "gzip"})
+    assert r.status_code == 415 and r.json()["field"] == "content-encoding", r.text
+    # A request without a body is not concerned.
+    r = await client.get(f"/v1/sessions/{sid}", headers={"content-encoding": "gzip"})
+    assert r.status_code == 200 and r.json()["tree"] == []
