@@ -482,7 +482,7 @@ class Recorder:
                 read = self.spool.read(entry)
             except (OSError, DomainError) as unreadable:
                 # Not dropped: the spool is then not drained (readyz says so) until an
-                # operator restores or removes the file.
+                # operator restores the file, or removes it and restarts the gateway.
                 log.error("a spooled write cannot be read back; the drain waits for it",
                           session_id=entry.session_id, sequence=entry.sequence,
                           error=type(unreadable).__name__, detail=str(unreadable)[:300])

@@ -24,6 +24,7 @@ from app.domain.errors import InvalidR3, InvalidRequest
 from app.domain.wire.packed import OutputEntries
 from app.domain.wire.r3 import NarrowR3, decode_payload, decode_raw, infer_topk
 from app.domain.wire.validate import (
+    CONVERT_REFUSED,
     TOKEN_MAX,
     describe,
     is_int,
@@ -183,8 +184,7 @@ def _token_ids(values: list[Any]) -> bool:
     pass, a fifth of a type scan plus a copy to numpy and its min and max."""
     try:
         msgspec.convert(values, _TOKEN_LIST)
-    except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate: msgspec
-        # raises the latter while wording its error
+    except CONVERT_REFUSED:
         return False
     return True
 

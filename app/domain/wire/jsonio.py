@@ -22,6 +22,7 @@ from typing import Annotated, Any
 import msgspec
 
 from app.domain.errors import InvalidRequest
+from app.domain.wire.validate import CONVERT_REFUSED
 from app.domain.wire.width import MAX_VALUES, check_json, count_bytes
 
 MAX_DEPTH = 64
@@ -124,8 +125,7 @@ def _types(items: list[Any]) -> frozenset[type] | set[type]:
     refuses booleans, floats and ints beyond 64 bits, which then take the general scan."""
     try:
         msgspec.convert(items, _INT_LIST)
-    except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate: msgspec
-        # raises the latter while wording its error
+    except CONVERT_REFUSED:
         return set(map(type, items))
     return _INTS
 
@@ -142,8 +142,7 @@ def _finite_rows(items: list[Any]) -> bool:
     level at a time. False says nothing: the general walk then decides."""
     try:
         msgspec.convert(items, _FINITE_ROWS)
-    except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate: msgspec
-        # raises the latter while wording its error
+    except CONVERT_REFUSED:
         return False
     return True
 

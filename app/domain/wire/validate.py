@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TypeGuard
 
+import msgspec
+
 from app.domain.errors import InvalidRequest
 
 TEXT_MAX = 1024
@@ -141,6 +143,12 @@ def finite_float(value: Any) -> float | None:
     """`as_float`, and None for NaN and the infinities too."""
     number = as_float(value)
     return number if number is not None and math.isfinite(number) else None
+
+
+# What msgspec's typed `convert` raises for a value it refuses: its validation error, or
+# UnicodeEncodeError while wording one that quotes a lone surrogate (a JSON escape that
+# has no UTF-8 form).
+CONVERT_REFUSED = (msgspec.ValidationError, UnicodeEncodeError)
 
 
 def finite_mean(values: Sequence[float]) -> float:
