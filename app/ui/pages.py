@@ -227,6 +227,15 @@ async def r3_picture(session_id: str, index: int, svc: ServicesDep) -> Response:
     return Response(utf8(svg), media_type="image/svg+xml")
 
 
+def same_origin(request: Request) -> bool:
+    """A form post from this site (or one without an `Origin`, as curl sends). Same
+    origin is scheme and host: a page served over plain http must not sign in to the
+    https site of the same name (and behind a TLS proxy the scheme is the forwarded one,
+    as uvicorn's proxy headers set it)."""
+    origin = request.headers.get("origin")
+    return origin is None or origin == f"{request.url.scheme}://{request.headers.get('host')}"
+
+
 def safe_next(target: str) -> str:
     """Only a path under `/ui` (never `//host` or a scheme): no open redirect."""
     if target.startswith("/ui") and not target.startswith("//") and "\\" not in target:
@@ -249,11 +258,7 @@ async def login(request: Request, svc: ServicesDep) -> Response:
         return render("login.html", 400, next="/ui", error=True)
     form = dict(parse_qsl(raw.decode("utf-8", "replace")))
     target = safe_next(form.get("next", "/ui"))
-    origin = request.headers.get("origin")
-    # Same origin is scheme and host: a page served over plain http must not sign in
-    # to the https site of the same name (and behind a TLS proxy the scheme is the
-    # forwarded one, as uvicorn's proxy headers set it).
-    if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host')}":
+    if not same_origin(request):
         return render("login.html", 403, next=target, error=True)
     token = form.get("token", "").strip()
     tokens = TokenTable(svc.settings.access.api_tokens)
@@ -268,8 +273,10 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     return response
 
 
-@router.post("/logout")
-async def logout() -> RedirectResponse:
+@router.post("/logout", response_model=None)
+async def logout(request: Request) -> Response:
+    if not same_origin(request):  # another site may not sign the user out either
+        return render("login.html", 403, next="/ui", error=True)
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
     return response
