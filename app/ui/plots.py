@@ -123,15 +123,19 @@ def reward_histograms(dist: RewardDistribution) -> list[tuple[RewardGroup, Histo
     busiest bin of any version), so the versions compare at a glance."""
     tallest = max((max(g.histogram) for g in dist.groups), default=0) or 1
     bins = len(dist.groups[0].histogram) if dist.groups else 0
-    step = (dist.high - dist.low) / bins if bins else 0.0
+
+    def edge(i: int) -> float:
+        # Weighted, not low + i * (high - low) / bins: a range past float64 (rewards of
+        # ±1e308) made the step inf and the edges inf and nan.
+        return dist.low * (1 - i / bins) + dist.high * (i / bins)
+
     slot = HIST_W / max(bins, 1)
     out = []
     for group in dist.groups:
         bars = []
         for i, count in enumerate(group.histogram):
             height = round((HIST_H - 2) * count / tallest, 2)
-            low = dist.low + step * i
             bars.append((round(slot * i + 1, 2), round(HIST_H - height, 2), height, count,
-                         f"[{low:.3g}, {low + step:.3g}{']' if i == bins - 1 else ')'}"))
+                         f"[{edge(i):.3g}, {edge(i + 1):.3g}{']' if i == bins - 1 else ')'}"))
         out.append((group, Histogram(HIST_W, HIST_H, bars)))
     return out
