@@ -194,6 +194,18 @@ def _export_parquet(url: str, filters: dict[str, str], out_file: Path, as_json: 
                    else "") + f", {report.bytes} bytes", soft_wrap=True)
 
 
+def _check_out(out_file: Path) -> None:
+    """The export's file can be written where it goes (its folder exists and takes a
+    file): said first, naming `--out`, not later as a failure to reach the database."""
+    probe = out_file.with_name(out_file.name + ".partial")  # the name the writers use
+    try:
+        probe.open("wb").close()
+    except OSError as exc:
+        raise CliError(f"cannot write {out_file}: {exc.strerror or exc} (check --out)"
+                       ) from None
+    probe.unlink(missing_ok=True)
+
+
 def export(
     run_id: Annotated[str, typer.Option(help="Only sessions labelled run_id=RUN")],
     out_file: Annotated[Path, typer.Option(
@@ -222,6 +234,7 @@ def export(
 
     filters = {**parse_labels(label), "run_id": run_id}
     url = resolve_url(database_url)
+    _check_out(out_file)
     check_database(url)
     wanted = " ".join(f"{k}={v}" for k, v in filters.items())
 

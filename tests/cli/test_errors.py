@@ -166,3 +166,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     result = CliRunner().invoke(app, ["many"])
     assert result.exit_code == 141, result.output
     assert "error" not in result.output and "database" not in result.output
+
+
+def test_an_export_into_a_missing_folder_names_out_not_the_database(tmp_path):
+    """It said "cannot connect to <the database>: … r.npz.partial" (check --database-url)."""
+    line = one_error_line(run("export", "--run-id", "r", "--out",
+                              str(tmp_path / "nodir" / "r.npz"),
+                              "--database-url", sqlite_file(tmp_path, "absent.db")))
+    assert f"cannot write {tmp_path / 'nodir' / 'r.npz'}" in line and "--out" in line
+    assert "database" not in line and ".partial" not in line
+    assert list(tmp_path.iterdir()) == []
