@@ -95,3 +95,34 @@ def test_batches_in_parallel_rebuild_every_session_equal(demo_url):
                                               batch_sessions=1, parallel=3))
     assert report.equal and report.sessions == 3
     assert steps[0] == (0, 3) and steps[-1] == (3, 3)
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_an_interrupted_cli_rebuild_says_whether_it_resumes(demo_url, tmp_path, monkeypatch,
+                                                             checkpointed):
+    """Ctrl-C: exit 130 and one line saying how to go on (it said nothing)."""
+    checkpoint = tmp_path / "cp.json"
+
+    async def interrupted(*_args, **_kwargs):
+        if checkpointed:
+            checkpoint.write_text("{}")  # a batch's progress, saved before the Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("app.cli.store._run_rebuild", interrupted)
+    result = CliRunner().invoke(cli, ["rebuild", "--database-url", demo_url,
+                                      "--checkpoint", str(checkpoint)])
+    assert result.exit_code == 130
+    expected = (f"run the same command again to resume (progress is in {checkpoint})"
+                if checkpointed else "no batch was checkpointed yet; the next run starts over")
+    assert "interrupted: " + expected in " ".join(result.output.split())
+
+
+def test_any_interrupted_command_says_so(demo_url, monkeypatch):
+    """Ctrl-C anywhere else: one line, 'interrupted', and the status a SIGINT gives."""
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("app.cli.common.check_database", interrupted)
+    monkeypatch.setattr("app.cli.browse.check_database", interrupted, raising=False)
+    result = CliRunner().invoke(cli, ["sessions", "--database-url", demo_url])
+    assert result.exit_code == 130 and result.output.strip().endswith("interrupted")

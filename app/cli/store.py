@@ -70,7 +70,14 @@ def rebuild(
     gauges = _progress_gauges(metrics_port)
     saved = Checkpoint(checkpoint, url, session)
     resume = _resume_from(saved, restart)
-    report = asyncio.run(_run_rebuild(url, session, gauges, saved, resume, parallel))
+    try:
+        report = asyncio.run(_run_rebuild(url, session, gauges, saved, resume, parallel))
+    except KeyboardInterrupt:
+        err().print("interrupted: " + (
+            f"run the same command again to resume (progress is in {checkpoint})"
+            if checkpoint.exists() else
+            "no batch was checkpointed yet; the next run starts over"), soft_wrap=True)
+        raise typer.Exit(130) from None
     saved.remove()
     if as_json:
         echo_json(_report_json(report))
