@@ -61,10 +61,17 @@ class CliError(Exception):
 # -- output ------------------------------------------------------------------------------
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits 1 here; the reader went away (`| head`), which the one handler
+        # (`TurnlogGroup.invoke`) ends quietly with the status a SIGPIPE gives.
+        raise BrokenPipeError
+
+
 def _console(stream: IO[str]) -> Console:
     tty = stream.isatty()
-    return Console(file=stream, width=None if tty else PLAIN_WIDTH, highlight=False,
-                   no_color=not tty or None)
+    return _Console(file=stream, width=None if tty else PLAIN_WIDTH, highlight=False,
+                    no_color=not tty or None)
 
 
 def out() -> Console:
@@ -316,7 +323,11 @@ class TurnlogGroup(typer.core.TyperGroup):
 
     def invoke(self, ctx: Any) -> Any:
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            # Buffered output meets a reader that stopped early (`| head`) here, inside
+            # this handler, not in click's (which would exit 1).
+            sys.stdout.flush()
+            return result
         except (typer.Exit, typer.Abort):
             raise
         except typer.TyperException as exc:  # a usage error: one line too, naming the help

@@ -168,6 +168,22 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     assert "error" not in result.output and "database" not in result.output
 
 
+def test_a_real_pipe_closed_early_ends_with_141_and_nothing_on_stderr(tmp_path):
+    """The same through rich's console, as `turnlog demo | head -2` really runs: rich
+    exits 1 itself on a broken pipe (it did, with nothing said)."""
+    url = sqlite_file(tmp_path)
+    command = [sys.executable, "-m", "app", "demo", "--sessions", "40", "--database-url", url]
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.readline()
+        proc.stdout.close()  # the reader goes away, as `head -1` does
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    assert code == 141, stderr
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
+
+
 def test_an_export_into_a_missing_folder_names_out_not_the_database(tmp_path):
     """It said "cannot connect to <the database>: … r.npz.partial" (check --database-url)."""
     line = one_error_line(run("export", "--run-id", "r", "--out",
