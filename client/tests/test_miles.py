@@ -736,6 +736,36 @@ async def test_a_gateway_url_that_names_no_gateway_closes_at_once_with_a_warning
     assert not hooks._TASKS
 
 
+@pytest.mark.usefixtures("rewards")
+@pytest.mark.parametrize("catch_all", [
+    (b"200 OK", b"Content-Type: application/json\r\n", b'{"path": "echoed"}'),
+    (b"200 OK", b"Content-Type: text/plain\r\n", b"OK"),
+], ids=["json", "text"])
+async def test_a_gateway_url_that_answers_everything_200_is_not_taken_for_a_gateway(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture,
+        catch_all: tuple[bytes, bytes, bytes]) -> None:
+    """`TURNLOG_GATEWAY_URL` set to the router's address by mistake, where a catch-all
+    answers 200 to any path (as the project's fake SGLang does): the close and the
+    rewards did not go anywhere, so they go to the store, and a warning names the
+    mistake. (They were taken as handed over: the session stayed open, the reward
+    unrecorded, nothing said.)"""
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    env.setattr(support, "fake_rm", lambda args, sample, **kw: 0.5)
+    async with fake_http(lambda _target, _fields: catch_all) as url:
+        env.setenv("TURNLOG_GATEWAY_URL", url)
+        sid = new_sid()
+        await run_agent(sid, {})
+        await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": sid}))
+    assert not hooks._TASKS and not hooks._DEFERRED
+    events = await events_of(server_url, sid)
+    assert [e["type"] for e in events] == ["session_opened", "session_closed",
+                                           "reward_recorded"]
+    assert close_of(events)["reward"] == 1.0
+    assert events[-1]["reward"]["reward"] == 0.5
+    said = [record.getMessage() for record in warnings.records]
+    assert len(said) == 2 and all("not a turnlog gateway" in line for line in said), said
+
+
 async def test_a_call_gives_up_at_the_deadline_even_with_a_resend_in_flight(
         env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
     """A store that answers 503 just before the hook's deadline and then never answers:
@@ -930,6 +960,51 @@ async def test_a_deferred_reward_goes_to_the_store_when_the_gateway_stays_down(
     await hooks.finish(10)
     kinds = [e["type"] for e in await events_of(server_url, sid)]
     assert kinds == ["session_opened", "session_closed", "reward_recorded"]
+
+
+async def test_metadata_given_fourth_as_in_the_documented_signature(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    """`agent(base_url, prompt, request_kwargs, metadata, **kwargs)` is miles' documented
+    signature: `metadata` given positionally reaches the inner agent and the labels."""
+    env.setenv("TURNLOG_MILES_LABEL_KEYS", "task")
+    sid = new_sid()
+    await agent(f"{SESSION_SERVER}/{sid}", "2+2?", {}, {"task": "math"})
+    (call,) = support.AGENT_CALLS
+    assert call["metadata"] == {"task": "math"}
+    async with TurnlogClient(server_url) as tl:
+        assert (await tl.session(sid))["labels"] == {"task": "math"}
+
+
+async def test_a_token_the_store_refuses_is_said_with_what_it_costs(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    """401 to the open and the close: the warning says the token is the cause and that
+    the session stays open (a 401 is not deferred: it would be refused again)."""
+    def refusing(_target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        return (b"401 Unauthorized", b"Content-Type: application/problem+json\r\n",
+                b'{"type":"urn:turnlog:unauthorized","status":401,"title":"no"}')
+
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    async with fake_http(refusing) as url:
+        env.setenv("TURNLOG_URL", url)
+        await run_agent(new_sid(), {})
+    (warning,) = warnings.records
+    assert "TURNLOG_TOKEN" in warning.getMessage()
+    assert "the session stays open" in warning.getMessage()
+    assert not hooks._DEFERRED
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://host/x"])
+async def test_a_turnlog_url_that_is_no_http_url_defers_nothing(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture, url: str) -> None:
+    """Rewards for a TURNLOG_URL that can never answer are said once, not deferred and
+    tried for ten minutes."""
+    env.setenv("TURNLOG_URL", url)
+    env.setattr(support, "fake_rm", lambda args, sample, **kw: 0.5)
+    await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": new_sid()}))
+    assert not hooks._DEFERRED and not hooks._TASKS
+    (warning,) = warnings.records
+    assert "did not record 1 reward(s)" in warning.getMessage()
+    assert "not an http:// or https:// URL" in warning.getMessage()
 
 
 async def test_a_malformed_turnlog_url_never_fails_the_reward_hook(

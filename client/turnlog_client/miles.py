@@ -57,7 +57,7 @@ import httpx
 import numpy as np
 
 from turnlog_client.async_client import TurnlogClient, new_event_id
-from turnlog_client.errors import NOT_RESENT, TurnlogError
+from turnlog_client.errors import NOT_RESENT, URN, TurnlogError
 from turnlog_client.transport import escape_path
 
 __all__ = ["Settings", "agent", "finish", "rm", "session_id_of"]
@@ -162,7 +162,15 @@ class Settings:
         )
 
     def client(self) -> TurnlogClient:
-        """A client for one hook call (a bad `TURNLOG_URL` raises ValueError here)."""
+        """A client for one hook call (a bad `TURNLOG_URL` raises ValueError here: one
+        that is not an http(s) URL would only fail at each try, and a write deferred
+        for it would be tried for nothing)."""
+        try:
+            parts = urlsplit(self.url)
+        except ValueError as exc:
+            raise ValueError(f"TURNLOG_URL={self.url!r} is not a URL ({exc})") from exc
+        if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"TURNLOG_URL={self.url!r} is not an http:// or https:// URL")
         return self._client(self.url)
 
     def gateway_client(self) -> TurnlogClient | None:
@@ -314,8 +322,16 @@ def close_metadata(result: Any, error: BaseException | None) -> dict[str, Any]:
 
 
 def _problem(step: str, exc: Exception) -> str:
-    return f"{step}: {exc}" if isinstance(exc, TurnlogError) else \
-        f"{step}: {type(exc).__name__}: {exc}"
+    if not isinstance(exc, TurnlogError):
+        return f"{step}: {type(exc).__name__}: {exc}"
+    if exc.status not in (401, 403):
+        return f"{step}: {exc}"
+    # Not resent: a token is refused the same way every time.
+    hint = "TURNLOG_TOKEN is not a token with write scope there"
+    if step == "close":
+        hint += ("; the session stays open until it is closed with one (or by the "
+                 "gateway's --idle-close-seconds)")
+    return f"{step}: {exc} ({hint})"
 
 
 def branch_rewards(result: Any) -> dict[str, float]:
@@ -368,13 +384,14 @@ def late_close_event_id(metadata: Mapping[str, Any]) -> str:
 
 
 async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException | None,
-                 source: str) -> Closed:
+                 source: str, gateway: str | None = None) -> Closed:
     """Close with the agent's result; a failed close raises. A close the store refuses
     for the agent's dict (too large, too many values) is sent again without it
     (`"agent": null`, `"agent_unrecorded"` saying why): the session is closed whatever
     the agent returned. A session closed already (the gateway's idle close) gets the
     agent's reward as a reward event instead, with `late_close_event_id` (the same for every
-    try of this close: it is recorded once)."""
+    try of this close: it is recorded once). `gateway`: `tl` is that gateway's client,
+    whose answers are checked (`gateway_took`)."""
     problems = []
     rewards = []
     try:
@@ -383,8 +400,9 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
         metadata = {"reward": None, "agent": None, "agent_unrecorded": _problem("agent", exc),
                     "agent_error": close_metadata(None, error)["agent_error"]}
         problems.append(metadata["agent_unrecorded"])
+    answer: Any = None
     try:
-        await tl.close(sid, metadata=metadata, commit_within=_commit_within())
+        answer = await tl.close(sid, metadata=metadata, commit_within=_commit_within())
     except TurnlogError as exc:
         if exc.slug == "session-closed":
             if metadata["reward"] is not None:
@@ -394,12 +412,30 @@ async def _close(tl: TurnlogClient, sid: str, result: Any, error: BaseException 
             metadata = {**metadata, "agent": None,
                         "agent_unrecorded": _problem("close with the agent's dict", exc)}
             problems.append(metadata["agent_unrecorded"])
-            await tl.close(sid, metadata=metadata, commit_within=_commit_within())
+            answer = await tl.close(sid, metadata=metadata, commit_within=_commit_within())
         else:
             raise
+    if gateway is not None and answer is not None:  # None: closed already (a reward)
+        gateway_took(answer, gateway, "close")
     rewards += [Reward(sid, value, response_id, source)
                 for response_id, value in branch_rewards(result).items()]
     return Closed(problems, rewards)
+
+
+NOT_A_GATEWAY = "not-a-gateway"
+
+
+def gateway_took(result: Any, url: str | None, what: str) -> None:
+    """Check that a 2xx to a close or reward handed to `TURNLOG_GATEWAY_URL` is a turnlog
+    gateway's (it says its `outcome`). Anything else that answers 2xx at that address
+    (the router or an engine, named by mistake) took nothing: raised as a 404
+    `not-a-gateway`, so the write goes to the store and a warning says why."""
+    if isinstance(result, Mapping) and isinstance(result.get("outcome"), str):
+        return
+    raise TurnlogError({
+        "type": URN + NOT_A_GATEWAY, "status": 404, "title": "Not a turnlog gateway",
+        "detail": f"TURNLOG_GATEWAY_URL={url} answered the {what} with a success that is "
+                  "not a turnlog gateway's (no `outcome`): is it the router's address?"})
 
 
 def gateway_missed(exc: BaseException) -> bool:
@@ -435,12 +471,15 @@ async def hand_to_gateway(settings: Settings, sid: str, result: Any,
         return None
     async with gateway:
         try:
-            return await _close(gateway, sid, result, error, source)
+            return await _close(gateway, sid, result, error, source, settings.gateway)
         except TurnlogError as exc:
             if gateway_missed(exc):
                 return GatewayMiss(f"the gateway at {settings.gateway} did not take the "
                                    f"close ({exc})", exc.status)
             raise
+        except ValueError as exc:  # a 2xx whose body is not JSON: not a gateway's
+            return GatewayMiss(f"the gateway at {settings.gateway} did not take the close "
+                               f"(its answer is not a turnlog gateway's: {exc})", 404)
 
 
 async def gateway_verdict(settings: Settings, sid: str, wait: float | None = None,
@@ -470,7 +509,12 @@ async def gateway_verdict(settings: Settings, sid: str, wait: float | None = Non
                                       f"{reply.status_code} to {url}: not a turnlog gateway "
                                       "of this version; closed without asking it")
                     reply.raise_for_status()
-                    held = int(reply.json()["spooled_turns"])
+                    held = _spooled_turns(reply)
+                    if held is None:
+                        return True, (f"TURNLOG_GATEWAY_URL={settings.gateway} answered "
+                                      f"{url} with {reply.status_code} and no "
+                                      "`spooled_turns`: not a turnlog gateway (is it the "
+                                      "router's address?); closed without asking it")
                     if held <= 0:
                         return True, None
                 except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
@@ -488,6 +532,16 @@ async def gateway_verdict(settings: Settings, sid: str, wait: float | None = Non
         return False, (f"the gateway at {settings.gateway} could not say whether it holds "
                        f"spooled turns of this session ({failure})")
     return False, f"the gateway at {settings.gateway} still holds {held} spooled turn(s) of it"
+
+
+def _spooled_turns(reply: httpx.Response) -> int | None:
+    """A gateway's answer to `GET /turnlog/sessions/<sid>`: the spooled turns it holds;
+    None for a body that is not one (a router's or an engine's catch-all 200)."""
+    try:
+        held = reply.json().get("spooled_turns")
+    except (ValueError, AttributeError):
+        return None
+    return held if isinstance(held, int) and not isinstance(held, bool) else None
 
 
 def close_later_helps(exc: BaseException) -> bool:
@@ -537,18 +591,23 @@ class Sender:
     async def _reward(self, reward: Reward) -> str:
         if self.gateway is not None:
             try:
-                await self._send(self.gateway, reward, _commit_within())
+                gateway_took(await self._send(self.gateway, reward, _commit_within()),
+                             self.settings.gateway, "reward")
                 return TAKEN
+            except ValueError as exc:  # a 2xx whose body is not JSON: not a gateway's
+                self.notes.append(f"the gateway at {self.settings.gateway} did not take a "
+                                  f"reward (its answer is not a turnlog gateway's: {exc}): "
+                                  f"rewards sent to {self.settings.url}")
             except TurnlogError as exc:
                 if not gateway_missed(exc):
                     return _verdict(reward, exc)
                 if exc.status is None and self.deadline is not None:
                     return NOT_NOW  # no answer: no time left in this call to ask the store
-                if exc.status in (401, 403):
-                    self.notes.append(f"the gateway at {self.settings.gateway} refused the "
-                                      f"token ({exc}): rewards sent to {self.settings.url}")
-                await self.gateway.aclose()
-                self.gateway = None  # no such route, failing or silent: the store from now on
+                if exc.status in (401, 403) or exc.slug == NOT_A_GATEWAY:
+                    self.notes.append(f"the gateway at {self.settings.gateway} did not take "
+                                      f"a reward ({exc}): rewards sent to {self.settings.url}")
+            await self.gateway.aclose()
+            self.gateway = None  # no such route, failing or silent: the store from now on
         try:
             if self.store is None:
                 self.store = self.settings.client()
@@ -561,10 +620,10 @@ class Sender:
         return TAKEN
 
     @staticmethod
-    async def _send(tl: TurnlogClient, reward: Reward, commit_within: float | None) -> None:
-        await tl.record_reward(reward.sid, reward.value, response_id=reward.response_id,
-                               source=reward.source, event_id=reward.event_id,
-                               commit_within=commit_within)
+    async def _send(tl: TurnlogClient, reward: Reward, commit_within: float | None) -> Any:
+        return await tl.record_reward(reward.sid, reward.value,
+                                      response_id=reward.response_id, source=reward.source,
+                                      event_id=reward.event_id, commit_within=commit_within)
 
 
 def _verdict(reward: Reward, exc: TurnlogError) -> str:
@@ -831,12 +890,17 @@ def with_session_id(result: Any, sid: str) -> Any:
     return result
 
 
+_NOT_GIVEN: Any = object()
+
+
 async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
-                **kwargs: Any) -> Any:
+                metadata: Any = _NOT_GIVEN, **kwargs: Any) -> Any:
     """miles' agent function (`--custom-agent-function-path turnlog_client.miles.agent`):
     runs `TURNLOG_MILES_AGENT` between turnlog's open and close of the session, called
-    with what miles gave (`metadata=…` among `kwargs`; a miles version that passes
+    with what miles gave (`metadata`, by keyword or fourth; a miles version that passes
     none gets none passed on)."""
+    if metadata is not _NOT_GIVEN:
+        kwargs["metadata"] = metadata
     settings = Settings.from_env()
     if settings.agent is None:
         raise RuntimeError("TURNLOG_MILES_AGENT is not set: name your agent function "
@@ -872,7 +936,7 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:
-        log.warning("turnlog at %s did not record session %s (the rollout goes on): %s",
+        log.warning("turnlog at %s, session %s (the rollout goes on): %s",
                     settings.url, sid, "; ".join(problems))
     if error is not None:
         raise error
@@ -979,7 +1043,10 @@ async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
         failed, problems = await record_rewards(settings, scored, settings.rm[:SOURCE_MAX])
     except Exception as exc:  # turnlog never fails the rollout
         failed, problems = len(scored), [_problem("rewards", exc)]
-    if problems:
+    if problems and failed:
         log.warning("turnlog at %s did not record %d reward(s) (the rollout goes on): %s",
                     settings.url, failed, "; ".join(problems))
+    elif problems:
+        log.warning("turnlog at %s recorded the reward(s), but: %s", settings.url,
+                    "; ".join(problems))
     return rewards
