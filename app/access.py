@@ -42,14 +42,21 @@ def required_scope(method: str) -> Scope:
     return "read" if method.upper() in READ_METHODS else "write"
 
 
+# What `bearer_token` answers for an Authorization header that is not `Bearer <token>`
+# (another scheme, a bare token): refused as such, not as a missing header.
+NOT_BEARER = b""
+
+
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The bearer token presented; None without an Authorization header, NOT_BEARER
+    with one of another form."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
             token = token.strip()
             if scheme.lower() == b"bearer" and token:
                 return token
-            return None
+            return NOT_BEARER
     return None
 
 
@@ -74,9 +81,10 @@ class TokenTable:
 def authorize(tokens: TokenTable, method: str, presented: bytes | None) -> None:
     """Raise `Unauthorized`/`Forbidden` unless `presented` may call a `method` route."""
     needed = required_scope(method)
-    if presented is None:
+    if not presented:
         raise Unauthorized("this route needs `Authorization: Bearer <token>`",
-                           field="Authorization", expected="Bearer <token>", actual="missing")
+                           field="Authorization", expected="Bearer <token>",
+                           actual="missing" if presented is None else "not a Bearer token")
     scope = tokens.scope_of(presented)
     if scope is None:
         raise Unauthorized("the bearer token is not one this server knows",

@@ -185,6 +185,7 @@ def _show(report: list[dict[str, Any]]) -> None:
                 "its events; [bold]turnlog rebuild[/] recomputes every projection.")
     if report:
         ui = f"http://{get_settings().server.host}:{get_settings().server.port}/ui"
-        err().print(f"In the browser (with `make run` serving this database): "
+        err().print(f"In the browser (with `make run` serving this database; served on "
+                    "another port, that port): "
                     f"[bold]{ui}/sessions/{report[0]['session_id']}[/] (its tree), "
                     f"{ui}?run_id=demo (every demo session and the run view)")

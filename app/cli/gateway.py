@@ -44,7 +44,7 @@ def gateway(
     database_url: DatabaseUrl = None,
     record_path: Annotated[list[str] | None, typer.Option(
         "--record-path", metavar="PATH",
-        help="Path whose POSTs are recorded (repeatable) [default: /v1/chat/completions]",
+        help="Path whose POSTs are recorded (repeatable; default: /v1/chat/completions)",
         **_env("RECORD_PATH"))] = None,
     session_header: Annotated[str, typer.Option(
         metavar="NAME", help="Request header holding the session id",
@@ -77,7 +77,7 @@ def gateway(
     idle_close_seconds: Annotated[float | None, typer.Option(
         min=0.001, metavar="SECONDS",
         help="Close an auto-opened session this long after its last recorded turn "
-             "[default: off]", **_env("IDLE_CLOSE_SECONDS"))] = None,
+             "(default: off)", **_env("IDLE_CLOSE_SECONDS"))] = None,
     spool_dir: Annotated[Path, typer.Option(
         metavar="DIR", help="Where turns (closes, rewards) wait while the store cannot "
                             "take them",

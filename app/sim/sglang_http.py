@@ -362,13 +362,18 @@ async def _reply(send: Any, status: int, body: bytes,
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    parser = argparse.ArgumentParser(description="A fake SGLang (the simulator's router)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30001)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--num-experts", type=int, default=16)
-    parser.add_argument("--router-seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        prog="python -m app.sim.sglang_http",
+        description="A fake SGLang (the simulator's router). Give it the same --num-layers "
+                    "as the gateway in front of it: R3 rows of another geometry are refused.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=30001, help="port to listen on")
+    parser.add_argument("--num-layers", type=int, default=2, help="MoE layers of the R3 rows")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token and layer")
+    parser.add_argument("--num-experts", type=int, default=16, help="experts per layer")
+    parser.add_argument("--router-seed", type=int, default=0,
+                        help="seed of the simulated router's weights")
     parser.add_argument("--speculative", action="store_true",
                         help="add SGLang's speculative-decoding counters to meta_info")
     parser.add_argument("--r3", choices=("oracle", "filler"), default="oracle",

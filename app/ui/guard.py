@@ -79,14 +79,14 @@ class UiGuard:
         if self.tokens and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
             headers = scope.get("headers") or []
             presented = bearer_token(headers)
-            if presented is None and method.upper() in READ_METHODS:
-                presented = cookie_token(headers)
+            if not presented and method.upper() in READ_METHODS:
+                presented = cookie_token(headers) or presented
             try:
                 authorize(self.tokens, method, presented)
             except (Unauthorized, Forbidden) as exc:
                 if isinstance(exc, Unauthorized) and method.upper() in ("GET", "HEAD"):
                     response = login_page(path, scope.get("query_string", b""),
-                                          error=presented is not None)
+                                          error=bool(presented))
                     await response(scope, receive, send_with_headers)
                     return
                 await send_problem(send_with_headers, exc,

@@ -43,6 +43,7 @@ async def test_missing_token_is_401_with_bearer_challenge(guarded):
     r = await guarded.get("/v1/sessions")
     assert_problem(r, 401, "unauthorized")
     assert r.headers["www-authenticate"].startswith("Bearer")
+    assert r.json()["actual"] == "missing"
 
 
 async def test_unknown_token_is_401_invalid_token(guarded):
@@ -55,6 +56,8 @@ async def test_unknown_token_is_401_invalid_token(guarded):
 async def test_malformed_authorization_is_401(guarded, header):
     r = await guarded.get("/v1/sessions", headers={"Authorization": header})
     assert_problem(r, 401, "unauthorized")
+    # Sent, in another form: said so, not "missing".
+    assert (r.json()["field"], r.json()["actual"]) == ("Authorization", "not a Bearer token")
 
 
 async def test_scheme_is_case_insensitive(guarded):
