@@ -30,7 +30,7 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -467,12 +467,26 @@ class Gateway:
         ClientGone when the caller went away while its body was going up."""
         assert self.client is not None
         url, headers = self._target(scope)
+        timeout = self.config.upstream_timeout
+        # The final head is due `timeout` after the body is sent (without a body: after
+        # connecting, itself bounded by `timeout`). aiohttp's read timeout does the
+        # same, but an interim 1xx head stops it for good: a `102 Processing`, then
+        # silence, held the caller past --upstream-timeout, and an odd `199` forever.
+        head_by = asyncio.timeout(None)
+
+        def sent() -> None:
+            head_by.reschedule(asyncio.get_running_loop().time() + timeout)
+
         try:
-            response = await self.client.request(
-                scope["method"], url, data=_bounded(body, self.config.upstream_timeout),
-                headers=[(name.decode("latin-1"), value.decode("latin-1"))
-                         for name, value in headers],
-                allow_redirects=False)
+            async with head_by:
+                payload = _bounded(body, timeout, sent)
+                if payload is None:
+                    head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
+                response = await self.client.request(
+                    scope["method"], url, data=payload,
+                    headers=[(name.decode("latin-1"), value.decode("latin-1"))
+                             for name, value in headers],
+                    allow_redirects=False)
             _ack_promptly(response)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc.__cause__, ClientGone):  # aiohttp wraps the upload's error
@@ -480,6 +494,11 @@ class Gateway:
             if isinstance(exc, UploadStalled):
                 raise UpstreamUnavailable(str(exc), extra={"upstream": str(self.upstream)}
                                           ) from exc
+            if head_by.expired():
+                raise UpstreamUnavailable(
+                    f"the upstream {self.upstream} sent no final reply head within "
+                    f"{timeout:g} s of the request (--upstream-timeout)",
+                    extra={"upstream": str(self.upstream)}) from exc
             raise UpstreamUnavailable(
                 f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
                 + (f" ({exc})" if str(exc) else ""),
@@ -620,30 +639,37 @@ def _bounded_writer(writer: AbstractStreamWriter, timeout: float) -> AbstractStr
 
 class _BoundedBytes(aiohttp.payload.BytesPayload):
     timeout: float
+    sent: Callable[[], None]
 
     async def write_with_length(self, writer: AbstractStreamWriter,
                                 content_length: int | None) -> None:
         await super().write_with_length(_bounded_writer(writer, self.timeout), content_length)
+        self.sent()
 
 
 class _BoundedStream(aiohttp.payload.AsyncIterablePayload):
     timeout: float
+    sent: Callable[[], None]
 
     async def write_with_length(self, writer: AbstractStreamWriter,
                                 content_length: int | None) -> None:
         await super().write_with_length(_bounded_writer(writer, self.timeout), content_length)
+        self.sent()
 
 
-def _bounded(body: Any, timeout: float) -> aiohttp.payload.Payload | None:
+def _bounded(body: Any, timeout: float,
+             sent: Callable[[], None]) -> aiohttp.payload.Payload | None:
     """A request body (bytes, an `_Upload` or None) as aiohttp sends it, with each
-    write bounded by `timeout`. aiohttp's own read timeout starts only once the body
-    is sent, and it has no write timeout: a body larger than the sockets' buffers
-    going to an upstream that stopped reading would hold the caller for good."""
+    write bounded by `timeout`, and `sent` called once it is all sent. aiohttp's own
+    read timeout starts only once the body is sent, and it has no write timeout: a
+    body larger than the sockets' buffers going to an upstream that stopped reading
+    would hold the caller for good."""
     if body is None:
         return None
     payload: _BoundedBytes | _BoundedStream = (
         _BoundedBytes(body) if isinstance(body, bytes | bytearray) else _BoundedStream(body))
     payload.timeout = timeout
+    payload.sent = sent
     return payload
 
 

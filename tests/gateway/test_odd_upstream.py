@@ -1,5 +1,6 @@
 """Replies a real router would rarely send, from a raw-socket upstream: a status that is
-not a final HTTP status, a 304 that declares a length, a body-less 204, a reply cut off
+not a final HTTP status, an interim 1xx head never followed by a final one, a 304 that
+declares a length, a body-less 204, a reply cut off
 mid-body. The gateway answers each cleanly (a 502 problem, the reply relayed, or the
 caller's connection cut as the upstream's was) and its connection to the caller goes on
 serving where it can; nothing reaches uvicorn that it would refuse with a traceback.
@@ -25,6 +26,10 @@ REPLIES = {
     b"/not-modified": b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1234\r\nETag: \"v1\"\r\n\r\n",
     b"/no-content": b"HTTP/1.1 204 No Content\r\nX-Kept: yes\r\n\r\n",
     b"/plain": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello",
+    # Interim heads and then nothing: no final reply ever comes.
+    b"/processing": b"HTTP/1.1 102 Processing\r\n\r\n",
+    b"/status-199": b"HTTP/1.1 199 Odd\r\nContent-Length: 2\r\n\r\nok",
+    b"/v1/chat/completions?processing": b"HTTP/1.1 102 Processing\r\n\r\n",
     # Fewer bytes than declared, then the connection closes (an upstream that died).
     b"/broken": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial",
     # A verbose head: 300 headers and one line of 20 KB (a direct client reads it).
@@ -93,6 +98,32 @@ async def test_a_status_that_is_not_final_is_a_502_problem(tmp_path, gateway_pro
         assert str(int(path[-3:])) in problem["detail"]
         # The connection goes on: the next request on it is answered.
         assert second.startswith(b"200 OK") and second.endswith(b"hello"), second
+    assert "Traceback" not in gateway.log_tail(300)
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    (b"GET", b"/processing"), (b"GET", b"/status-199"),  # no body
+    (b"POST", b"/status-199"),  # passthrough: the body streamed up
+    (b"POST", b"/v1/chat/completions?processing"),  # a turn: the body sent whole
+])
+async def test_an_interim_head_without_a_final_one_is_a_502_at_the_upstream_timeout(
+        tmp_path, gateway_process, odd_upstream, path, method):
+    """aiohttp stops its read timeout at an interim 1xx head: a `102 Processing` and then
+    silence held the caller past --upstream-timeout, an odd `199` (with a body) forever.
+    The final head is due within the timeout of the request (GET: of connecting)."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", "--upstream-timeout", "1",
+                              upstream=odd_upstream)
+    await gateway.wait_ready()
+    body = b'{"input_ids": [1, 2]}' if method == b"POST" else b""
+    request = (method + b" " + path + b" HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+               + (b"X-SMG-Routing-Key: s-interim\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n" % len(body) if body else b"") + b"\r\n" + body)
+    reply = await _exchange(gateway.port, request)  # its socket gives up after 15 s
+    first, _, rest = reply.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 502"), reply[:300]
+    problem = json.loads(rest)
+    assert problem["type"] == "urn:turnlog:upstream-unavailable"
+    assert "no final reply head" in problem["detail"], problem
     assert "Traceback" not in gateway.log_tail(300)
 
 
