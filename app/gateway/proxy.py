@@ -473,20 +473,25 @@ class Gateway:
         # same, but an interim 1xx head stops it for good: a `102 Processing`, then
         # silence, held the caller past --upstream-timeout, and an odd `199` forever.
         head_by = asyncio.timeout(None)
+        waiting = [True]  # for the head; the body may still be going up after it came
 
         def sent() -> None:
-            head_by.reschedule(asyncio.get_running_loop().time() + timeout)
+            if waiting[0]:
+                head_by.reschedule(asyncio.get_running_loop().time() + timeout)
 
         try:
             async with head_by:
-                payload = _bounded(body, timeout, sent)
-                if payload is None:
-                    head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
-                response = await self.client.request(
-                    scope["method"], url, data=payload,
-                    headers=[(name.decode("latin-1"), value.decode("latin-1"))
-                             for name, value in headers],
-                    allow_redirects=False)
+                try:
+                    payload = _bounded(body, timeout, sent)
+                    if payload is None:
+                        head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
+                    response = await self.client.request(
+                        scope["method"], url, data=payload,
+                        headers=[(name.decode("latin-1"), value.decode("latin-1"))
+                                 for name, value in headers],
+                        allow_redirects=False)
+                finally:
+                    waiting[0] = False
             _ack_promptly(response)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc.__cause__, ClientGone):  # aiohttp wraps the upload's error

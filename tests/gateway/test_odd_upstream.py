@@ -17,6 +17,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 # What the raw upstream answers, by request path.
@@ -231,4 +232,48 @@ async def test_an_upstream_that_stops_reading_the_body_is_a_502(
     problem = json.loads(rest)
     assert problem["type"] == "urn:turnlog:upstream-unavailable"
     assert "request body" in problem["detail"] and "1 s" in problem["detail"]
+    assert "Traceback" not in gateway.log_tail(300)
+
+
+@pytest.fixture
+async def early_upstream() -> AsyncIterator[str]:
+    """An upstream that starts its reply as soon as it has a request's head, reads the
+    request's body (slowly) to the end, then ends its reply and serves the next request
+    on the connection."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nearly")
+                await writer.drain()
+                while length:
+                    length -= len(await reader.read(min(length, 1 << 16)))
+                    await asyncio.sleep(0.001)
+                writer.write(b"-done")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_reply_that_comes_before_the_body_is_sent_is_relayed_whole(
+        tmp_path, gateway_process, early_upstream):
+    """The upstream starts its reply before it has read the request body, and ends it
+    after. The end of the upload comes after the reply's head, whose deadline is gone
+    by then: it must not disturb the reply (it broke the connection, and with it the
+    reply's rest), and the next request is served."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=early_upstream)
+    await gateway.wait_ready()
+    body = b"x" * (8 << 20)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        for _ in range(2):
+            reply = await http.post("/generate", content=body)
+            assert (reply.status_code, reply.content) == (200, b"early-done")
     assert "Traceback" not in gateway.log_tail(300)
