@@ -133,6 +133,12 @@ def gateway(
     settings = common.settings_for(url)
     from app.api.middleware.guards import is_loopback
 
+    if idle_close_seconds is not None and idle_close_seconds <= upstream_timeout:
+        common.warn(f"--idle-close-seconds {idle_close_seconds:g} is not above "
+                    f"--upstream-timeout {upstream_timeout:g}: a turn generating through "
+                    "another gateway on this store for longer than that is not seen here, "
+                    "so its session may be closed under it and the turn refused "
+                    "(session-closed); docs/gateway.md, \"Sessions\"")
     if not settings.access.api_tokens and not is_loopback(host):
         common.warn(f"no TURNLOG_API_TOKENS: anyone who reaches {host}:{port} may close "
                     "sessions and record rewards through /turnlog/v1/… (give the gateway "

@@ -536,7 +536,12 @@ class Recorder:
     # -- readiness ----------------------------------------------------------------------
 
     async def ready(self) -> tuple[bool, str]:
-        """Ready iff the store answers and the spool is not stuck."""
+        """Ready iff the spool is not stuck and the store answers (the spool first: it
+        is known at once, where a hung store takes the probe's timeout to say so)."""
+        if len(self.spool) and self.drain_failing:
+            return False, (f"the spool holds {self.spool.turns} turns and "
+                           f"{len(self.spool) - self.spool.turns} closes or rewards the "
+                           "store does not take")
         try:
             async def probe() -> None:
                 async with self.services.db.read() as conn:
@@ -545,10 +550,6 @@ class Recorder:
             await bounded(probe(), PROBE_TIMEOUT_S)
         except Exception as exc:
             return False, f"the store is unreachable ({type(exc).__name__})"
-        if len(self.spool) and self.drain_failing:
-            return False, (f"the spool holds {self.spool.turns} turns and "
-                           f"{len(self.spool) - self.spool.turns} closes or rewards the "
-                           "store does not take")
         return True, "ready"
 
     # -- idle close ------------------------------------------------------------------------

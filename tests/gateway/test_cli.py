@@ -1,4 +1,5 @@
-"""`turnlog gateway`'s own errors: one line on stderr, exit code 2, before anything starts."""
+"""`turnlog gateway` at start: its own errors (one line on stderr, exit code 2, before anything
+starts) and its warnings."""
 
 from __future__ import annotations
 
@@ -31,3 +32,18 @@ def test_a_taken_port_is_one_line_before_anything_is_created(tmp_path):
                                   "--spool-dir", str(tmp_path / "spool")))
     assert f"port {port} on 127.0.0.1 is already in use" in line
     assert not (tmp_path / "t.db").exists() and not (tmp_path / "spool").exists()
+
+
+async def test_an_idle_close_not_above_the_upstream_timeout_is_warned_about(
+        tmp_path, gateway_process):
+    """A turn generating through another gateway is not seen by this one's idle close:
+    an idle time below the longest generation (the upstream timeout) may close a
+    session under it (docs/gateway.md, "Sessions"). Said at start; not said when the
+    idle time is above it."""
+    url = sqlite_file(tmp_path)
+    short = gateway_process(url, "--idle-close-seconds", "5")
+    long = gateway_process(url, "--idle-close-seconds", "5", "--upstream-timeout", "2")
+    for process in (short, long):
+        await process.wait_ready()
+    assert "is not above --upstream-timeout 600" in short.log_tail(50)
+    assert "--upstream-timeout" not in long.log_tail(50)
