@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from app.domain.body.turn import json_carried
+from app.domain.errors import DomainError
 from app.domain.wire import jsonio
 from app.gateway.errors import SpoolFull
 
@@ -93,7 +94,11 @@ class Spool:
         # Per session, its entries of each kind (a session with none is not a key).
         self.per_session: dict[str, Counter[str]] = {}
         self.next_sequence = 0
-        self._load()
+        try:
+            self._load()
+        except BaseException:
+            self._lock.close()  # the lock goes with it: nothing holds this spool
+            raise
 
     def _path(self, sequence: int) -> Path:
         return self.directory / f"{sequence:0{NAME_DIGITS}d}{SUFFIX}"
@@ -104,15 +109,25 @@ class Spool:
             stale.unlink(missing_ok=True)
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             data = path.read_bytes()
-            entry = jsonio.loads(data)
-            sequence = int(path.name[: -len(SUFFIX)])
-            # A file of a gateway before closes and rewards were spooled has no kind.
-            kind = entry.get("kind", TURN)
+            try:
+                entry = jsonio.loads(data)
+                sequence = int(path.name[: -len(SUFFIX)])
+                # A file of a gateway before closes and rewards were spooled has no kind.
+                kind = entry.get("kind", TURN)
+                spooled = Spooled(sequence, str(entry["session_id"]),
+                                  _event_id(entry["body"]), len(data),
+                                  float(entry["spooled_at"]), kind)
+            except (DomainError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                # Written whole and renamed into place, so damaged on disk or not a
+                # gateway's: said, never skipped (it may hold a turn a caller saw).
+                raise SpoolUnreadable(
+                    f"{path} is not a spooled write this gateway can read "
+                    f"({type(exc).__name__}: {exc}); move it out of {self.directory} "
+                    "(keep it: it may hold a turn a caller saw) to start") from None
             if kind not in KINDS:
                 raise SpoolUnreadable(f"{path} holds a write of kind {kind!r}, which this "
                                       "gateway does not know (a newer gateway's spool?)")
-            self._track(Spooled(sequence, entry["session_id"], _event_id(entry["body"]),
-                                len(data), float(entry["spooled_at"]), kind))
+            self._track(spooled)
             self.next_sequence = max(self.next_sequence, sequence + 1)
 
     def _track(self, entry: Spooled) -> None:

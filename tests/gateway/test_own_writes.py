@@ -310,6 +310,25 @@ def test_a_spool_file_of_an_unknown_kind_stops_the_gateway(tmp_path):
         Spool(tmp_path, 1 << 20)
 
 
+@pytest.mark.parametrize("content", [
+    b'{"kind":"turn","session_id":"s-1","body":{},"op',  # cut short
+    b'{"kind":"turn","body":{},"open":null,"spooled_at":1.5}',  # no session
+    b'[1, 2]',  # not a gateway's
+    b'{"kind":"turn","session_id":"s-1","body":{},"open":null,"spooled_at":"x"}',
+])
+def test_a_damaged_spool_file_stops_the_gateway_naming_it(tmp_path, content):
+    """Said as a SpoolUnreadable naming the file (the CLI's one-line error), not a
+    traceback; and the spool is not left locked."""
+    from app.gateway.spool import SpoolUnreadable
+
+    path = tmp_path / "00000000000000000000.turn"
+    path.write_bytes(content)
+    with pytest.raises(SpoolUnreadable, match=str(path)):
+        Spool(tmp_path, 1 << 20)
+    path.unlink()
+    Spool(tmp_path, 1 << 20).close()  # nothing holds it
+
+
 @pytest.mark.parametrize("kind", [CLOSE, REWARD])
 def test_a_write_past_the_spool_bound_is_refused(tmp_path, kind):
     from app.gateway.errors import SpoolFull
