@@ -48,6 +48,7 @@ from yarl import URL
 from app.access import Forbidden, TokenTable, Unauthorized, authorize, bearer_token, challenge
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, parse_timeout
 from app.domain.body.gateway import (
+    CALLER_GONE,
     LABELS_HEADER,
     NO_SESSION,
     NOT_TITO,
@@ -370,7 +371,7 @@ class Gateway:
         if body is None and (prefix or _has_body(scope)):
             upload = content = _Upload(receive, prefix)
         try:
-            response = await self._open(scope, content)
+            response = await self._open_while_there(scope, content, receive, upload)
         except UpstreamUnavailable as exc:
             await _problem(send, exc)
             return
@@ -407,11 +408,14 @@ class Gateway:
         # its reply, not before it is sent: its parse is then off the turn's latency.
         deciding = asyncio.ensure_future(_parse_aside(session_id, body))
         try:
-            response = await self._open(scope, body)
+            response = await self._open_while_there(scope, body, receive)
         except UpstreamUnavailable as exc:
             self.metrics.unrecorded.labels(UPSTREAM_UNAVAILABLE).inc()
             await _problem(send, exc)
             return
+        except ClientGone:
+            self.metrics.unrecorded.labels(CALLER_GONE).inc()
+            raise
         finally:
             decision = await deciding
         if isinstance(decision, Unrecorded):
@@ -460,6 +464,38 @@ class Gateway:
             return
         await _send_raw(send, status, headers, raw)
         self.metrics.added.observe(time.time() - timestamp)
+
+    async def _open_while_there(self, scope: dict[str, Any], body: Any, receive: Any,
+                                upload: _Upload | None = None) -> aiohttp.ClientResponse:
+        """`_open`, given up when the caller goes away before the reply's head is in
+        (ClientGone): the upstream request is cancelled, so the upstream sees its
+        connection close as it would see the caller's own hang-up (SGLang then aborts
+        the generation), instead of generating for nobody until it is done or the
+        upstream timeout passes. The caller's `receive` is watched once the body is
+        read (`upload`: once it is sent)."""
+        task = asyncio.current_task()
+        assert task is not None
+        gone = asyncio.Event()
+        waiting = [True]
+
+        def hung_up(_: object) -> None:
+            if gone.is_set() and waiting[0]:
+                task.cancel()
+
+        watcher = asyncio.create_task(_watch_disconnect(receive, gone, upload))
+        watcher.add_done_callback(hung_up)
+        try:
+            # Called in this task, not beside it: a reply whose head and end come
+            # together is then relayed with the bytes it had (an extra turn of the loop
+            # let aiohttp drop them for the error at its end).
+            return await self._open(scope, body)
+        except asyncio.CancelledError:
+            if gone.is_set() and task.uncancel() == 0:
+                raise ClientGone() from None
+            raise
+        finally:
+            waiting[0] = False
+            watcher.cancel()
 
     async def _open(self, scope: dict[str, Any], body: Any) -> aiohttp.ClientResponse:
         """Send a request upstream (`body`: bytes, an `_Upload` or None): its reply with
@@ -755,6 +791,9 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
                          NO_CONTENT_LENGTH if response.status in NO_BODY else frozenset())
     gone = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, gone, upload))
+    # The caller gone: the upstream connection is closed at once, not at the reply's
+    # next chunk (a slow stream kept it, and the upstream generating, until then).
+    watcher.add_done_callback(lambda _: response.close() if gone.is_set() else None)
     try:
         await send({"type": "http.response.start", "status": response.status,
                     "headers": headers})
@@ -763,7 +802,6 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
         prefix = ()
         async for chunk in response.content.iter_any():
             if gone.is_set():
-                log.info("caller went away mid-reply", path=scope["path"])
                 break
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -773,11 +811,14 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
         # the server does for a reply left incomplete (one error line of its own), not
         # with the traceback an exception escaping here would log: the fault is the
         # upstream's, said here once.
-        log.warning("upstream reply broke off; the caller's connection is cut",
-                    path=scope["path"], error=type(exc).__name__)
+        if not gone.is_set():
+            log.warning("upstream reply broke off; the caller's connection is cut",
+                        path=scope["path"], error=type(exc).__name__)
     finally:
         watcher.cancel()
         response.close()
+        if gone.is_set():
+            log.info("caller went away mid-reply", path=scope["path"])
 
 
 def _ack_promptly(response: aiohttp.ClientResponse) -> None:

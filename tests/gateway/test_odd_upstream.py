@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from tests.gateway.conftest import metric, scrape, wait_for
+
 # What the raw upstream answers, by request path.
 REPLIES = {
     b"/status-999": b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok",
@@ -248,6 +250,10 @@ async def early_upstream() -> AsyncIterator[str]:
                                if line.lower().startswith(b"content-length:")), 0)
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nearly")
                 await writer.drain()
+                if b"transfer-encoding: chunked" in head.lower():
+                    while size := int((await reader.readline()).strip(), 16):
+                        await reader.readexactly(size + 2)
+                    await reader.readexactly(2)  # the last chunk's CRLF
                 while length:
                     length -= len(await reader.read(min(length, 1 << 16)))
                     await asyncio.sleep(0.001)
@@ -272,8 +278,94 @@ async def test_a_reply_that_comes_before_the_body_is_sent_is_relayed_whole(
     gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=early_upstream)
     await gateway.wait_ready()
     body = b"x" * (8 << 20)
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
-        for _ in range(2):
-            reply = await http.post("/generate", content=body)
+
+    async def chunked() -> AsyncIterator[bytes]:  # no length: sent up chunked
+        for start in range(0, len(body), 1 << 20):
+            yield body[start:start + (1 << 20)]
+            await asyncio.sleep(0.01)
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for content in (body, chunked(), body):
+            reply = await http.post("/generate", content=content)
             assert (reply.status_code, reply.content) == (200, b"early-done")
+    assert "Traceback" not in gateway.log_tail(300)
+
+
+class Hangups:
+    """A raw upstream that reads each request, answers `/slow-stream` with a head and
+    one chunk of a chunked reply (and never the rest), nothing else at all, and notes
+    the path of each request whose connection the gateway closed before an answer
+    ended."""
+
+    def __init__(self) -> None:
+        self.closed: list[bytes] = []
+        self.url = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        path = b"?"
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ", 2)[1]
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if path == b"/slow-stream":
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"5\r\nfirst\r\n")
+                await writer.drain()
+            await reader.read()  # returns at the gateway's close (EOF)
+            self.closed.append(path)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed.append(path)
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def hangups() -> AsyncIterator[Hangups]:
+    upstream = Hangups()
+    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        yield upstream
+
+
+async def _hang_up_after(port: int, request: bytes, first: bytes = b"") -> None:
+    """Send `request`, read until `first` has come (nothing: at once), hang up."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    received = b""
+    while first not in received:
+        received += await reader.read(65536)
+    await asyncio.sleep(0.3)  # the request is upstream by now
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_a_caller_that_hangs_up_ends_its_upstream_request_at_once(
+        tmp_path, gateway_process, hangups):
+    """The caller goes away while the upstream generates (no head yet), or while a
+    streamed reply waits for its next chunk: the gateway closes its upstream connection
+    at once — as the caller's hang-up would have reached the upstream without it
+    (SGLang aborts the generation) — not when the upstream answers, its next chunk
+    comes, or the upstream timeout (600 s) passes. A turn so given up is counted
+    `caller-gone`."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=hangups.url)
+    await gateway.wait_ready()
+    body = b'{"input_ids": [1, 2]}'
+    turn = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nX-SMG-Routing-Key: s-gone\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await _hang_up_after(gateway.port, turn)
+    await _hang_up_after(gateway.port, _get(b"/generate"))
+    await _hang_up_after(gateway.port, _get(b"/slow-stream"), first=b"first")
+
+    async def all_closed() -> bool:
+        return len(hangups.closed) == 3
+
+    await wait_for(all_closed, timeout=10, what="the upstream connections to close")
+    assert sorted(hangups.closed) == [b"/generate", b"/slow-stream", b"/v1/chat/completions"]
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
+                      'reason="caller-gone"') == 1
     assert "Traceback" not in gateway.log_tail(300)

@@ -57,8 +57,11 @@ REJECTED = "rejected"
 UPSTREAM_UNAVAILABLE = "upstream-unavailable"
 # The store could not take the turn and the spool was full: the caller got a 503.
 SPOOL_FULL = "spool-full"
+# The caller went away before the upstream answered: its request to the upstream was
+# cancelled (the connection closed, as a caller's own hang-up closes it).
+CALLER_GONE = "caller-gone"
 UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, SESSION_CLOSED,
-                      REJECTED, UPSTREAM_UNAVAILABLE, SPOOL_FULL)
+                      REJECTED, UPSTREAM_UNAVAILABLE, SPOOL_FULL, CALLER_GONE)
 
 
 def check_reward_order(session_id: str, spooled_turns: int, spooled_close: bool) -> None:
