@@ -121,3 +121,39 @@ def test_sync_claim_context(settings):
             claim.step = 1
         assert tl.group(name)["acked"] == 1
         assert [c.sessions for c in tl.iter_claims(name, wait=0, until_idle=True)] == []
+
+
+def test_the_sync_clients_claims_settle_when_asked(settings):
+    """A claim from the sync client has blocking `ack()` / `release()`: a release in a
+    `with` block gives the sessions back (it returned an unawaited coroutine, and the
+    block's end then acknowledged them), from `claim_sessions` and `iter_claims` too."""
+    from turnlog_client import SyncClaim
+    from turnlog_client.sync import SyncTurnlogClient
+
+    app = create_app(settings)
+    with SyncTurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app)) as tl:
+        labels = {"run_id": uuid.uuid4().hex}
+        for _ in range(2):
+            sid = f"s-{uuid.uuid4().hex}"
+            tl.open(open_body(sid, labels=labels))
+            tl.append_body(sid, turn([1, 2], [3]))
+            tl.close(sid)
+        name = f"g-{uuid.uuid4().hex[:10]}"
+        tl.define_group(name, labels)
+        with tl.claim(name, limit=1) as claim:
+            assert isinstance(claim, SyncClaim) and claim.release() == claim.sessions
+        assert (tl.group(name)["acked"], tl.group(name)["available"]) == (0, 2)
+        claim = tl.claim_sessions(name, limit=1)
+        claim.step = 7
+        assert claim.ack() == claim.sessions
+        (claimed,) = list(tl.iter_claims(name, wait=0, until_idle=True))
+        assert isinstance(claimed, SyncClaim)
+        acks = tl.acks(name)["acks"]
+        assert (tl.group(name)["acked"], [a["step"] for a in acks]) == (2, [7, None])
+
+
+async def test_a_group_may_require_rewards(tl):
+    name = f"g-{uuid.uuid4().hex[:10]}"
+    defined = await tl.define_group(name, {"run_id": "x"}, require_reward=True)
+    assert defined["require_reward"] is True
+    assert (await tl.group(name))["require_reward"] is True

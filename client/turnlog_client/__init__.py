@@ -10,12 +10,13 @@ own (`turnlog-client`): nothing here imports the server.
 
 from turnlog_client.async_client import Claim, FeedPage, TurnlogClient, new_event_id
 from turnlog_client.errors import Backoff, TurnlogConnectionError, TurnlogError
-from turnlog_client.sync import SyncTurnlogClient
+from turnlog_client.sync import SyncClaim, SyncTurnlogClient
 
 __all__ = [
     "Backoff",
     "Claim",
     "FeedPage",
+    "SyncClaim",
     "SyncTurnlogClient",
     "TurnlogClient",
     "TurnlogConnectionError",

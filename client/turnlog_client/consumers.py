@@ -94,11 +94,15 @@ class ConsumerCalls:
     # -- groups -------------------------------------------------------------------
 
     async def define_group(self, group: str, labels: Mapping[str, Any] | None = None, *,
-                           start: str = "beginning") -> dict[str, Any]:
+                           start: str = "beginning",
+                           require_reward: bool = False) -> dict[str, Any]:
         """`PUT /v1/consumers/{group}`: consume the closed sessions matching `labels`,
-        from the `beginning` or only those closed from `now` on. Idempotent."""
+        from the `beginning` or only those closed from `now` on; with `require_reward`,
+        only once every sample of a session has a reward (from the close or recorded
+        after it). Idempotent."""
         result: dict[str, Any] = await self._transport.json(
-            "PUT", f"/v1/consumers/{group}", body={"labels": dict(labels or {}), "from": start})
+            "PUT", f"/v1/consumers/{group}",
+            body={"labels": dict(labels or {}), "from": start, "require_reward": require_reward})
         return result
 
     async def group(self, group: str) -> dict[str, Any]:

@@ -16,9 +16,65 @@ from typing import Any, TypeVar
 
 from turnlog_client.async_client import Claim, TurnlogClient
 
-__all__ = ["SyncTurnlogClient"]
+__all__ = ["SyncClaim", "SyncTurnlogClient"]
 
 _T = TypeVar("_T")
+
+
+class SyncClaim:
+    """A claim as `SyncTurnlogClient` hands it out: `ack()` and `release()` block, as
+    every call of the sync client does (the async `Claim`'s would only return a
+    coroutine: a release that did nothing, then an ack at the end of a `with`).
+    Its fields are the claim's; `step` set here is set there."""
+
+    def __init__(self, claim: Claim, run: Callable[[Awaitable[Any]], Any]) -> None:
+        self._claim = claim
+        self._run = run
+
+    @property
+    def group(self) -> str:
+        return self._claim.group
+
+    @property
+    def claim_id(self) -> str:
+        return self._claim.claim_id
+
+    @property
+    def epoch(self) -> int:
+        return self._claim.epoch
+
+    @property
+    def expires_at(self) -> str:
+        return self._claim.expires_at
+
+    @property
+    def sessions(self) -> list[str]:
+        return self._claim.sessions
+
+    @property
+    def settled(self) -> bool:
+        return self._claim.settled
+
+    @property
+    def step(self) -> int | None:
+        return self._claim.step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._claim.step = value
+
+    def ack(self, sessions: list[str] | None = None, step: int | None = None) -> list[str]:
+        """Acknowledge (all, or `sessions`); 409 `lease-lost` if another claim won."""
+        acked: list[str] = self._run(self._claim.ack(sessions, step))
+        return acked
+
+    def release(self, sessions: list[str] | None = None) -> list[str]:
+        """Give the sessions back at once (all, or `sessions`)."""
+        released: list[str] = self._run(self._claim.release(sessions))
+        return released
+
+    def __repr__(self) -> str:
+        return f"Sync{self._claim!r}"
 
 
 class SyncTurnlogClient:
@@ -48,11 +104,15 @@ class SyncTurnlogClient:
 
         return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
 
-    def _iterate(self, iterator: AsyncIterator[_T]) -> Iterator[_T]:
+    def _blocking(self, value: Any) -> Any:
+        """A result as the sync client gives it: a `Claim` as a `SyncClaim`."""
+        return SyncClaim(value, self._run) if isinstance(value, Claim) else value
+
+    def _iterate(self, iterator: AsyncIterator[_T]) -> Iterator[Any]:
         try:
             while True:
                 try:
-                    yield self._run(iterator.__anext__())
+                    yield self._blocking(self._run(iterator.__anext__()))
                 except StopAsyncIteration:
                     return
         finally:
@@ -77,7 +137,7 @@ class SyncTurnlogClient:
 
     def _bind(name: str) -> Callable[..., Any]:  # type: ignore[misc]
         def method(self: SyncTurnlogClient, *args: Any, **kwargs: Any) -> Any:
-            return self._run(getattr(self._client, name)(*args, **kwargs))
+            return self._blocking(self._run(getattr(self._client, name)(*args, **kwargs)))
 
         method.__name__ = name
         method.__doc__ = getattr(TurnlogClient, name).__doc__
@@ -125,11 +185,12 @@ class SyncTurnlogClient:
     del _bind, _bind_iter
 
     @contextlib.contextmanager
-    def claim(self, group: str, **options: Any) -> Iterator[Claim]:
+    def claim(self, group: str, **options: Any) -> Iterator[SyncClaim]:
         """`with tl.claim(group, limit=32) as c:` — acknowledged with `c.step` when
-        the block succeeds, released when it raises."""
+        the block succeeds, released when it raises; `c.ack()` or `c.release()` in
+        the block settles it there instead."""
         context = self._client.claim(group, **options)
-        claim = self._run(context.__aenter__())
+        claim = SyncClaim(self._run(context.__aenter__()), self._run)
         try:
             yield claim
         except BaseException as exc:
