@@ -22,6 +22,7 @@ policy (`errors.py`) and the blocking facade (`sync.py`).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -526,23 +527,32 @@ class TurnlogClient(ConsumerCalls):
             return await self.r3_slice(session_id, index, rows=bounds(rows),
                                        layers=bounds(layers))
         path = escape_path(f"/v1/sessions/{session_id}/samples/{index}/r3")
-        async for attempt in self._transport.retrying():
-            with attempt:
-                if self._fast is not None:
-                    return await self._r3_fast(path)
-                try:
-                    async with self._http.stream("GET", path) as response:
-                        if response.status_code >= 400:
-                            await response.aread()
-                            raise error_from(response, None)
-                        return await read_chunks(response.aiter_bytes())
-                except httpx.TransportError as exc:
-                    raise self._transport.unreachable(exc) from exc
+        deadline = self._transport.retry_deadline
+        try:
+            # `retry_deadline` bounds the whole call, as `Transport.send` does.
+            async with asyncio.timeout(deadline):
+                async for attempt in self._transport.retrying():
+                    with attempt:
+                        if self._fast is not None:
+                            return await self._r3_fast(path)
+                        try:
+                            async with self._http.stream("GET", path) as response:
+                                if response.status_code >= 400:
+                                    await response.aread()
+                                    raise error_from(response, None)
+                                return await read_chunks(response.aiter_bytes())
+                        except httpx.TransportError as exc:
+                            raise self._transport.unreachable(exc) from exc
+        except TimeoutError as exc:
+            raise self._transport.unreachable(httpx.ReadTimeout(
+                f"no answer within {deadline} s, resends included")) from exc
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _r3_fast(self, path: str) -> np.ndarray:
         """The R3 GET over a plain socket, received into the array (npy_stream.py)."""
         assert self._fast is not None
+        if self._http.is_closed:  # as the httpx path says it
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
         host, port = self._fast
         target = self._http.base_url.raw_path.decode("ascii").rstrip("/") + path
         headers = {k: v for k, v in self._http.headers.items()

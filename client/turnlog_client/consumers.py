@@ -185,8 +185,14 @@ class ConsumerCalls:
     async def samples_wire(self, session_id: str) -> dict[str, np.ndarray]:
         """The samples as the miles samples wire: safetensors tensors by name
         (`tokens.<i>`, `loss_mask.<i>`, `rollout_log_probs.<i>`,
-        `rollout_routed_experts.<i>`, `_samples_meta`)."""
-        from safetensors.numpy import load
+        `rollout_routed_experts.<i>`, `_samples_meta`). Needs the `safetensors` extra
+        (`pip install 'turnlog-client[safetensors]'`)."""
+        try:
+            from safetensors.numpy import load
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                "the samples wire needs the safetensors package: pip install "
+                "'turnlog-client[safetensors]' (or safetensors)", name=exc.name) from exc
 
         response = await self._transport.send(
             "GET", f"/v1/sessions/{session_id}/samples", params={"format": "safetensors"})

@@ -14,7 +14,8 @@ from __future__ import annotations
 import ast
 import asyncio
 import struct
-from collections.abc import AsyncIterator, Mapping
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -101,8 +102,10 @@ class HttpReply(Exception):
 class _NpyProtocol(asyncio.BufferedProtocol):
     """HTTP/1.1 reply with a Content-Length, its `.npy` body received into the array."""
 
-    def __init__(self, done: asyncio.Future[np.ndarray]) -> None:
+    def __init__(self, done: asyncio.Future[np.ndarray],
+                 progress: Callable[[], None] = lambda: None) -> None:
         self.done = done
+        self.progress = progress  # called as bytes come (the read timeout starts over)
         self.scratch = bytearray(SCRATCH)
         self.head = bytearray()
         self.filler: _Filler | None = None
@@ -118,6 +121,7 @@ class _NpyProtocol(asyncio.BufferedProtocol):
         return memoryview(self.scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.progress()
         try:
             self._received(nbytes)
         except Exception as exc:  # a malformed reply fails the read, not the event loop
@@ -176,9 +180,15 @@ class _NpyProtocol(asyncio.BufferedProtocol):
 
 
 def fast_path_url(base_url: str) -> tuple[str, int] | None:
-    """(host, port) when `base_url` is plain HTTP (the fast path), else None."""
+    """(host, port) when `base_url` is plain HTTP reached directly (the fast path),
+    else None: HTTPS, or a proxy named for it in the environment (`HTTP_PROXY`,
+    `ALL_PROXY`, not bypassed by `NO_PROXY`), which httpx's path goes through."""
     parts = urlsplit(base_url)
     if parts.scheme != "http" or not parts.hostname:
+        return None
+    proxies = urllib.request.getproxies_environment()
+    if (proxies.get("http") or proxies.get("all")) \
+            and not urllib.request.proxy_bypass(parts.hostname):
         return None
     return parts.hostname, parts.port or 80
 
@@ -186,6 +196,8 @@ def fast_path_url(base_url: str) -> tuple[str, int] | None:
 async def get_npy(host: str, port: int, target: str, headers: Mapping[str, str],
                   timeout: float | None) -> np.ndarray:
     """`GET target` on a fresh connection; the `.npy` body received into one array.
+    `timeout` bounds connecting and each wait for bytes (as httpx's read timeout
+    does), not the whole download.
 
     Raises `HttpReply` for any status but 200, `OSError` / `TimeoutError` for the
     network, `ValueError` for a reply that is not the promised `.npy`.
@@ -194,11 +206,17 @@ async def get_npy(host: str, port: int, target: str, headers: Mapping[str, str],
     done: asyncio.Future[np.ndarray] = loop.create_future()
     lines = [f"GET {target} HTTP/1.1", f"Host: {host}:{port}", "Connection: close",
              "Accept-Encoding: identity", *(f"{k}: {v}" for k, v in headers.items())]
-    async with asyncio.timeout(timeout):
-        transport, _protocol = await loop.create_connection(lambda: _NpyProtocol(done),
-                                                            host, port)
+    reading = [True]
+    async with asyncio.timeout_at(None if timeout is None else loop.time() + timeout) as idle:
+        def progress() -> None:
+            if timeout is not None and reading[0]:
+                idle.reschedule(loop.time() + timeout)
+
+        transport, _protocol = await loop.create_connection(
+            lambda: _NpyProtocol(done, progress), host, port)
         try:
             transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
             return await done
         finally:
+            reading[0] = False
             transport.close()
