@@ -185,7 +185,7 @@ def replay(
     from app.domain.projection.rows import tree_entry
     from app.domain.projection.samples import build_samples
     from app.store.engine.db import Database
-    from app.store.fold.loader import fold_events, session_row
+    from app.store.fold.loader import fold_events, r3_freed, session_row
 
     url = resolve_url(database_url)
     check_database(url)
@@ -196,11 +196,11 @@ def replay(
             sid = await resolve_session(db, session)
             async with db.read() as conn:
                 await session_row(conn, sid)
-                return await fold_events(conn, None, sid)
+                return await fold_events(conn, None, sid), await r3_freed(conn, sid)
         finally:
             await db.dispose()
 
-    state = asyncio.run(go())
+    state, pruned = asyncio.run(go())
     spec = state.definition
     result = None if state.close is None else build_samples(state, state.close)
     head = {"session_id": spec.session_id, "version": spec.version,
@@ -212,7 +212,7 @@ def replay(
     resume = state.resume()
     if as_json:
         echo_json({**head, "tree": tree, "state": resume,
-                   "samples": None if result is None else result.to_json(arrays=False)})
+                   "samples": None if result is None else result.to_json(False, pruned)})
         return
     console = out()
     labels = " ".join(f"{k}={v}" for k, v in spec.labels.items()) or "-"
@@ -236,7 +236,8 @@ def replay(
     for s in result.samples:
         samples.add_row(str(s.index), str(s.leaf), ",".join(map(str, s.path)), str(len(s.tokens)),
                         str(s.response_length), str(sum(s.loss_mask)), s.status,
-                        "-" if s.r3 is None else "x".join(map(str, s.r3["shape"])))
+                        "-" if s.r3 is None else "x".join(map(str, s.r3["shape"]))
+                        + (" (freed)" if pruned else ""))
     console.print(samples)
     for error in result.errors:
         console.print(f"[yellow]left out[/] leaf {error['leaf']}: {escape(str(error['detail']))}",

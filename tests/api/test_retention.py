@@ -376,3 +376,18 @@ async def test_the_reply_says_which_utc_instant_acked_before_was(client, sent, r
     r = await client.post("/v1/retention/r3", json={"consumer": name, "acked_before": sent})
     assert r.status_code == 200, r.text
     assert r.json()["acked_before"] == read
+
+
+async def test_replay_shows_a_freed_session_as_the_api_does(client, db_url):
+    """`turnlog replay` folds the log, the `r3_pruned` event among it: its samples say
+    `"pruned": true` as §2's do (it left the mark out)."""
+    labels = {"run_id": uuid.uuid4().hex}
+    name, (freed,) = await acked(client, labels)
+    await prune(client, name)
+    code, report, output = await run_cli("replay", freed, "--json", "--database-url", db_url)
+    assert code == 0, output
+    assert report is not None
+    api = (await client.get(f"/v1/sessions/{freed}/samples",
+                            params={"arrays": "false"})).json()
+    assert [s["r3"] for s in report["samples"]["samples"]] == [
+        s["r3"] for s in api["samples"]] and api["samples"][0]["r3"]["pruned"] is True

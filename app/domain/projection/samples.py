@@ -121,13 +121,20 @@ class SamplesResult:
                                 expected=f"an index below {len(self.samples)}", actual=index)
         return self.samples[index]
 
-    def to_json(self, arrays: bool = True) -> dict[str, Any]:
+    def to_json(self, arrays: bool = True, pruned: bool = False) -> dict[str, Any]:
+        """The §2 body; `pruned`: the session's R3 was freed by retention, which each
+        sample's `r3` says (`"pruned": true`: its shape stays, its rows are gone)."""
+        samples = [sample.to_json(arrays) for sample in self.samples]
+        if pruned:
+            for sample in samples:
+                if sample["r3"] is not None:
+                    sample["r3"] = {**sample["r3"], "pruned": True}
         return {
             "session_id": self.session_id,
             "version": self.version,
             "empty_reason": self.empty_reason,
             "errors": self.errors,
-            "samples": [sample.to_json(arrays) for sample in self.samples],
+            "samples": samples,
             "session_metrics": self.session_metrics,
         }
 

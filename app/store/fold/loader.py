@@ -23,6 +23,7 @@ from app.domain.body.rewards import RewardBody
 from app.domain.body.session import SessionDefinition, parse_close
 from app.domain.errors import UnknownSession
 from app.domain.log.events import (
+    R3_PRUNED,
     REWARD_RECORDED,
     SESSION_CLOSED,
     SESSION_OPENED,
@@ -135,6 +136,15 @@ async def load_patches(
         .where(r3_patches.c.seq.in_(wanted))
     )
     return {row.seq: patch_from_row(row) for row in rows}
+
+
+async def r3_freed(conn: AsyncConnection, session_id: str) -> bool:
+    """Whether the log holds an `r3_pruned` event of the session (its R3 freed by
+    retention: its samples say so)."""
+    found = await conn.scalar(
+        sa.select(events.c.position).where(events.c.session_id == session_id)
+        .where(events.c.type == R3_PRUNED).limit(1))
+    return found is not None
 
 
 async def fold_events(

@@ -93,12 +93,7 @@ class SampleReader:
 
     async def samples(self, session_id: str, arrays: bool) -> dict[str, Any]:
         result, pruned = await self._read(session_id)
-        body = result.to_json(arrays)
-        if pruned:
-            for sample in body["samples"]:
-                if sample["r3"] is not None:
-                    sample["r3"] = {**sample["r3"], "pruned": True}
-        return body
+        return result.to_json(arrays, pruned)
 
     async def r3_plan(self, session_id: str, index: int) -> R3Plan:
         result, pruned = await self._read(session_id)
