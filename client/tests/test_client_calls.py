@@ -135,3 +135,16 @@ async def test_a_close_that_missed_its_commit_within_is_refused_not_resent(
         for bad in (0, -1, float("nan"), 1e9):
             with pytest.raises(ValueError):
                 await tl.close(sid, commit_within=bad)
+
+
+async def test_the_sync_client_in_a_running_loop_is_warned_about() -> None:
+    with pytest.warns(RuntimeWarning, match="use TurnlogClient"):
+        tl = SyncTurnlogClient("http://127.0.0.1:9")
+    tl.shutdown()
+
+
+def test_a_shut_down_sync_client_says_so() -> None:
+    tl = SyncTurnlogClient("http://127.0.0.1:9")
+    tl.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        tl.session("s")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -82,6 +84,11 @@ class SyncTurnlogClient:
     daemon thread. Same methods and arguments; iterators become generators."""
 
     def __init__(self, base_url: str, token: str | None = None, **options: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # no running loop: the expected case
+            asyncio.get_running_loop()
+            warnings.warn("SyncTurnlogClient blocks its caller: inside a running event loop "
+                          "every call stalls that loop; use TurnlogClient (async) there",
+                          RuntimeWarning, stacklevel=2)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="turnlog-client", daemon=True)
@@ -99,6 +106,11 @@ class SyncTurnlogClient:
         return TurnlogClient(base_url, token, **options)
 
     def _run(self, awaitable: Awaitable[_T]) -> _T:
+        if self._loop.is_closed():
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()  # never to run: not left to warn it was never awaited
+            raise RuntimeError("this SyncTurnlogClient was shut down: make a new one")
+
         async def call() -> _T:
             return await awaitable
 
