@@ -148,3 +148,14 @@ def test_a_shut_down_sync_client_says_so() -> None:
     tl.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         tl.session("s")
+
+
+def test_the_sync_client_has_the_async_clients_methods_and_signatures() -> None:
+    import inspect
+
+    for name, method in vars(SyncTurnlogClient).items():
+        if name.startswith("_") or not callable(method) or name in ("shutdown", "claim"):
+            continue
+        like = getattr(TurnlogClient, name)
+        assert inspect.signature(method) == inspect.signature(like), name
+        assert method.__doc__ == like.__doc__, name

@@ -14,7 +14,7 @@ import inspect
 import threading
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from turnlog_client.async_client import Claim, TurnlogClient
 
@@ -79,6 +79,60 @@ class SyncClaim:
         return f"Sync{self._claim!r}"
 
 
+# Each method is the async client's, found by name on the instance's client when
+# called, and typed from it: mypy checks a sync call's arguments as the async one's.
+_P = ParamSpec("_P")
+
+
+def _named(method: Callable[..., Any], like: Callable[..., Any]) -> None:
+    """`method` shows as `like` does (`help()`, `inspect.signature`)."""
+    method.__name__ = like.__name__
+    method.__qualname__ = f"SyncTurnlogClient.{like.__name__}"
+    method.__doc__ = like.__doc__
+    method.__signature__ = inspect.signature(like)  # type: ignore[attr-defined]
+
+
+def _call(fn: Callable[Concatenate[TurnlogClient, _P], Awaitable[_T]]
+          ) -> Callable[Concatenate[SyncTurnlogClient, _P], _T]:
+    def method(self: SyncTurnlogClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        result: _T = self._run(getattr(self._client, fn.__name__)(*args, **kwargs))
+        return result
+
+    _named(method, fn)
+    return method
+
+
+def _claim_call(fn: Callable[Concatenate[TurnlogClient, _P], Awaitable[Claim]]
+                ) -> Callable[Concatenate[SyncTurnlogClient, _P], SyncClaim]:
+    def method(self: SyncTurnlogClient, /, *args: _P.args, **kwargs: _P.kwargs) -> SyncClaim:
+        claim = self._run(getattr(self._client, fn.__name__)(*args, **kwargs))
+        return SyncClaim(claim, self._run)
+
+    _named(method, fn)
+    return method
+
+
+def _iterated(fn: Callable[Concatenate[TurnlogClient, _P], AsyncIterator[_T]]
+              ) -> Callable[Concatenate[SyncTurnlogClient, _P], Iterator[_T]]:
+    def method(self: SyncTurnlogClient, /, *args: _P.args, **kwargs: _P.kwargs
+               ) -> Iterator[_T]:
+        return self._iterate(getattr(self._client, fn.__name__)(*args, **kwargs))
+
+    _named(method, fn)
+    return method
+
+
+def _claims_iterated(fn: Callable[Concatenate[TurnlogClient, _P], AsyncIterator[Claim]]
+                     ) -> Callable[Concatenate[SyncTurnlogClient, _P], Iterator[SyncClaim]]:
+    def method(self: SyncTurnlogClient, /, *args: _P.args, **kwargs: _P.kwargs
+               ) -> Iterator[SyncClaim]:
+        for claim in self._iterate(getattr(self._client, fn.__name__)(*args, **kwargs)):
+            yield SyncClaim(claim, self._run)
+
+    _named(method, fn)
+    return method
+
+
 class SyncTurnlogClient:
     """Blocking facade for trainers: the async client on a private event loop in a
     daemon thread. Same methods and arguments; iterators become generators."""
@@ -116,15 +170,11 @@ class SyncTurnlogClient:
 
         return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
 
-    def _blocking(self, value: Any) -> Any:
-        """A result as the sync client gives it: a `Claim` as a `SyncClaim`."""
-        return SyncClaim(value, self._run) if isinstance(value, Claim) else value
-
-    def _iterate(self, iterator: AsyncIterator[_T]) -> Iterator[Any]:
+    def _iterate(self, iterator: AsyncIterator[_T]) -> Iterator[_T]:
         try:
             while True:
                 try:
-                    yield self._blocking(self._run(iterator.__anext__()))
+                    yield self._run(iterator.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
@@ -147,54 +197,37 @@ class SyncTurnlogClient:
     def __exit__(self, *_exc: object) -> None:
         self.shutdown()
 
-    def _bind(name: str) -> Callable[..., Any]:  # type: ignore[misc]
-        def method(self: SyncTurnlogClient, *args: Any, **kwargs: Any) -> Any:
-            return self._blocking(self._run(getattr(self._client, name)(*args, **kwargs)))
-
-        method.__name__ = name
-        method.__doc__ = getattr(TurnlogClient, name).__doc__
-        return method
-
-    def _bind_iter(name: str) -> Callable[..., Any]:  # type: ignore[misc]
-        def method(self: SyncTurnlogClient, *args: Any, **kwargs: Any) -> Any:
-            return self._iterate(getattr(self._client, name)(*args, **kwargs))
-
-        method.__name__ = name
-        method.__doc__ = getattr(TurnlogClient, name).__doc__
-        return method
-
-    open = _bind("open")
-    append = _bind("append")
-    append_body = _bind("append_body")
-    close = _bind("close")
-    record_reward = _bind("record_reward")
-    session = _bind("session")
-    state = _bind("state")
-    resume = _bind("resume")
-    events = _bind("events")
-    all_events = _bind("all_events")
-    sessions = _bind("sessions")
-    samples = _bind("samples")
-    r3 = _bind("r3")
-    feed = _bind("feed")
-    ready = _bind("ready")
-    submit_history = _bind("submit_history")
-    metric_history = _bind("metric_history")
-    evaluate_gates = _bind("evaluate_gates")
-    iter_sessions = _bind_iter("iter_sessions")
-    follow = _bind_iter("follow")
-    follow_pages = _bind_iter("follow_pages")
-    define_group = _bind("define_group")
-    group = _bind("group")
-    groups = _bind("groups")
-    acks = _bind("acks")
-    claim_sessions = _bind("claim_sessions")
-    ack = _bind("ack")
-    release = _bind("release")
-    samples_wire = _bind("samples_wire")
-    r3_slice = _bind("r3_slice")
-    iter_claims = _bind_iter("iter_claims")
-    del _bind, _bind_iter
+    open = _call(TurnlogClient.open)
+    append = _call(TurnlogClient.append)
+    append_body = _call(TurnlogClient.append_body)
+    close = _call(TurnlogClient.close)
+    record_reward = _call(TurnlogClient.record_reward)
+    session = _call(TurnlogClient.session)
+    state = _call(TurnlogClient.state)
+    resume = _call(TurnlogClient.resume)
+    events = _call(TurnlogClient.events)
+    all_events = _call(TurnlogClient.all_events)
+    sessions = _call(TurnlogClient.sessions)
+    samples = _call(TurnlogClient.samples)
+    r3 = _call(TurnlogClient.r3)
+    feed = _call(TurnlogClient.feed)
+    ready = _call(TurnlogClient.ready)
+    submit_history = _call(TurnlogClient.submit_history)
+    metric_history = _call(TurnlogClient.metric_history)
+    evaluate_gates = _call(TurnlogClient.evaluate_gates)
+    iter_sessions = _iterated(TurnlogClient.iter_sessions)
+    follow = _iterated(TurnlogClient.follow)
+    follow_pages = _iterated(TurnlogClient.follow_pages)
+    define_group = _call(TurnlogClient.define_group)
+    group = _call(TurnlogClient.group)
+    groups = _call(TurnlogClient.groups)
+    acks = _call(TurnlogClient.acks)
+    claim_sessions = _claim_call(TurnlogClient.claim_sessions)
+    ack = _call(TurnlogClient.ack)
+    release = _call(TurnlogClient.release)
+    samples_wire = _call(TurnlogClient.samples_wire)
+    r3_slice = _call(TurnlogClient.r3_slice)
+    iter_claims = _claims_iterated(TurnlogClient.iter_claims)
 
     @contextlib.contextmanager
     def claim(self, group: str, **options: Any) -> Iterator[SyncClaim]:
