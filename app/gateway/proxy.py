@@ -791,9 +791,19 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
                          NO_CONTENT_LENGTH if response.status in NO_BODY else frozenset())
     gone = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, gone, upload))
-    # The caller gone: the upstream connection is closed at once, not at the reply's
-    # next chunk (a slow stream kept it, and the upstream generating, until then).
-    watcher.add_done_callback(lambda _: response.close() if gone.is_set() else None)
+    # The caller gone: the relay stops at once and the upstream connection is closed,
+    # not at the reply's next chunk (a slow stream kept it, and the upstream
+    # generating, until then). By cancelling this task: closing the response under
+    # its pending read instead made aiohttp keep the error raised into this frame,
+    # a cycle holding the frame's buffers (~16 KB a hang-up) until a full collection.
+    task = asyncio.current_task()
+    relaying = [True]
+
+    def hung_up(_: object) -> None:
+        if gone.is_set() and relaying[0] and task is not None:
+            task.cancel()
+
+    watcher.add_done_callback(hung_up)
     try:
         await send({"type": "http.response.start", "status": response.status,
                     "headers": headers})
@@ -814,7 +824,11 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
         if not gone.is_set():
             log.warning("upstream reply broke off; the caller's connection is cut",
                         path=scope["path"], error=type(exc).__name__)
+    except asyncio.CancelledError:
+        if not gone.is_set() or task is None or task.uncancel() > 0:
+            raise  # not (only) the hang-up's: a shutdown
     finally:
+        relaying[0] = False
         watcher.cancel()
         response.close()
         if gone.is_set():

@@ -369,3 +369,34 @@ async def test_a_caller_that_hangs_up_ends_its_upstream_request_at_once(
         assert metric(await scrape(http), "turnlog_gateway_unrecorded_total",
                       'reason="caller-gone"') == 1
     assert "Traceback" not in gateway.log_tail(300)
+
+
+async def test_a_hang_up_mid_stream_leaves_nothing_holding_the_relay(hangups):
+    """The relay stops at a hang-up between two chunks without an error raised into it
+    that aiohttp would keep: closing the response under its pending read did that, and
+    the kept traceback held the relay's frame and buffers (~16 KB a hang-up, measured
+    as the gateway's RSS) until a full collection."""
+    import aiohttp
+
+    from app.gateway.proxy import _relay
+
+    first_sent = asyncio.Event()
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        if not sent:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await first_sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+        if message.get("body"):
+            first_sent.set()
+
+    async with aiohttp.ClientSession() as client:
+        response = await client.get(hangups.url + "/slow-stream")
+        await asyncio.wait_for(_relay({"path": "/slow-stream"}, receive, send, response), 10)
+        error = response.content.exception()
+        assert error is None or error.__traceback__ is None, error
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
