@@ -104,16 +104,23 @@ async def test_samples_wire_and_r3_slices(tl):
     assert np.array_equal(await tl.r3(sid, 0, layers=(0, 1)), full[:, 0:1, :])
 
 
+def closed_sync(tl, labels, count) -> list[str]:
+    """`count` closed one-turn sessions with `labels`, through the sync client."""
+    sids = [f"s-{uuid.uuid4().hex}" for _ in range(count)]
+    for sid in sids:
+        tl.open(open_body(sid, labels=labels))
+        tl.append_body(sid, turn([1, 2], [3]))
+        tl.close(sid)
+    return sids
+
+
 def test_sync_claim_context(settings):
     from turnlog_client.sync import SyncTurnlogClient
 
     app = create_app(settings)
     with SyncTurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app)) as tl:
         labels = {"run_id": uuid.uuid4().hex}
-        sid = f"s-{uuid.uuid4().hex}"
-        tl.open(open_body(sid, labels=labels))
-        tl.append_body(sid, turn([1, 2], [3]))
-        tl.close(sid)
+        (sid,) = closed_sync(tl, labels, 1)
         name = f"g-{uuid.uuid4().hex[:10]}"
         tl.define_group(name, labels)
         with tl.claim(name) as claim:
@@ -133,11 +140,7 @@ def test_the_sync_clients_claims_settle_when_asked(settings):
     app = create_app(settings)
     with SyncTurnlogClient("http://turnlog", transport=httpx.ASGITransport(app=app)) as tl:
         labels = {"run_id": uuid.uuid4().hex}
-        for _ in range(2):
-            sid = f"s-{uuid.uuid4().hex}"
-            tl.open(open_body(sid, labels=labels))
-            tl.append_body(sid, turn([1, 2], [3]))
-            tl.close(sid)
+        closed_sync(tl, labels, 2)
         name = f"g-{uuid.uuid4().hex[:10]}"
         tl.define_group(name, labels)
         with tl.claim(name, limit=1) as claim:

@@ -678,7 +678,10 @@ def _bounded_writer(writer: AbstractStreamWriter, timeout: float) -> AbstractStr
     return cast(AbstractStreamWriter, _BoundedWriter(writer, timeout))
 
 
-class _BoundedBytes(aiohttp.payload.BytesPayload):
+class _Bounded(aiohttp.payload.Payload):
+    """A payload written through `_BoundedWriter`, `sent` called once it is all sent
+    (mixed in before an aiohttp payload class)."""
+
     timeout: float
     sent: Callable[[], None]
 
@@ -688,14 +691,12 @@ class _BoundedBytes(aiohttp.payload.BytesPayload):
         self.sent()
 
 
-class _BoundedStream(aiohttp.payload.AsyncIterablePayload):
-    timeout: float
-    sent: Callable[[], None]
+class _BoundedBytes(_Bounded, aiohttp.payload.BytesPayload):
+    pass
 
-    async def write_with_length(self, writer: AbstractStreamWriter,
-                                content_length: int | None) -> None:
-        await super().write_with_length(_bounded_writer(writer, self.timeout), content_length)
-        self.sent()
+
+class _BoundedStream(_Bounded, aiohttp.payload.AsyncIterablePayload):
+    pass
 
 
 def _bounded(body: Any, timeout: float,
