@@ -162,8 +162,23 @@ def make_session(rng: np.random.Generator, turns: int, new_tokens: int) -> Sessi
     return SessionPlan(sid, open_body, plan)
 
 
-# The machine's CPU over the last `run_workers`, by who spent it (`machine_cpu`).
+# The machine's CPU over the last `run_workers`, by who spent it (`machine_cpu`),
+# and the WAL the PostgreSQL server wrote meanwhile (`wal_bytes`, when `WAL_DSN` is set).
 last_split: dict[str, float] = {}
+WAL_DSN: list[str] = []
+
+
+async def wal_position() -> int:
+    """The server's WAL insert position in bytes (0 without `WAL_DSN`)."""
+    if not WAL_DSN:
+        return 0
+    import asyncpg
+
+    conn = await asyncpg.connect(WAL_DSN[0])
+    try:
+        return int(await conn.fetchval("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))
+    finally:
+        await conn.close()
 
 
 async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  # noqa: ANN001
@@ -175,6 +190,7 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
         while not queue.empty():
             await work(i, queue.get_nowait())
 
+    wal = await wal_position()
     before = machine_cpu()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i) for i in range(clients)))
@@ -182,6 +198,7 @@ async def run_workers(plans: list[SessionPlan], clients: int, work) -> float:  #
     after = machine_cpu()
     last_split.clear()
     last_split.update({key: after[key] - before[key] for key in after})
+    last_split["wal_bytes"] = await wal_position() - wal
     return elapsed
 
 
@@ -595,6 +612,7 @@ async def main() -> None:
         return
 
     server = postgres(args.postgres_url, durable=not args.fast_unsafe)
+    WAL_DSN.append(pg_dsn(server.url))
     print(f"PostgreSQL: {await show_durability(server.url)}", flush=True)
     rng = np.random.default_rng(7)
     print(f"generating {args.sessions} sessions x {args.turns} turns ...", flush=True)
@@ -673,13 +691,14 @@ async def main() -> None:
     print("the machine's CPU per turn (ms) in each phase's best round, by who spent it "
           "(server: turnlog or uvicorn; clients: this process)")
     print(f"{'phase':12s} {'busy':>7s} {'server':>7s} {'postgres':>9s} {'clients':>8s} "
-          f"{'other':>7s} {'idle':>7s}")
+          f"{'other':>7s} {'idle':>7s} {'WAL MB':>7s}")
     for name, split in splits.items():
         server_ms = cpu.get(name, 0.0) / turns * 1e3 if name in cpu else 0.0
         per = {key: value / turns * 1e3 for key, value in split.items()}
         other = per["busy"] - server_ms - per["postgres"] - per["clients"]
         print(f"{name:12s} {per['busy']:7.2f} {server_ms:7.2f} {per['postgres']:9.2f} "
-              f"{per['clients']:8.2f} {other:7.2f} {per['idle']:7.2f}")
+              f"{per['clients']:8.2f} {other:7.2f} {per['idle']:7.2f} "
+              f"{split.get('wal_bytes', 0) / turns / 1e6:7.2f}")
     print()
     for name, (elapsed, _size) in results.items():
         if name.endswith("base"):
