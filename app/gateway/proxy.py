@@ -66,6 +66,7 @@ from app.domain.body.gateway import (
     parse_labels_header,
     parse_reply,
     turn_body,
+    unrelayable_header,
 )
 from app.domain.errors import (
     DomainError,
@@ -550,6 +551,15 @@ class Gateway:
                 f"the upstream {self.upstream} answered with status {response.status}, "
                 "which is not a final HTTP status (200-599)",
                 extra={"upstream": str(self.upstream)})
+        unrelayable = unrelayable_header(end_to_end(response.raw_headers))
+        if unrelayable is not None:
+            # Checked before anything is relayed or recorded: the HTTP server would
+            # refuse the head mid-answer, dropping the caller's connection after its
+            # turn had been stored (a retry then stored it twice).
+            response.close()
+            raise UpstreamUnavailable(
+                f"the upstream {self.upstream} answered with a reply head that cannot "
+                f"be relayed: {unrelayable}", extra={"upstream": str(self.upstream)})
         return response
 
     def _too_large(self, session_id: str, part: str, size: int) -> None:

@@ -1,5 +1,6 @@
 """Replies a real router would rarely send, from a raw-socket upstream: a status that is
-not a final HTTP status, an interim 1xx head never followed by a final one, a 304 that
+not a final HTTP status, an interim 1xx head never followed by a final one, a head with a
+control character in a header, a 304 that
 declares a length, a body-less 204, a reply cut off
 mid-body. The gateway answers each cleanly (a 502 problem, the reply relayed, or the
 caller's connection cut as the upstream's was) and its connection to the caller goes on
@@ -22,6 +23,16 @@ import pytest
 
 from tests.gateway.conftest import metric, scrape, wait_for
 
+
+def _turn_reply(extra_header: bytes) -> bytes:
+    body = json.dumps({"id": "r1", "choices": [{
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"},
+        "meta_info": {"output_token_logprobs": [[-0.1, 7], [-0.2, 8]],
+                      "completion_tokens": 2}}]}).encode()
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra_header
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
 # What the raw upstream answers, by request path.
 REPLIES = {
     b"/status-999": b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok",
@@ -36,6 +47,9 @@ REPLIES = {
     # Fewer bytes than declared, then the connection closes (an upstream that died).
     b"/broken": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial",
     # A verbose head: 300 headers and one line of 20 KB (a direct client reads it).
+    # A chat turn's reply whose head carries a control character in a header value.
+    b"/v1/chat/completions?control": _turn_reply(b"X-Bin: \x01\r\n"),
+    b"/control-value": b"HTTP/1.1 200 OK\r\nX-Bin: a\x7fb\r\nContent-Length: 2\r\n\r\nok",
     b"/verbose": (b"HTTP/1.1 200 OK\r\n"
                   + b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(300))
                   + b"X-Long: " + b"v" * 20_000 + b"\r\nContent-Length: 2\r\n\r\nok"),
@@ -147,6 +161,35 @@ async def test_a_reply_without_a_body_is_relayed_and_the_connection_goes_on(
     assert b"content-length" not in not_modified.lower()
     assert no_content.startswith(b"204") and b"x-kept: yes" in no_content.lower()
     assert plain.startswith(b"200 OK") and plain.endswith(b"hello")
+    assert "Traceback" not in gateway.log_tail(300)
+
+
+async def test_a_reply_head_that_cannot_be_relayed_is_a_502_and_no_turn(
+        tmp_path, gateway_process, odd_upstream):
+    """A control character in a reply header's value: uvicorn refuses to send such a
+    head, so relaying it dropped the caller's connection with no answer — after the
+    turn had been stored (the caller's retry stored it twice). It is the upstream's
+    fault, answered 502 before anything is recorded, as a reply that breaks off."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=odd_upstream)
+    await gateway.wait_ready()
+    body = b'{"input_ids": [1, 2, 3]}'
+    turn = (b"POST /v1/chat/completions?control HTTP/1.1\r\nHost: g\r\n"
+            b"X-SMG-Routing-Key: s-control\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    for request in (turn, _get(b"/control-value")):
+        reply = await _exchange(gateway.port, request + _get(b"/plain", last=True))
+        first, _, rest = reply.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 502"), reply[:300]
+        problem_text, _, second = rest.partition(b"HTTP/1.1 ")
+        problem = json.loads(problem_text)
+        assert problem["type"] == "urn:turnlog:upstream-unavailable"
+        assert "control character" in problem["detail"] and "x-bin" in problem["detail"]
+        assert second.startswith(b"200 OK") and second.endswith(b"hello"), second
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http:
+        page = await scrape(http)
+    assert metric(page, "turnlog_gateway_recorded_total") == 0
+    assert metric(page, "turnlog_gateway_unrecorded_total",
+                  'reason="upstream-unavailable"') == 1
     assert "Traceback" not in gateway.log_tail(300)
 
 

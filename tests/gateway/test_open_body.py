@@ -247,3 +247,18 @@ def test_token_ids_of_a_plain_request_are_read_from_its_bytes() -> None:
         assert ids is not None and ids.tolist() == [5, 0, 2**31 - 1]
     # One past int64 reads as its maximum (strtoll), never wrapped into range.
     assert gateway_rules._listed_ids(b'{"input_ids": [18446744073709551621]}', 1) is None
+
+
+@pytest.mark.parametrize(("headers", "fault"), [
+    ([(b"content-type", b"application/json")], None),
+    ([(b"x-text", b"tab\tand obs-text \xe9 are fine")], None),
+    ([(b"x-bin", b"\x01")], "control character"),
+    ([(b"x-ok", b"1"), (b"x-del", b"a\x7f")], "control character"),
+    ([(b"x-newline", b"a\nb")], "control character"),
+    ([(b"x(bad", b"v")], "not an HTTP token"),
+    ([(b"x bad", b"v")], "not an HTTP token"),
+    ([(b"", b"v")], "not an HTTP token"),
+])
+def test_a_reply_header_the_server_could_not_send_is_named(headers, fault):
+    found = gateway_rules.unrelayable_header(headers)
+    assert (found is None) if fault is None else (fault in str(found))

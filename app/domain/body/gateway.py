@@ -1,7 +1,8 @@
 """The recording gateway's rules: which request is a turn, what is recorded, how a session opens.
 
 Owns, for `turnlog gateway` (docs/gateway.md):
-- which headers are hop-by-hop (never forwarded either way);
+- which headers are hop-by-hop (never forwarded either way), and which reply
+  header cannot be relayed at all (`unrelayable_header`);
 - the decision "is this request a turn?", in two steps — on the request
   (`classify_request`: recorded path, session header, TITO body, no streaming)
   and on the upstream reply (`classify_reply`: 200, JSON, the log-prob list) —
@@ -21,6 +22,7 @@ the event id in, forwards the bytes, and writes through the store.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -124,6 +126,28 @@ def end_to_end(headers: Iterable[tuple[bytes, bytes]],
     return [(name, value) for name, value in pairs
             if name not in listed and name not in drop
             and not is_hop_by_hop(name.decode("latin-1"))]
+
+
+# What HTTP/1.1 lets a field carry (RFC 9110 §5.1, §5.5): a name is a token; a value
+# has no control character but horizontal tab. The server the gateway answers through
+# refuses to send anything else, mid-reply, after the turn would have been recorded.
+_NOT_TOKEN = re.compile(rb'[^!#$%&\'*+\-.^_`|~0-9A-Za-z]')
+_VALUE_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def unrelayable_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """Why one of a reply's headers (as `end_to_end` passes them on) cannot go to the
+    caller — an empty or non-token name, or a control character in a value — or None.
+    Such a reply is the upstream's fault: answered 502 like a reply that breaks off,
+    never half-sent, never recorded."""
+    for name, value in headers:
+        if not name or _NOT_TOKEN.search(name):
+            return f"header name {name[:64]!r} is not an HTTP token"
+        found = _VALUE_CONTROL.search(value)
+        if found:
+            return (f"header {name[:64].decode('latin-1')!r} has control character "
+                    f"{found[0]!r} in its value")
+    return None
 
 
 def forwarded_headers(headers: Iterable[tuple[str, str]],
