@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from app import __version__, ui
 from app.access import TokenTable
-from app.api import problems
+from app.api import openapi_problems, problems
 from app.api.deps import Uploads
 from app.api.middleware import telemetry
 from app.api.middleware.auth import BearerAuth
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 limits.max_body_values, limits.min_upload_rate,
                                 limits.upload_grace_s, limits.offload_body_bytes)
     problems.install(app)
+    openapi_problems.install(app)  # /openapi.json documents the problems as sent
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.
     app.add_middleware(WriteDeadline)  # from here on, a request's writes keep its deadline

@@ -3,7 +3,9 @@
 Each operation gets bounded positive and negative examples (schema-valid and
 schema-violating requests). Every answer must be below 500, and every 4xx/5xx
 must be problem+json with `type`, `title`, `status` and `detail` (DESIGN:
-nothing ever answers 500 for bad input). Requests go through the test's own
+nothing ever answers 500 for bad input); and every answer is one the document
+declares, of the declared type and schema (`app.api.openapi_problems`: a client
+generated from /openapi.json sees the answers the server gives). Requests go through the test's own
 httpx client over ASGI, so the app runs on the test's event loop and
 database; path `session_id`s are often swapped for sessions that exist, so
 the bodies reach the domain validators instead of stopping at a 404.
@@ -21,7 +23,12 @@ import schemathesis
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from app.main import create_app
 from app.settings import Settings
@@ -98,4 +105,6 @@ async def test_operation_never_answers_500_and_errors_are_problems(
     request = prepared(case, data, existing)
     response = await client.request(request.method or "GET", request.url or "/",
                                     headers=dict(request.headers), content=request.body)
-    case.validate_response(response, checks=[not_a_server_error, problem_json])
+    case.validate_response(response, checks=[
+        not_a_server_error, problem_json, status_code_conformance, content_type_conformance,
+        response_schema_conformance])
