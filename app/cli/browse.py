@@ -182,8 +182,13 @@ def tail(
     try:
         with_services(url, go)
     except KeyboardInterrupt:
-        pass
-    except BrokenPipeError:  # `turnlog tail | head`
-        return
-    if cursor[0]:
-        err().print(f"resume with: turnlog tail --after {cursor[0]}", soft_wrap=True)
+        # Ctrl-C is how a follow stops: where to go on from, then `interrupted` and
+        # 130 as every command (TurnlogGroup); a reader gone (`| head`) is 141 there.
+        resume_hint(cursor[0])
+        raise
+    resume_hint(cursor[0])
+
+
+def resume_hint(cursor: str | None) -> None:
+    if cursor:
+        err().print(f"resume with: turnlog tail --after {cursor}", soft_wrap=True)

@@ -192,3 +192,38 @@ def test_an_export_into_a_missing_folder_names_out_not_the_database(tmp_path):
     assert f"cannot write {tmp_path / 'nodir' / 'r.npz'}" in line and "--out" in line
     assert "database" not in line and ".partial" not in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tail_stopped_by_ctrl_c_or_by_its_reader_ends_as_every_command(tmp_path):
+    """`turnlog tail` follows until stopped. Ctrl-C: where to resume, `interrupted` and
+    130; a reader that goes away (`| head -1`): 141, nothing on stderr but the cursor.
+    It ended 0 both ways, unlike every other command (and a pipeline's status lied)."""
+    import signal
+
+    url = sqlite_file(tmp_path)
+    subprocess.run([sys.executable, "-m", "app", "demo", "--sessions", "2",
+                    "--database-url", url], cwd=ROOT, check=True, capture_output=True)
+    command = [sys.executable, "-m", "app", "tail", "--from-start", "--wait", "1",
+               "--database-url", url]
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline()  # following now
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=60)
+    assert code == 130, stderr
+    assert stderr.splitlines()[-2:][0].startswith("resume with: turnlog tail --after ")
+    assert stderr.splitlines()[-1] == "interrupted"
+    with subprocess.Popen(command + ["--json"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.readline()
+        proc.stdout.close()  # the reader goes away, as `head -1` does
+        # New events, so that it writes again (it may have written all the old ones).
+        subprocess.run([sys.executable, "-m", "app", "demo", "--sessions", "1",
+                        "--database-url", url], cwd=ROOT, check=True, capture_output=True)
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=60)
+    assert code == 141, stderr
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
