@@ -24,6 +24,7 @@ from app.cli.common import (
     with_services,
 )
 from app.domain.handoff.retention import parse_r3_retention
+from app.domain.projection.rows import iso_us
 
 retention_cli = typer.Typer(no_args_is_help=True,
                             help="Retention: free R3 a consumer group has trained on.")
@@ -60,15 +61,19 @@ def retention_r3(
     store = resolve_url(database_url)
     check_database(store)
     result = with_services(store, run)
+    # The instant used, in UTC, as the server's route names it (a time given without
+    # a zone was read as UTC, and says so).
+    instant = iso_us(request.acked_before_us)
     body: dict[str, Any] = {"sessions": result.sessions, "bytes": result.bytes,
-                            "dry_run": dry_run}
+                            "acked_before": instant, "dry_run": dry_run}
     if result.held_by:
         body["held_by"] = result.held_by
     if as_json:
         echo_json(body)
         return
     verb = "would free" if dry_run else "freed"
-    out().print(f"{verb} {result.bytes} bytes of R3 in {result.sessions} session(s)")
+    out().print(f"{verb} {result.bytes} bytes of R3 in {result.sessions} session(s) "
+                f"{consumer!r} acknowledged before {instant}")
     for name, count in result.held_by.items():
         out().print(f"kept {count} session(s) that group {name!r} matches and has not "
                     "acknowledged yet")

@@ -292,11 +292,18 @@ async def test_cli_dry_run_then_free(client, db_url, sid):
                                          "--database-url", db_url, "--json")
     assert code == 0, output
     assert report["sessions"] == 1 and report["dry_run"] is True
+    # The instant used, as POST /v1/retention/r3 names it: a time without a zone is UTC.
+    assert report["acked_before"].endswith("Z"), report
+    code, report, output = await run_cli("retention", "r3", "--consumer", name,
+                                         "--acked-before", "2100-01-01T00:00:00", "--dry-run",
+                                         "--database-url", db_url, "--json")
+    assert code == 0 and report["acked_before"] == "2100-01-01T00:00:00Z", output
     assert (await client.get(f"/v1/sessions/{only}/samples/0/r3")).status_code == 200
     code, _, output = await run_cli("retention", "r3", "--consumer", name,
                                     "--acked-before", later(), "--database-url", db_url)
     assert code == 0, output
     assert "freed" in output and "1 session" in output
+    assert f"{name!r} acknowledged before " in " ".join(output.split())
     problem(await client.get(f"/v1/sessions/{only}/samples/0/r3"), 410, "r3-pruned")
     code, _, output = await run_cli("retention", "r3", "--consumer", "no-such-group",
                                     "--acked-before", later(), "--database-url", db_url)
