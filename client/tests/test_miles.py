@@ -1015,3 +1015,16 @@ async def test_a_malformed_turnlog_url_never_fails_the_reward_hook(
                     Sample(metadata={"turnlog_session_id": new_sid()})) == 0.5
     (warning,) = warnings.records
     assert "did not record 1 reward(s)" in warning.getMessage()
+
+
+def test_numpy_scalars_in_the_metadata_are_labels_too() -> None:
+    """A dataset's metadata often holds numpy scalars: §15 keeps a string, number or
+    boolean, and np.int64 / np.bool_ were dropped (np.float64, a float, was kept)."""
+    import numpy as np
+
+    settings = dataclasses.replace(Settings.from_env({}), label_keys=("a", "b", "c", "d", "e"))
+    body = hooks.open_body("s", settings, {"a": np.int64(3), "b": np.float64(2.5),
+                                           "c": np.bool_(True), "d": np.str_("x"),
+                                           "e": np.float32("nan")})
+    assert body["labels"] == {"a": 3, "b": 2.5, "c": True, "d": "x"}
+    assert [type(v) for v in body["labels"].values()] == [int, float, bool, str]

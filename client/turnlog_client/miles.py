@@ -249,6 +249,8 @@ def open_body(sid: str, settings: Settings, metadata: Mapping[str, Any] | None) 
     labels: dict[str, Any] = {}
     for key in settings.label_keys:
         value = (metadata or {}).get(key)
+        if isinstance(value, np.bool_ | np.number | np.str_):
+            value = value.item()  # a dataset's numpy scalar: a number or boolean too
         if _scalar(value):
             labels[key] = value
     if settings.run_id is not None:
