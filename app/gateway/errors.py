@@ -5,6 +5,8 @@ Owns the conditions only the gateway meets: its upstream did not answer
 (503 `spool-full`; the spool raises it when a turn would take it past its byte
 bound, the proxy answers it), a reward the store did not take in time with
 nothing of its session spooled to wait behind (503 `store-unavailable`), a
+caller whose request body stopped arriving (408 `request-timeout`, as `turnlog
+serve` answers it), a
 path under `/turnlog/` that is none of its own routes (404 `not-found`) and a
 method one of them does not answer (405 `method-not-allowed`). They subclass
 `DomainError` only to carry the same problem+json shape (`DomainError.problem`),
@@ -40,6 +42,16 @@ class StoreUnavailable(DomainError):
     slug = "store-unavailable"
     status = 503
     title = "Store unavailable"
+
+
+class CallerStalled(DomainError):
+    """The caller sent no byte of its request body for the body timeout
+    (`TURNLOG_BODY_TIMEOUT_S`): answered 408 before anything goes upstream or,
+    for a body streamed up, before the upstream's reply head is in."""
+
+    slug = "request-timeout"
+    status = 408
+    title = "Request body not received in time"
 
 
 class MethodNotAllowed(DomainError):

@@ -77,7 +77,13 @@ from app.domain.errors import (
 )
 from app.domain.wire import jsonio
 from app.domain.wire.media import JSON, media_type_of
-from app.gateway.errors import MethodNotAllowed, NotFound, SpoolFull, UpstreamUnavailable
+from app.gateway.errors import (
+    CallerStalled,
+    MethodNotAllowed,
+    NotFound,
+    SpoolFull,
+    UpstreamUnavailable,
+)
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from app.gateway.recorder import REPEAT, SPOOL_FULL, SPOOLED, WRITTEN, Recorder
 from app.gateway.spool import CLOSE, REWARD, Spool
@@ -143,6 +149,7 @@ class Gateway:
         self.session_header = config.session_header.lower().encode("latin-1")
         # A turn (request and reply) above the store's body limit could never be stored.
         self.max_turn_bytes = settings.limits.max_body_bytes
+        self.body_timeout = settings.limits.body_timeout_s
         self.upstream = httpx.URL(config.upstream)
         self.base_path = self.upstream.raw_path.split(b"?", 1)[0].rstrip(b"/")
         self.origin = f"{self.upstream.scheme}://{self.upstream.netloc.decode('ascii')}"
@@ -322,7 +329,8 @@ class Gateway:
         if declared is not None and declared > limit:  # refused before it is read
             raise TooLarge(f"the body is larger than {limit} bytes", field="body",
                            expected=f"at most {limit} bytes", actual=f"{declared} bytes")
-        read = b"" if declared == 0 else await _gather(_stream_body(receive), limit)
+        read = b"" if declared == 0 else await _gather(
+            _stream_body(receive, self.body_timeout), limit)
         if isinstance(read, tuple):
             raise TooLarge(f"the body is larger than {limit} bytes", field="body",
                            expected=f"at most {limit} bytes", actual="larger")
@@ -370,10 +378,10 @@ class Gateway:
         upload: _Upload | None = None
         content: Any = body
         if body is None and (prefix or _has_body(scope)):
-            upload = content = _Upload(receive, prefix)
+            upload = content = _Upload(receive, self.body_timeout, prefix)
         try:
             response = await self._open_while_there(scope, content, receive, upload)
-        except UpstreamUnavailable as exc:
+        except (UpstreamUnavailable, CallerStalled) as exc:
             await _problem(send, exc)
             return
         await _relay(scope, receive, send, response, upload)
@@ -399,7 +407,13 @@ class Gateway:
             self._too_large(session_id, "request", declared)
             await self._passthrough(scope, receive, send)
             return
-        read = await _gather(_stream_body(receive), self.max_turn_bytes)
+        try:
+            read = await _gather(_stream_body(receive, self.body_timeout), self.max_turn_bytes)
+        except CallerStalled as exc:  # nothing sent up yet: the caller hears why
+            log.warning("request body stopped arriving", session_id=session_id,
+                        timeout_s=self.body_timeout)
+            await _problem(send, exc)
+            return
         if isinstance(read, tuple):
             self._too_large(session_id, "request", sum(map(len, read)))
             await self._passthrough(scope, receive, send, prefix=read)
@@ -533,6 +547,8 @@ class Gateway:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc.__cause__, ClientGone):  # aiohttp wraps the upload's error
                 raise ClientGone() from exc
+            if isinstance(exc.__cause__, CallerStalled):
+                raise exc.__cause__ from None
             if isinstance(exc, UploadStalled):
                 raise UpstreamUnavailable(str(exc), extra={"upstream": str(self.upstream)}
                                           ) from exc
@@ -639,9 +655,20 @@ def _has_body(scope: dict[str, Any]) -> bool:
     return False
 
 
-async def _stream_body(receive: Any) -> AsyncIterator[bytes]:
+async def _stream_body(receive: Any, idle: float) -> AsyncIterator[bytes]:
+    """A request body's chunks as they come; CallerStalled when none comes for `idle`
+    seconds (a caller that declared more than it sends held its connection, and
+    with a turn the gateway's memory, for as long as it liked), ClientGone when the
+    caller hangs up."""
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(idle):
+                message = await receive()
+        except TimeoutError:
+            raise CallerStalled(
+                f"the request body stopped arriving: no byte for {idle:g} s",
+                field="body", expected=f"a byte at least every {idle:g} s "
+                "(TURNLOG_BODY_TIMEOUT_S)", actual="nothing more") from None
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")
@@ -731,8 +758,9 @@ class _Upload:
     sending it when the reply's head is in, and until then the caller's `receive`
     is the upload's, not the disconnect watcher's."""
 
-    def __init__(self, receive: Any, prefix: tuple[bytes, ...] = ()) -> None:
+    def __init__(self, receive: Any, idle: float, prefix: tuple[bytes, ...] = ()) -> None:
         self.receive = receive
+        self.idle = idle
         self.prefix = prefix  # chunks received already, sent first
         self.done = asyncio.Event()
 
@@ -745,7 +773,7 @@ class _Upload:
             for chunk in prefix:
                 yield chunk
             del prefix
-            async for chunk in _stream_body(self.receive):
+            async for chunk in _stream_body(self.receive, self.idle):
                 yield chunk
         finally:
             self.done.set()

@@ -139,3 +139,35 @@ def _rss_kib(process: ServerProcess) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     raise AssertionError("no VmHWM")
+
+
+@pytest.mark.parametrize(("path", "extra"), [
+    (b"/v1/chat/completions", b"X-SMG-Routing-Key: s-stalled\r\n"),  # a turn: gathered
+    (b"/generate", b""),  # passthrough: streamed up as it comes
+    (b"/turnlog/v1/sessions/s-stalled/close", b""),  # the gateway's own write route
+], ids=["turn", "passthrough", "own-close"])
+async def test_a_caller_whose_body_stops_gets_408_and_nothing_is_stored(
+        tmp_path, gateway_process, fake_sglang, path, extra):
+    """A caller that declares more body than it sends held its connection (and, for a
+    turn, the gateway's buffer) for as long as it liked: `turnlog serve` answers 408
+    after TURNLOG_BODY_TIMEOUT_S without a byte, and the gateway now does the same."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}",
+                              env={"TURNLOG_BODY_TIMEOUT_S": "1"})
+    await gateway.wait_ready()
+    started = asyncio.get_running_loop().time()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+                 + extra + b"Content-Length: 1000\r\n\r\n" + b'{"input_ids": [1, 2')
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    problem = json.loads(await reader.readexactly(length))
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert problem["type"] == "urn:turnlog:request-timeout" and problem["field"] == "body"
+    assert "TURNLOG_BODY_TIMEOUT_S" in problem["expected"]
+    assert asyncio.get_running_loop().time() - started < 15
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 0
+    assert "Traceback" not in gateway.log_tail(200)
