@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from app import __version__, ui
 from app.access import TokenTable
-from app.api import openapi_problems, problems
+from app.api import problems
 from app.api.deps import Uploads
 from app.api.middleware import telemetry
 from app.api.middleware.auth import BearerAuth
@@ -28,6 +28,7 @@ from app.api.routes import (
     history,
     hotpath,
     metrics,
+    openapi_problems,
     retention,
     samples,
     sessions,
