@@ -66,10 +66,7 @@ class BodyLimit:
                 try:
                     message = await watch.read(receive)
                 except TimeoutError:
-                    raise RequestTimeout(
-                        f"request body not received: no data for {self.timeout} s",
-                        field="body", expected=f"the next bytes within {self.timeout} s",
-                        actual=f"{seen} bytes, then silence") from None
+                    raise body_silent(watch.timeout, seen) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
@@ -90,6 +87,14 @@ class BodyLimit:
             f"request body exceeds the limit of {self.max_bytes} bytes",
             field="body", expected=f"at most {self.max_bytes} bytes", actual=size,
         )
+
+
+def body_silent(timeout: float, seen: int) -> RequestTimeout:
+    """A body that stopped arriving: no byte for `timeout` seconds after `seen`."""
+    return RequestTimeout(
+        f"request body not received: no data for {timeout} s",
+        field="body", expected=f"the next bytes within {timeout} s",
+        actual=f"{seen} bytes, then silence")
 
 
 class ReadWatch:

@@ -9,13 +9,25 @@ closes a connection whose request line and headers do not arrive within
 `app.api.middleware.limits.BodyLimit`; idle keep-alive connections by uvicorn's own
 `timeout_keep_alive`. The bounds are the `server` settings of `turnlog serve`,
 handed to every worker with uvicorn's configuration (`app.served.guarded_protocol`).
+
+It also offers a POST's route the rest of its body read straight into the
+route's buffer (`DirectBody`, the scope extension `turnlog.direct_body`): the
+append's hot path takes a multi-MB turn that way. Through uvicorn each read of
+a body is copied four times (the loop's bytes, the parser's, uvicorn's buffer,
+the ASGI message) and handed on by a dozen Python calls; read directly, the
+kernel writes it into the route's buffer (a buffered protocol in the
+connection's place until the declared length is in) and nothing else runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
+import httptools
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -97,6 +109,17 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope and self.scope["method"] == "POST":
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            extensions[DIRECT_BODY] = DirectBody(self, cycle)
+
+    def fresh_parser(self) -> None:
+        """A new parser for the connection's next request, after a body read directly
+        (the old one never saw those bytes: it still waits for them)."""
+        self.parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
 
     def _count(self, size: int, fields: int) -> None:
         self._header_bytes += size
@@ -150,6 +173,117 @@ async def overloaded(_scope: Any, _receive: Any, send: Any) -> None:
         (b"content-length", str(len(body)).encode()),
         (b"retry-after", b"1"), (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# The scope extension a POST's route finds its `DirectBody` under.
+DIRECT_BODY = "turnlog.direct_body"
+
+
+class DirectBody:
+    """The rest of one request's body read straight into the route's `BodyBuffer`.
+
+    The route first reads the body's first message through the ASGI `receive` as
+    usual (that answers `Expect: 100-continue` and counts the bytes for the body
+    limit), then calls `read_rest`. It takes what uvicorn holds of the body already,
+    pauses the connection's reads, puts a `_DirectReader` in the protocol's place
+    and resumes: each read of the socket lands in the buffer, up to the declared
+    length and no further (a pipelined request after it stays in the socket). Then
+    the connection's protocol is put back with a fresh parser, as if the parser had
+    seen the body end. A failure or cancellation on the way (a timeout, the route's
+    task cancelled) puts it back too, and closes the connection after the answer:
+    where that body ended is no longer known.
+    """
+
+    def __init__(self, protocol: GuardedHttpTools, cycle: RequestResponseCycle) -> None:
+        self.protocol = protocol
+        self.cycle = cycle
+
+    async def read_rest(self, buffer: Any, declared: int,
+                        progress: Callable[[int], None] | None = None) -> bool:
+        """Fill `buffer` (a `BodyBuffer` of `declared` bytes, some added already) to
+        `declared`, calling `progress(n)` as bytes arrive; ClientDisconnect if the
+        caller goes. False, with nothing read, when the body is not this connection's
+        to read now (complete already, answered, another request's turn): the route
+        then reads on through `receive`."""
+        protocol, cycle = self.protocol, self.cycle
+        transport = protocol.transport
+        if (protocol.cycle is not cycle or not cycle.more_body or cycle.disconnected
+                or cycle.response_complete or transport is None or transport.is_closing()
+                or protocol.parser is None or cycle.waiting_for_100_continue):
+            return False
+        protocol.flow.pause_reading()
+        if cycle.body:  # received since the route's last read: the buffer's first
+            if buffer.filled + len(cycle.body) > declared:
+                return False  # more than declared (the parser would not allow it)
+            buffer.add(cycle.body)
+            if progress is not None:
+                progress(len(cycle.body))
+            cycle.body = bytearray()
+        if buffer.filled >= declared:
+            return False  # the parser's own end of message will come with its next read
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        reader = _DirectReader(protocol, cycle, buffer, declared, done, progress)
+        transport.set_protocol(reader)
+        transport.resume_reading()
+        try:
+            await done
+        except BaseException:
+            reader.abandon()
+            raise
+        return True
+
+
+class _DirectReader(asyncio.BufferedProtocol):
+    """The connection's protocol while a body is read straight into its buffer."""
+
+    def __init__(self, protocol: GuardedHttpTools, cycle: RequestResponseCycle, buffer: Any,
+                 declared: int, done: asyncio.Future[None],
+                 progress: Callable[[int], None] | None) -> None:
+        self.protocol, self.cycle, self.buffer = protocol, cycle, buffer
+        self.declared, self.done, self.progress = declared, done, progress
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buffer.window()[:self.declared - self.buffer.filled]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.buffer.advance(nbytes)
+        if self.buffer.filled >= self.declared:
+            self._give_back()
+            self.protocol.fresh_parser()
+            self.cycle.more_body = False
+            if not self.done.done():
+                self.done.set_result(None)
+        elif self.progress is not None:
+            self.progress(nbytes)
+
+    def _give_back(self) -> None:
+        """The connection's own protocol in place again, its reads paused (as uvicorn's
+        flow control has them: resumed by the next read or the end of the answer)."""
+        transport = self.protocol.transport
+        if transport.get_protocol() is self:
+            with contextlib.suppress(RuntimeError):  # paused already, or closing
+                transport.pause_reading()
+            transport.set_protocol(self.protocol)
+        self.protocol.flow.read_paused = True
+
+    def abandon(self) -> None:
+        """Given up before the body's end: the connection closes after the answer."""
+        self._give_back()
+        self.cycle.keep_alive = False
+
+    def eof_received(self) -> None:
+        self.protocol.eof_received()  # the connection then closes: connection_lost
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.protocol.connection_lost(exc)
+        if not self.done.done():
+            self.done.set_exception(ClientDisconnect())
+
+    def pause_writing(self) -> None:
+        self.protocol.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.protocol.resume_writing()
 
 
 class HeaderLimitExceeded(Exception):

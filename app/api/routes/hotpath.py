@@ -44,6 +44,8 @@ from app.api.deps import (
     decode_turn,
     turn_decoder,
 )
+from app.api.middleware.limits import body_silent
+from app.api.middleware.serving import DIRECT_BODY, DirectBody
 from app.api.routes.append_log import turn_appended, turn_rejected
 from app.domain.body.session import SessionDefinition
 from app.domain.body.turn import TurnBody
@@ -61,24 +63,29 @@ _JSON_HEADER = (b"content-type", b"application/json")
 
 
 async def receive_body(receive: Receive, declared: int | None,
-                       uploads: Uploads | None = None) -> bytearray:
+                       uploads: Uploads | None = None, direct: DirectBody | None = None,
+                       idle: float | None = None) -> bytearray:
     """The whole body from ASGI messages, into one buffer (`BodyBuffer`); with
     `uploads` (the body holds an upload slot) at the slot holders' minimum pace:
     one timeout scope for the body, its deadline moved as bytes arrive (not a
-    scope per read: a 3 MB turn arrives in ~14–50)."""
+    scope per read: a 3 MB turn arrives in ~14–50). With `direct` (the server's
+    `DirectBody`) and a declared length, the rest after the first message is read
+    straight into the buffer, `idle` seconds without a byte a 408 as the body
+    limit's read timeout has it."""
     buffer = BodyBuffer(declared)
     if uploads is None or not uploads.min_rate:
-        return await _receive_into(buffer, receive)
+        return await _receive_into(buffer, receive, direct=direct, idle=idle)
     pace = Pace(uploads)
     try:
         async with asyncio.timeout_at(pace.deadline()) as scope:
-            return await _receive_into(buffer, receive, pace, scope)
+            return await _receive_into(buffer, receive, pace, scope, direct, idle)
     except TimeoutError:
         raise pace.too_slow() from None
 
 
 async def _receive_into(buffer: BodyBuffer, receive: Receive, pace: Pace | None = None,
-                        scope: asyncio.Timeout | None = None) -> bytearray:
+                        scope: asyncio.Timeout | None = None, direct: DirectBody | None = None,
+                        idle: float | None = None) -> bytearray:
     while True:
         message = await receive()
         if message["type"] == "http.request":
@@ -89,8 +96,43 @@ async def _receive_into(buffer: BodyBuffer, receive: Receive, pace: Pace | None 
             if pace is not None and scope is not None:
                 pace.seen += len(chunk)
                 scope.reschedule(pace.deadline())
+            if direct is not None and buffer.declared is not None \
+                    and await _read_rest(direct, buffer, pace, scope, idle):
+                return buffer.result()
         elif message["type"] == "http.disconnect":
             raise ClientDisconnect()
+
+
+async def _read_rest(direct: DirectBody, buffer: BodyBuffer, pace: Pace | None,
+                     outer: asyncio.Timeout | None, idle: float | None) -> bool:
+    """`DirectBody.read_rest` within the bounds the ASGI reads have: a byte at least
+    every `idle` seconds (else 408, as `BodyLimit` says it) and, for an upload-slot
+    holder, the minimum pace (`pace`, whose `outer` scope moves with it)."""
+    assert buffer.declared is not None
+    loop = asyncio.get_running_loop()
+
+    def due() -> float | None:
+        deadlines = [loop.time() + idle] if idle is not None else []
+        if pace is not None:
+            deadlines.append(pace.deadline())
+        return min(deadlines, default=None)
+
+    scope = asyncio.timeout_at(due())
+
+    def progress(size: int) -> None:
+        if pace is not None:
+            pace.seen += size
+            if outer is not None:
+                outer.reschedule(pace.deadline())
+        scope.reschedule(due())
+
+    try:
+        async with scope:
+            return await direct.read_rest(buffer, buffer.declared, progress)
+    except TimeoutError:
+        if pace is not None and loop.time() >= pace.deadline():
+            raise pace.too_slow() from None
+        raise body_silent(idle or 0.0, buffer.filled) from None
 
 
 def _decode_and_parse(
@@ -116,6 +158,8 @@ class AppendRoute(BaseRoute):
     def __init__(self, services: Services, uploads: Uploads) -> None:
         self.services = services
         self.uploads = uploads
+        # The body limit's read timeout (`BodyLimit`), kept by a body read directly too.
+        self.body_timeout = services.settings.limits.body_timeout_s
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -148,7 +192,9 @@ class AppendRoute(BaseRoute):
             # then decoded, validated and encoded on worker threads (app.api.deps.Uploads).
             async with self.uploads.slot_for(declared, chunked) as large:
                 decode = turn_decoder(media_type_of(content_type))
-                raw = await receive_body(receive, declared, self.uploads if large else None)
+                raw = await receive_body(
+                    receive, declared, self.uploads if large else None,
+                    scope.get("extensions", {}).get(DIRECT_BODY), self.body_timeout)
                 if large and decode in msgpackio.DECODERS and len(raw) <= self.uploads.offload:
                     # One typed pass serves the offload decision and the decode (a
                     # body above the offload size goes to a thread, which reads it).
