@@ -109,6 +109,16 @@ def opened(conn: Conn, sid: str) -> None:
     assert status == 201, body
 
 
+def a_turn_to_send(server: ServerProcess, seed: int) -> tuple[Conn, str, bytes, np.ndarray]:
+    """A connection, the session it opened, a large first turn's request for it and
+    that turn's R3."""
+    sid = f"direct-{uuid.uuid4().hex[:12]}"
+    conn = Conn(server)
+    opened(conn, sid)
+    body, r3 = big_turn(seed)
+    return conn, sid, request("POST", f"/v1/sessions/{sid}/turns", body), r3
+
+
 def r3_of(conn: Conn, sid: str) -> np.ndarray:
     conn.send(request("POST", f"/v1/sessions/{sid}/close", b'{"metadata": {}}'))
     assert conn.answer()[0] == 200
@@ -119,15 +129,11 @@ def r3_of(conn: Conn, sid: str) -> np.ndarray:
 
 
 def test_a_turn_in_pieces_is_stored_whole_and_the_pipelined_request_after_it_answered(server):
-    sid = f"direct-{uuid.uuid4().hex[:12]}"
-    conn = Conn(server)
-    opened(conn, sid)
-    body, r3 = big_turn(1)
-    whole = request("POST", f"/v1/sessions/{sid}/turns", body)
+    conn, sid, whole, r3 = a_turn_to_send(server, 1)
     after = request("GET", f"/v1/sessions/{sid}")
     # The head and a first piece; the rest in uneven pieces, the next request on the
     # same connection sent in the same write as the body's last bytes.
-    cuts = [0, len(whole) - len(body) + 70_000, len(whole) // 2, len(whole) - 12_345]
+    cuts = [0, whole.index(b"\r\n\r\n") + 70_000, len(whole) // 2, len(whole) - 12_345]
     for start, end in zip(cuts, cuts[1:], strict=False):
         conn.send(whole[start:end])
         time.sleep(0.1)
@@ -160,11 +166,7 @@ def test_two_large_turns_back_to_back_on_one_connection(server):
 
 
 def test_a_body_that_stops_midway_is_408_closed_and_stores_nothing(server):
-    sid = f"direct-{uuid.uuid4().hex[:12]}"
-    conn = Conn(server)
-    opened(conn, sid)
-    body, _ = big_turn(2)
-    whole = request("POST", f"/v1/sessions/{sid}/turns", body)
+    conn, sid, whole, _ = a_turn_to_send(server, 2)
     started = time.monotonic()
     conn.send(whole[:len(whole) // 3])
     status, _, problem = conn.answer()
@@ -182,11 +184,7 @@ def test_a_body_that_stops_midway_is_408_closed_and_stores_nothing(server):
 
 
 def test_a_caller_gone_midway_stores_nothing_and_the_server_serves_on(server):
-    sid = f"direct-{uuid.uuid4().hex[:12]}"
-    conn = Conn(server)
-    opened(conn, sid)
-    body, r3 = big_turn(3)
-    whole = request("POST", f"/v1/sessions/{sid}/turns", body)
+    conn, sid, whole, r3 = a_turn_to_send(server, 3)
     conn.send(whole[:len(whole) // 2])
     time.sleep(0.2)
     conn.close()
@@ -220,13 +218,8 @@ def test_expect_100_continue_then_a_large_turn(server):
 async def test_concurrent_large_turns_on_many_connections(server):
     """Eight callers at once, each body in pieces: every turn stored whole."""
     async def one(seed: int) -> None:
-        sid = f"direct-{uuid.uuid4().hex[:12]}"
-        body, r3 = big_turn(100 + seed)
-
         def run() -> None:
-            conn = Conn(server)
-            opened(conn, sid)
-            whole = request("POST", f"/v1/sessions/{sid}/turns", body)
+            conn, sid, whole, r3 = a_turn_to_send(server, 100 + seed)
             for start in range(0, len(whole), 700_000):
                 conn.send(whole[start:start + 700_000])
                 time.sleep(0.01)
