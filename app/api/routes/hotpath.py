@@ -120,11 +120,14 @@ async def _read_rest(direct: DirectBody, buffer: BodyBuffer, pace: Pace | None,
     scope = asyncio.timeout_at(due())
 
     def progress(size: int) -> None:
+        # From the reader's callback: a scope that has fired (its task not yet told)
+        # keeps its verdict; rescheduling it would raise in the connection's callback.
         if pace is not None:
             pace.seen += size
-            if outer is not None:
+            if outer is not None and not outer.expired():
                 outer.reschedule(pace.deadline())
-        scope.reschedule(due())
+        if not scope.expired():
+            scope.reschedule(due())
 
     try:
         async with scope:
