@@ -13,6 +13,10 @@ few turns' worth, freed blocks stay resident for the next turn. Blocks
 over `MMAP_THRESHOLD` (a 100 MB reply's buffers) are still mapped and
 unmapped one by one, so the bound on memory for a huge reply holds.
 
+Also makes a turn's large buffers without zeroing them (`unfilled_bytearray`):
+a body or reply buffer is written in full before it is read, or cut to what
+was written, so the `memset` of a few MB a turn bought nothing.
+
 Refuses: any other allocator (musl, macOS): there it does nothing.
 """
 
@@ -40,3 +44,16 @@ def keep_turn_buffers_resident() -> bool:
     # Setting either threshold turns off glibc's dynamic adjustment of both.
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+# CPython's `PyByteArray_FromStringAndSize(NULL, n)`: a bytearray of n bytes, not zeroed.
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.restype = ctypes.py_object
+_new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+
+
+def unfilled_bytearray(size: int) -> bytearray:
+    """A bytearray of `size` bytes whose contents are whatever the memory held: for a
+    buffer written in full (or cut to what was written) before anything reads it."""
+    found: bytearray = _new_bytearray(None, size)
+    return found

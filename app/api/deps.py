@@ -8,7 +8,6 @@ buffer. The decoding rules themselves are the domain's (`jsonio`, `msgpackio`, `
 from __future__ import annotations
 
 import asyncio
-import ctypes
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
@@ -17,6 +16,7 @@ from fastapi import Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
+from app.allocator import unfilled_bytearray
 from app.api.http_errors import RequestTimeout
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import jsonio, msgpackio, r3text
@@ -41,19 +41,6 @@ def _unsupported(found: str, accepted: tuple[str, ...]) -> UnsupportedMediaType:
     return UnsupportedMediaType(f"this route does not read {found} bodies",
                                 field="content-type", expected=" | ".join(accepted),
                                 actual=found[:80])
-
-
-# A bytearray of a given size whose bytes are not zeroed first (CPython's
-# `PyByteArray_FromStringAndSize(NULL, n)`): a body buffer is written in full before
-# it is read (or cut to what was written), so zeroing 3 MB per turn bought nothing.
-_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
-_new_bytearray.restype = ctypes.py_object
-_new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-
-
-def unfilled_bytearray(size: int) -> bytearray:
-    found: bytearray = _new_bytearray(None, size)
-    return found
 
 
 class BodyBuffer:

@@ -46,6 +46,7 @@ from aiohttp.abc import AbstractStreamWriter
 from yarl import URL
 
 from app.access import Forbidden, TokenTable, Unauthorized, authorize, bearer_token, challenge
+from app.allocator import unfilled_bytearray
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, parse_timeout
 from app.domain.body.gateway import (
     CALLER_GONE,
@@ -912,7 +913,7 @@ async def _read_reply(response: aiohttp.ClientResponse,
     size = int(declared)
     if size > limit:
         return ()
-    buffer = bytearray(min(size, PREALLOCATE))
+    buffer = unfilled_bytearray(min(size, PREALLOCATE))  # cut to what came, below
     filled = 0
     try:
         async for chunk in response.content.iter_any():
