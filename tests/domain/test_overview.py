@@ -45,13 +45,16 @@ def test_the_list_view_sorts_known_values_first_and_filters():
     assert order(parse_list_view("-reward", None, None, None)) == ["c", "a", "d", "b"]
     assert order(parse_list_view("-response", "", "", "")) == ["d", "c", "a", "b"]
     assert order(parse_list_view(None, "0.2", "0.9", None)) == ["a", "c"]
+    assert order(parse_list_view(None, " .2 ", "9e-1", None)) == ["a", "c"]
     assert order(parse_list_view(None, None, None, "truncated")) == ["c"]
     assert order(parse_list_view(None, None, None, None)) == ["a", "b", "c", "d"]
 
 
 @pytest.mark.parametrize(("args", "field"), [
     (("colour", None, None, None), "sort"), ((None, "x", None, None), "reward_min"),
-    ((None, None, "nan", None), "reward_max"), ((None, None, None, "lost"), "sample_status")])
+    ((None, None, "nan", None), "reward_max"), ((None, None, None, "lost"), "sample_status"),
+    ((None, "1_0", None, None), "reward_min"), ((None, None, "١", None), "reward_max"),
+    ((None, "1e999", None, None), "reward_min"), ((None, "0x1p3", None, None), "reward_min")])
 def test_bad_list_parameters_name_themselves(args, field):
     with pytest.raises(InvalidRequest) as info:
         parse_list_view(*args)

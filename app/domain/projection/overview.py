@@ -16,6 +16,7 @@ HTML: the store reads the rows, `app/ui/` draws them. Pure.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -130,13 +131,15 @@ class ListView:
         return known + unknown
 
 
+# A number as typed in a filter box: decimal digits, a point, an exponent. Python's
+# float() also reads `1_0`, `infinity` and non-ASCII digits, which no filter means.
+_DECIMAL = re.compile(r"\s*[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
+
+
 def _bound(text: str | None, name: str) -> float | None:
     if text is None or not text.strip():
         return None
-    try:
-        number = float(text)
-    except ValueError:
-        number = math.nan
+    number = float(text) if _DECIMAL.fullmatch(text) else math.nan
     if not math.isfinite(number):
         raise InvalidRequest(f"{name} must be a number", field=name, expected="finite number",
                              actual=describe(text))
