@@ -18,7 +18,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 
 from app.access import TokenTable
-from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
+from app.api.deps import Blank, OptStr, ServicesDep
 from app.api.problems import JSONText
 from app.api.routes.sessions import label_filters
 from app.domain.body.labels import label_text, parse_label_filters
@@ -65,7 +65,7 @@ def parse_label_text(text: str) -> list[tuple[str, str]]:
 
 @router.get("", response_model=None)
 async def index(
-    request: Request, svc: ServicesDep, status: OptStr = None, limit: OptLimit = None,
+    request: Request, svc: ServicesDep, status: OptStr = None, limit: OptStr = None,
     labels: OptStr = None, sort: OptStr = None, reward_min: OptStr = None,
     reward_max: OptStr = None, sample_status: OptStr = None,
 ) -> Response:
@@ -77,8 +77,8 @@ async def index(
                                 status_code=303)
     try:
         view = parse_list_view(sort, reward_min, reward_max, sample_status)
-        recent = await browse.recent_sessions(svc.db, parse_status(status), filters,
-                                              SESSIONS_PAGE.parse(limit))
+        page_size = SESSIONS_PAGE.parse_text(limit)
+        recent = await browse.recent_sessions(svc.db, parse_status(status), filters, page_size)
         facts = await browse.sample_facts(svc.db, [s["session_id"] for s in recent.sessions])
         run = None
         rewards = None
@@ -122,9 +122,9 @@ async def index(
                                             [g["accept_length"] for g in run.by_weight]),
         }
     # A full page may hide older sessions: offer the largest page the list allows.
-    more = len(recent.sessions) >= (limit or 100) and (limit or 100) < 1000
+    more = len(recent.sessions) >= page_size and page_size < SESSIONS_PAGE.maximum
     more_query = urlencode({**({"status": status} if status else {}), **dict(filters),
-                            "limit": 1000})
+                            "limit": SESSIONS_PAGE.maximum})
     view_query = {key: value for key, value in (
         ("sort", view.sort), ("reward_min", reward_min or ""), ("reward_max", reward_max or ""),
         ("sample_status", view.sample_status or "")) if value}

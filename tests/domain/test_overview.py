@@ -126,3 +126,20 @@ def test_mismatch_lines_read_as_text():
         "assistant_text at segment index 1 (expected_text: a; actual_text: b)",
         "special_token_count", "odd"]
     assert mismatch_lines(None) == []
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    (None, 100), ("", 100), (" 7 ", 7), ("5000", 1000), ("+3", 3)])
+def test_a_typed_page_size_reads_as_the_api_reads_it(text, size):
+    from app.domain.body.queries import SESSIONS_PAGE
+
+    assert SESSIONS_PAGE.parse_text(text) == size
+
+
+@pytest.mark.parametrize("text", ["abc", "1_0", "١", "2.5", "0", "-1"])
+def test_a_typed_page_size_that_is_not_one_names_limit(text):
+    from app.domain.body.queries import SESSIONS_PAGE
+
+    with pytest.raises(InvalidRequest) as info:
+        SESSIONS_PAGE.parse_text(text)
+    assert info.value.field == "limit"

@@ -99,9 +99,12 @@ async def test_the_list_sorts_and_filters_by_reward_and_status(page: Page, api: 
 
 async def test_a_bad_list_parameter_is_an_error_page_naming_it(api: httpx.Client) -> None:
     for query, name in (("sort=colour", "sort"), ("reward_min=abc", "reward_min"),
-                        ("sample_status=lost", "sample_status")):
+                        ("sample_status=lost", "sample_status"), ("limit=abc", "limit"),
+                        ("limit=0", "limit")):
         reply = api.get(f"/ui?{query}")
         assert reply.status_code == 422, query
+        # A page, not the API's problem+json (`limit` was a typed framework parameter).
+        assert reply.headers["content-type"].startswith("text/html"), query
         assert name in reply.text
 
 

@@ -37,6 +37,17 @@ class PageSize:
                                  expected=f"integer in [1, {self.maximum}]", actual=limit)
         return min(limit, self.maximum)
 
+    def parse_text(self, text: str | None) -> int:
+        """`parse` of a page size as typed (a web page's query): ASCII digits, else 422
+        naming `limit` — where an API route's typed parameter is the framework's."""
+        if text is None or not text.strip():
+            return self.default
+        if not text.strip().isascii() or not text.strip().lstrip("+-").isdigit():
+            raise InvalidRequest("limit must be a whole number", field="limit",
+                                 expected=f"integer in [1, {self.maximum}]",
+                                 actual=describe(text))
+        return self.parse(int(text))
+
 
 EVENTS_PAGE = PageSize(default=1000, maximum=100_000)  # GET /v1/sessions/{id}/events
 SESSIONS_PAGE = PageSize(default=100, maximum=1000)  # GET /v1/sessions
