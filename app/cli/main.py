@@ -113,7 +113,7 @@ def serve(
     host: Annotated[str | None, typer.Option(
         help="Address to bind (env TURNLOG_HOST, default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(
-        help="Port (env TURNLOG_PORT, default 8000)")] = None,
+        min=1, max=65535, help="Port (env TURNLOG_PORT, default 8000)")] = None,
     database_url: DatabaseUrl = None,
     migrate: Annotated[bool, typer.Option(help="Apply migrations to head first")] = True,
     workers: Annotated[int, typer.Option(

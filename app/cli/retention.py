@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 
 from app.cli.common import (
     AsJson,
+    CliError,
     DatabaseUrl,
     check_database,
     echo_json,
@@ -23,8 +24,12 @@ from app.cli.common import (
     resolve_url,
     with_services,
 )
+from app.domain.errors import InvalidRequest
 from app.domain.handoff.retention import parse_r3_retention
 from app.domain.projection.rows import iso_us
+
+# The request's fields, as this command's flags name them.
+FLAGS = {"consumer": "--consumer", "acked_before": "--acked-before"}
 
 retention_cli = typer.Typer(no_args_is_help=True,
                             help="Retention: free R3 a consumer group has trained on.")
@@ -43,9 +48,17 @@ def retention_r3(
     as_json: AsJson = False,
 ) -> None:
     """Free the stored R3 of every session CONSUMER acknowledged before ACKED_BEFORE."""
-    # A bad argument is a DomainError: the common error path reports it (exit 2).
-    request = parse_r3_retention({"consumer": consumer, "acked_before": acked_before,
-                                  "dry_run": dry_run})
+    # A bad argument is the domain's refusal, said with the flag that carried it (exit 2).
+    try:
+        request = parse_r3_retention({"consumer": consumer, "acked_before": acked_before,
+                                      "dry_run": dry_run})
+    except InvalidRequest as exc:
+        field = exc.field or ""
+        flag = FLAGS.get(field, field)
+        detail = exc.detail.replace(field, flag, 1) if field and field in exc.detail \
+            else f"{flag}: {exc.detail}"
+        raise CliError(detail + (f" (expected {exc.expected})" if exc.expected else "")
+                       ) from None
 
     async def run(svc: Any) -> Any:
         with Progress("[progress.description]{task.description}", BarColumn(),

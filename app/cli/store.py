@@ -47,6 +47,7 @@ def rebuild(
     = None,
     database_url: DatabaseUrl = None,
     metrics_port: Annotated[int | None, typer.Option(
+        min=1, max=65535,
         help="Serve the progress gauges for Prometheus on 127.0.0.1:PORT while running")] = None,
     checkpoint: Annotated[Path, typer.Option(
         help="Where progress is kept after each batch; an interrupted rebuild of the same "

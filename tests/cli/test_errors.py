@@ -227,3 +227,17 @@ def test_tail_stopped_by_ctrl_c_or_by_its_reader_ends_as_every_command(tmp_path)
         code = proc.wait(timeout=60)
     assert code == 141, stderr
     assert "error" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["serve", "--port", "99999"], "'--port'"),
+    (["rebuild", "--metrics-port", "0"], "'--metrics-port'"),
+    (["retention", "r3", "--consumer", "g", "--acked-before", "nope"],
+     "--acked-before is not an ISO-8601 time"),
+])
+def test_a_bad_flag_value_is_named_by_its_flag(tmp_path, args, said):
+    """It was named by the setting or the field behind it (TURNLOG_PORT, acked_before),
+    which a user who typed a flag has never seen."""
+    line = one_error_line(run(*args, "--database-url", sqlite_file(tmp_path)))
+    assert said in line, line
+    assert "TURNLOG_" not in line and "acked_before" not in line, line
