@@ -68,6 +68,21 @@ class _Console(Console):
         raise BrokenPipeError
 
 
+# Output that typer renders itself (`--help`) goes through its own rich consoles, which
+# exit 1 on a reader gone (`turnlog --help | head -1`); click does the same for an
+# EPIPE it meets. `main` tells those exits apart by this mark and ends them with 141.
+reader_gone = [False]
+_rich_broken_pipe = Console.on_broken_pipe
+
+
+def _mark_broken_pipe(self: Console) -> None:
+    reader_gone[0] = True
+    _rich_broken_pipe(self)
+
+
+Console.on_broken_pipe = _mark_broken_pipe  # type: ignore[method-assign]
+
+
 def _console(stream: IO[str]) -> Console:
     tty = stream.isatty()
     return _Console(file=stream, width=None if tty else PLAIN_WIDTH, highlight=False,

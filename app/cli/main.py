@@ -22,7 +22,15 @@ from app import __version__
 from app.cli import common
 from app.cli.analytics import analytics_cli, gate_cli, history_cli
 from app.cli.browse import sessions, show, tail
-from app.cli.common import CliError, DatabaseUrl, check_database, err, mask, resolve_url
+from app.cli.common import (
+    CliError,
+    DatabaseUrl,
+    check_database,
+    err,
+    mask,
+    reader_gone,
+    resolve_url,
+)
 from app.cli.consumers import consumers_cli
 from app.cli.demo import demo
 from app.cli.gateway import gateway
@@ -247,7 +255,16 @@ cli.add_typer(retention_cli, name="retention")
 
 
 def main() -> None:
-    cli()
+    try:
+        cli()
+    except SystemExit as exc:
+        # rich and click end a write to a reader that went away with 1; every other
+        # such end is 141, as a SIGPIPE gives (TurnlogGroup.invoke).
+        # (click wraps stdout in its `_PacifyFlushWrapper` when it met the EPIPE.)
+        pacified = type(sys.stdout).__name__.endswith("PacifyFlushWrapper")
+        if exc.code == 1 and (reader_gone[0] or pacified):
+            raise SystemExit(141) from None
+        raise
 
 
 if __name__ == "__main__":

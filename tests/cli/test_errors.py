@@ -241,3 +241,18 @@ def test_a_bad_flag_value_is_named_by_its_flag(tmp_path, args, said):
     line = one_error_line(run(*args, "--database-url", sqlite_file(tmp_path)))
     assert said in line, line
     assert "TURNLOG_" not in line and "acked_before" not in line, line
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"]], ids=["top", "command"])
+def test_help_into_a_reader_that_stops_early_ends_with_141(args):
+    """`turnlog --help | head -1`: typer prints help through rich consoles of its own,
+    which exit 1 on the broken pipe (every other command's output gave 141)."""
+    command = [sys.executable, "-m", "app", *args]
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # gone before a byte is read, as `head` is after its line
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=60)
+    assert code == 141, stderr
+    assert "Traceback" not in stderr, stderr
