@@ -5,7 +5,8 @@ the socket (`app.api.middleware.serving.DirectBody`): the connection's protocol 
 swapped for a buffered reader until the declared length is in, then put back with a
 fresh parser. Raw sockets, to send what an HTTP client would not: a body in pieces
 with the next request pipelined right behind it, a body that stops, a caller that
-hangs up midway, `Expect: 100-continue`. The stored turn must be the one sent, byte
+hangs up midway, `Expect: 100-continue`, the server SIGKILLed mid-read. The stored
+turn must be the one sent, byte
 for byte (its R3 read back against the array it was made from), the connection must
 go on serving exactly where the body ended, and a body cut short must store nothing.
 
@@ -231,3 +232,38 @@ async def test_concurrent_large_turns_on_many_connections(server):
         await asyncio.to_thread(run)
 
     await asyncio.gather(*(one(i) for i in range(8)))
+
+
+@pytest.mark.parametrize("when", ["mid-body", "body-sent"])
+async def test_a_server_killed_during_a_direct_read_stores_the_turn_once(
+        fresh_database, server_process, when):
+    """SIGKILL while the body is being read straight into its buffer (half sent), or
+    right after all of it was sent (the append may or may not have committed): after
+    a restart, the caller's retry of the same turn (same event_id) leaves exactly one
+    node, with the R3 that was sent, and a second retry is a repeat (200)."""
+    proc = server_process(fresh_database("sqlite"), LIMITS)
+    await proc.wait_ready()
+    conn, sid, whole, r3 = a_turn_to_send(proc, 20)
+    conn.send(whole[:len(whole) // 2] if when == "mid-body" else whole)
+    await asyncio.sleep(0.3)
+    proc.kill()
+    conn.close()
+    proc.start()
+    await proc.wait_ready()
+
+    def retry() -> None:
+        again = Conn(proc)
+        again.send(whole)
+        first, _, reply = again.answer()
+        assert first in (200, 201), reply
+        if when == "mid-body":
+            assert first == 201, "a half-read body was stored"
+        again.send(whole)
+        assert again.answer()[0] == 200  # the same event_id: a repeat
+        again.send(request("GET", f"/v1/sessions/{sid}"))
+        status, _, summary = again.answer()
+        assert status == 200 and json.loads(summary)["num_nodes"] == 1, summary
+        assert np.array_equal(r3_of(again, sid), r3)
+        again.close()
+
+    await asyncio.to_thread(retry)
