@@ -6,9 +6,9 @@ swapped for a buffered reader until the declared length is in, then put back wit
 fresh parser. Raw sockets, to send what an HTTP client would not: a body in pieces
 with the next request pipelined right behind it, a body that stops, a caller that
 hangs up midway, `Expect: 100-continue`, the server SIGKILLed mid-read. The stored
-turn must be the one sent, byte
-for byte (its R3 read back against the array it was made from), the connection must
-go on serving exactly where the body ended, and a body cut short must store nothing.
+turn must be the one sent, byte for byte (its R3 read back against the array it was
+made from), the connection must go on serving exactly where the body ended, and a
+body cut short must store nothing.
 
 Transport only: one SQLite store.
 """
