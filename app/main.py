@@ -17,6 +17,7 @@ from app.api.middleware import telemetry
 from app.api.middleware.auth import BearerAuth
 from app.api.middleware.guards import HeaderBounds, Loopback, QueryTokens
 from app.api.middleware.limits import BodyLimit, WriteDeadline
+from app.api.middleware.methods import HeadAsGet
 from app.api.problems import JSONText
 from app.api.routes import (
     analytics,
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     openapi_problems.install(app)  # /openapi.json documents the problems as sent
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs
     # and the loopback guard refuse before auth, auth before the body is read.
+    app.add_middleware(HeadAsGet)  # a HEAD is routed as its GET (app.api.middleware.methods)
     app.add_middleware(WriteDeadline)  # from here on, a request's writes keep its deadline
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout_s)
     tokens = TokenTable(settings.access.api_tokens)

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from app.api.http_errors import RequestTimeout, Unavailable
+from app.api.middleware.methods import allowed_methods
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 
@@ -107,7 +108,7 @@ def install(app: FastAPI) -> None:
             "title": str(exc.detail),
             "status": exc.status_code,
             "detail": _routing_detail(app, request, exc),
-        }, headers=getattr(exc, "headers", None))
+        }, headers=_allow(app, request, exc))
 
     async def _unavailable(request: Request, exc: Exception) -> JSONText:
         if sqlite_overflow(exc):
@@ -263,6 +264,17 @@ def _expected(error: Any) -> Any:
         return template.format(**(error.get("ctx") or {}))
     except (KeyError, IndexError):
         return code
+
+
+def _allow(app: FastAPI, request: Request, exc: StarletteHTTPException
+           ) -> dict[str, str] | None:
+    """A 405's `Allow`: every method the path is served with, not only the first
+    matching route's (`app.api.middleware.methods`)."""
+    headers = getattr(exc, "headers", None)
+    if exc.status_code != 405:
+        return headers
+    methods = allowed_methods(app.router.routes, request.scope)
+    return {**(headers or {}), "Allow": ", ".join(methods)} if methods else headers
 
 
 def _routing_detail(app: FastAPI, request: Request, exc: StarletteHTTPException) -> str:

@@ -13,9 +13,24 @@ async def test_an_unknown_route_is_a_problem_json_404(client):
     assert_problem(await client.get("/v1/no-such-route"), 404)
 
 
-async def test_a_wrong_method_is_a_problem_json_405(client, sid):
-    assert_problem(await client.delete("/v1/sessions"), 405)
-    assert_problem(await client.put(f"/v1/sessions/{sid}/turns", json={}), 405)
+async def test_a_wrong_method_is_a_problem_json_405_listing_every_method_served(client, sid):
+    # `Allow` is every method of the path: it said `POST` for `/v1/sessions`, where
+    # GET is served too (a helper's finding), and HEAD is served wherever GET is.
+    for r, allow in [(await client.delete("/v1/sessions"), "GET, HEAD, POST"),
+                     (await client.put(f"/v1/sessions/{sid}/turns", json={}), "POST"),
+                     (await client.post("/healthz"), "GET, HEAD"),
+                     (await client.delete(f"/v1/sessions/{sid}"), "GET, HEAD")]:
+        assert_problem(r, 405)
+        assert r.headers["allow"] == allow, r.request.url
+
+
+async def test_head_is_routed_as_get(client, sid):
+    await opened(client, sid)
+    for path in ("/healthz", f"/v1/sessions/{sid}", "/v1/sessions?limit=1"):
+        got, head = await client.get(path), await client.head(path)
+        assert (head.status_code, head.headers["content-type"]) == \
+            (got.status_code, got.headers["content-type"]) == (200, got.headers["content-type"])
+    assert (await client.head("/v1/sessions/no-such-session")).status_code == 404
 
 
 async def test_an_empty_turn_body_is_422_naming_event_id(client, sid):

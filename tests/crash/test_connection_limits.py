@@ -10,6 +10,7 @@ the query string is refused and never reaches the access log.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -168,3 +169,59 @@ def test_at_the_concurrency_limit_healthz_answers_and_the_rest_is_problem_json(
     busy = answers["/v1/sessions"]
     assert busy.startswith(b"HTTP/1.1 503 "), busy[:300]
     assert b"application/problem+json" in busy and b"urn:turnlog:overloaded" in busy, busy
+
+
+@pytest.mark.parametrize("head", [
+    b"FOO /v1/sessions HTTP/1.1\r\nHost: localhost\r\n\r\n",  # no such method
+    b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Length: -1\r\n\r\n{}",
+    b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n{}",
+    b"GET /v1/sessions HTTP/1.1\r\nHo st: localhost\r\n\r\n",  # a space in a header name
+])
+def test_a_request_that_is_not_http_is_a_problem_json_400(server, head):
+    # A helper's finding: uvicorn answered these with its own plain-text 400
+    # ("Invalid HTTP request received."), the one error that was not problem+json.
+    sock = connect(server)
+    sock.sendall(head)
+    answer = read_all(sock, time.monotonic() + 10)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:300]
+    head_part, _, body = answer.removesuffix(b"<closed>").partition(b"\r\n\r\n")
+    assert b"content-type: application/problem+json" in head_part.lower(), head_part
+    assert b"connection: close" in head_part.lower(), head_part
+    problem = json.loads(body)
+    assert problem["type"] == "urn:turnlog:invalid-request" and problem["status"] == 400
+    assert problem["field"] == "request" and problem["expected"]
+    assert answer.endswith(b"<closed>")
+
+
+def ask(server: ServerProcess, method: str, path: str) -> tuple[bytes, bytes]:
+    """One request with the read token; the answer's head and body."""
+    sock = connect(server)
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                 f"Authorization: Bearer {LIMITS['TURNLOG_API_TOKENS'].split(':')[0]}"
+                 "\r\n\r\n".encode())
+    answer = read_all(sock, time.monotonic() + 10).removesuffix(b"<closed>")
+    sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
+def header(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+def test_head_is_answered_wherever_get_is_without_a_body(server):
+    # A helper's finding: HEAD was a 405 on every GET route (RFC 9110 §9.1: a server
+    # that answers GET answers HEAD). uvicorn drops the body of the GET's answer.
+    for path in ("/healthz", "/v1/sessions?limit=1", "/v1/analytics/spec"):
+        get_head, get_body = ask(server, "GET", path)
+        head, body = ask(server, "HEAD", path)
+        assert get_head.split(b"\r\n")[0] == head.split(b"\r\n")[0], (path, head)
+        assert header(head, b"content-type") == header(get_head, b"content-type"), path
+        assert body == b"" and get_body, path

@@ -33,11 +33,11 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from app.api.http_errors import Overloaded, RequestTimeout
 from app.api.middleware.guards import headers_too_large
-from app.domain.errors import DomainError
+from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.settings import ServerSettings
 
-REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 # Cheap and database-free: a liveness probe must not read "dead" because a thousand
 # long-polls hold the concurrency limit (the orchestrator would restart a busy server).
 BYPASS_LIMIT = frozenset({"/healthz"})
@@ -131,8 +131,16 @@ class GuardedHttpTools(HttpToolsProtocol):
             raise HeaderLimitExceeded
 
     def send_400_response(self, msg: str) -> None:
+        # uvicorn calls this when the parser stops: a header bound passed (`_count`), or
+        # bytes that are not HTTP/1.1 (an unknown method, a Content-Length that is no
+        # number, one beside chunked). Either way the answer is problem+json, as every
+        # other error is, never uvicorn's plain-text 400.
         if self._refusal is None:
-            super().send_400_response(msg)
+            self._refuse(InvalidRequest(
+                "the request is not valid HTTP/1.1: an unknown method, a malformed "
+                "request line or header, or a Content-Length that is no length",
+                field="request", expected="an HTTP/1.1 request (RFC 9112)",
+                actual="unparsable", status=400))
             return
         self.logger.warning("request headers over the limit; closing")
         refusal, self._refusal = self._refusal, None
