@@ -301,6 +301,18 @@ MALFORMED = {
 }
 
 
+_META = "record.response.choices[0].meta_info"
+NAMED = {
+    "nested int map key": f"{_META}.extra",
+    "timestamp ext": f"{_META}.extra",
+    "bin elsewhere": f"{_META}.weight_version",
+    "bin in metadata": "metadata.x",
+    "bin event_id": "event_id",
+    "NaN float64": "record.timestamp",
+    "Infinity float32": "record.timestamp",
+}
+
+
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 async def test_malformed_msgpack_is_422_storing_nothing(client, sid, case):
     await addition_session(client, sid)
@@ -310,6 +322,9 @@ async def test_malformed_msgpack_is_422_storing_nothing(client, sid, case):
     problem = r.json()
     assert problem["type"] == "urn:turnlog:invalid-request", problem
     assert {"field", "expected", "actual"} <= problem.keys()
+    # The field where the refused value stands, as the JSON path names it (a helper's
+    # finding: every MessagePack refusal said `body`).
+    assert problem["field"] == NAMED.get(case, "body"), (case, problem)
     assert await stored(client, sid) == 0
     assert len((await client.get(f"/v1/sessions/{sid}/events")).json()) == 1
 
@@ -336,4 +351,20 @@ async def test_a_bin_without_return_routed_experts_is_422(client, sid):
     meta(body)["routed_experts"] = b"\x00" * 16
     r = await post_raw(client, sid, _encode(body))
     assert r.status_code == 422
+    assert await stored(client, sid) == 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+async def test_a_non_finite_logprob_is_named_as_its_json_twin_names_it(client, sid, bad):
+    await addition_session(client, sid)
+    body = first_turn()
+    body["record"]["response"]["choices"][0]["meta_info"]["output_token_logprobs"][1][0] = bad
+    as_json = json.dumps(body).encode()  # Infinity / NaN literals
+    fields = []
+    for raw, content_type in [(as_json, "application/json"), (to_msgpack(body), MSGPACK),
+                              (to_packed_msgpack(body), MSGPACK)]:
+        r = await post_raw(client, sid, raw, content_type)
+        assert r.status_code == 422, r.text
+        fields.append(r.json()["field"])
+    assert fields == [f"{_META}.output_token_logprobs[1][0]"] * 3
     assert await stored(client, sid) == 0

@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain, compress
 from typing import Annotated, Any
@@ -59,23 +59,14 @@ def _non_finite(raw: bytes | bytearray | str, text: str) -> InvalidRequest:
     """The refusal of a body holding a non-finite number (NaN, ±Infinity, 1e999), naming
     the field where the first one stands (`reward`, `labels.x`, `records[2].y`): the
     body is parsed again with the numbers marked, on this error path only."""
-    field = "body"
     try:
         value = json.loads(raw, parse_constant=_Found, parse_float=_mark_float)
     except (ValueError, RecursionError):
         value = None
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, item = stack.pop()
-        if type(item) is _Found:
-            field, text = path or "body", item.text
-            break
-        if type(item) is dict:
-            stack.extend((f"{path}.{key}" if path else key, child)
-                         for key, child in reversed(item.items()))
-        elif type(item) is list:
-            stack.extend((f"{path}[{index}]", child)
-                         for index, child in reversed(list(enumerate(item))))
+    found = first_path(value, lambda item: type(item) is _Found)
+    field = "body"
+    if found is not None:
+        field, text = found[0] or "body", found[1].text
     return InvalidRequest(
         f"non-finite number {text} is not valid JSON here"
         + (f" ({field})" if field != "body" else ""),
@@ -83,6 +74,25 @@ def _non_finite(raw: bytes | bytearray | str, text: str) -> InvalidRequest:
         expected="a finite JSON number",
         actual=text,
     )
+
+
+def first_path(value: Any, offends: Callable[[Any], bool]) -> tuple[str, Any] | None:
+    """The first value (depth first, in document order) for which `offends` is true,
+    and its field name as problems give it (`reward`, `labels.x`, `records[2].y`; ""
+    for the whole value). For naming the field of a refused body, on the error path
+    only: a Python step per value."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if offends(item):
+            return path, item
+        if type(item) is dict:
+            stack.extend((f"{path}.{key}" if path else str(key), child)
+                         for key, child in reversed(item.items()))
+        elif type(item) is list:
+            stack.extend((f"{path}[{index}]", child)
+                         for index, child in reversed(list(enumerate(item))))
+    return None
 
 
 def _depth(value: Any) -> int:

@@ -6,7 +6,8 @@ timestamp included), finite floats, the JSON path's nesting limit, no
 trailing bytes, and a bin in exactly one place — the turn's
 `record.response.choices[0].meta_info.routed_experts`, where it holds the raw
 little-endian int32 R3 bytes. Every failure is an `InvalidRequest` naming
-`body`. Also owns the media types that mean MessagePack, and the narrowed wire
+the field where the refused value stands (`body` for the body as a whole).
+Also owns the media types that mean MessagePack, and the narrowed wire
 (`NARROW_MEDIA_TYPE`, `loads_narrow`): the same body, its R3 bin a width byte
 and the values at that width (`r3.NarrowR3`). No I/O; which wire a request
 uses is the API's decision.
@@ -31,7 +32,7 @@ import numpy as np
 
 from app.domain.errors import InvalidRequest
 from app.domain.wire import packed
-from app.domain.wire.jsonio import MAX_DEPTH, containers_in, gc_paused, level_of
+from app.domain.wire.jsonio import MAX_DEPTH, containers_in, first_path, gc_paused, level_of
 from app.domain.wire.r3 import NarrowR3
 from app.domain.wire.width import MAX_VALUES, check_msgpack
 
@@ -213,10 +214,32 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
         holder[key] = None
     try:
         _check(value)
+    except InvalidRequest as exc:
+        raise _named(exc, value) from None
     finally:
         for holder, key, kept in aside:
             holder[key] = kept
     return value
+
+
+def _offends(value: Any) -> bool:
+    """What `_check` refuses, asked of one value: a type MessagePack may not carry
+    here (a bin out of place), a non-finite float, a map with a key not a string."""
+    kind = type(value)
+    return kind not in _VALUES or (kind is float and not math.isfinite(value)) or \
+        (kind is dict and any(type(key) is not str for key in value))
+
+
+def _named(error: InvalidRequest, value: Any) -> InvalidRequest:
+    """`error` naming the field where the refused value stands, as the JSON path's
+    errors do (`record.response.choices[0].meta_info.output_token_logprobs[0][0]`);
+    found by a second walk, on this error path only. A body too deep stays `body`."""
+    found = first_path(value, _offends)
+    if found is None or not found[0]:
+        return error
+    field = found[0]
+    return InvalidRequest(f"{error.detail} ({field})", field=field, expected=error.expected,
+                          actual=error.actual)
 
 
 def loads_narrow(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
