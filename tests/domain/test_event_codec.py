@@ -7,11 +7,13 @@ import struct
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.domain.body.session import parse_open
 from app.domain.body.turn import parse_turn
+from app.domain.errors import InvalidRequest
 from app.domain.log.events import encode_turn, restore_prompt, restore_record, stored_facts
 from app.domain.log.tree import SessionState
 from app.domain.wire import jsonio
@@ -180,3 +182,27 @@ def test_a_trusted_fold_derives_the_facts_a_validated_one_does(
         turn = parse_turn(varied, definition)
         attachment, _stored, _payload, _prompt, checked = stored_and_read_back(state, turn)
         state.apply_turn(attachment.seq, attachment.parent, turn.event_id, checked)
+
+
+@pytest.mark.parametrize(("start", "says"), [
+    (None, "routed_experts_start_len is required"),
+    (-1, "routed_experts_start_len must be a non-negative integer"),
+    (7.0, "routed_experts_start_len must be a non-negative integer"),
+    ("3", "routed_experts_start_len must be a non-negative integer"),
+])
+def test_an_addition_turns_start_len_says_what_is_wrong_with_it(start, says):
+    # A helper's finding: a start length sent but out of range or of another type was
+    # refused as "required", as if it were missing.
+    definition = parse_open({"session_id": "p", "version": "v2",
+                             "pause_generation_mode": "in_place", "r3": {"num_layers": 1}})
+    request: dict[str, Any] = {"input_ids": [1, 2], "return_routed_experts": True}
+    if start is not None:
+        request["routed_experts_start_len"] = start
+    body = {"event_id": "e", "record": {"request": request, "response": {"choices": [{
+        "finish_reason": "stop",
+        "meta_info": {"output_token_logprobs": [[-0.1, 3]], "routed_experts": "AAAAAAAAAAA="},
+    }]}}}
+    with pytest.raises(InvalidRequest) as refused:
+        parse_turn(body, definition)
+    assert refused.value.field == "record.request.routed_experts_start_len"
+    assert refused.value.detail.startswith(says), refused.value.detail

@@ -349,7 +349,8 @@ def _r3(
                         expected="false (open the session with r3.num_layers)", actual=True)
     if definition.use_addition_r3:
         if not is_int(start_raw) or start_raw < 0:
-            raise _invalid("routed_experts_start_len is required in addition (in_place) mode",
+            why = "is required" if start_raw is None else "must be a non-negative integer"
+            raise _invalid(f"routed_experts_start_len {why} in addition (in_place) mode",
                            start_field, "non-negative integer", start_raw)
         start = int(start_raw)
     else:
