@@ -3,6 +3,8 @@
 import base64
 import json
 
+import pytest
+
 from tests.factory import open_body, turn
 
 
@@ -145,3 +147,16 @@ async def test_a_body_with_a_content_coding_is_415_and_stores_nothing(client, si
     # A request without a body is not concerned.
     r = await client.get(f"/v1/sessions/{sid}", headers={"content-encoding": "gzip"})
     assert r.status_code == 200 and r.json()["tree"] == []
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+async def test_json_not_in_utf8_is_422_and_stores_nothing(client, sid, encoding):
+    # A helper's finding: the standard library's parser (the fallback behind msgspec)
+    # guessed UTF-16 and UTF-32 from a body's first bytes and took a byte-order mark,
+    # so such an open was stored. JSON is UTF-8 (RFC 8259 §8.1).
+    raw = json.dumps(open_body(sid)).encode(encoding)
+    r = await client.post("/v1/sessions", content=raw,
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "body"
+    assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404

@@ -39,6 +39,16 @@ def test_defaults_fill_in():
     assert (a.sessions, a.step) == (None, None)
 
 
+@pytest.mark.parametrize("step", [-1, 2**63, 1.5, "3", True])
+def test_an_ack_step_beyond_64_bits_is_refused_naming_the_bound(step):
+    # A helper's finding: 2**63 was refused as not "integer >= 0", which it is.
+    with pytest.raises(InvalidRequest) as refused:
+        parse_ack({"step": step})
+    assert refused.value.field == "step"
+    assert refused.value.expected == "integer in [0, 9223372036854775807] | null"
+    assert parse_ack({"step": 2**63 - 1}).step == 2**63 - 1
+
+
 def test_claimable_is_neither_acked_nor_under_a_live_lease():
     assert claimable(held("a"), NOW)
     assert claimable(held("a", "c", NOW), NOW)  # expired exactly now

@@ -211,8 +211,9 @@ def parse_ack(raw: Any) -> AckRequest:
     reject_unknown(body, ACK_FIELDS, "")
     step = body.get("step")
     if step is not None and (not is_int(step) or not 0 <= step <= MAX_STEP):
-        raise InvalidRequest("step must be a non-negative integer or null", field="step",
-                             expected="integer >= 0 | null", actual=describe(step))
+        raise InvalidRequest("step must be a non-negative 64-bit integer or null",
+                             field="step", expected=f"integer in [0, {MAX_STEP}] | null",
+                             actual=describe(step))
     return AckRequest(sessions=_session_list(body), step=step)
 
 

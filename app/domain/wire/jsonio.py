@@ -266,7 +266,11 @@ def loads_stored(raw: bytes | str) -> Any:
 
 def _loads_stdlib(raw: bytes | bytearray | str) -> Any:
     try:
-        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+        # JSON is UTF-8 (RFC 8259 §8.1): given bytes, the standard library would guess
+        # UTF-16 or UTF-32 from the first bytes and take a byte-order mark; decoded
+        # here first, such a body is refused as msgspec refuses it.
+        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except _NonFinite as exc:
         raise _non_finite(raw, str(exc)) from None
     except RecursionError:
