@@ -405,7 +405,7 @@ class Gateway:
         # A turn above the store's body limit could never be stored: not held either.
         declared = _content_length(scope)
         if declared is not None and declared > self.max_turn_bytes:
-            self._too_large(session_id, "request", declared)
+            self._too_large(session_id, "request", exact=declared)
             await self._passthrough(scope, receive, send)
             return
         try:
@@ -416,7 +416,7 @@ class Gateway:
             await _problem(send, exc)
             return
         if isinstance(read, tuple):
-            self._too_large(session_id, "request", sum(map(len, read)))
+            self._too_large(session_id, "request", at_least=sum(map(len, read)))
             await self._passthrough(scope, receive, send, prefix=read)
             return
         body = read
@@ -451,7 +451,11 @@ class Gateway:
             await _problem(send, exc)
             return
         if isinstance(raw, tuple):  # past the bound: relayed as it comes, not held
-            self._too_large(session_id, "reply", sum(map(len, raw)))
+            # The size: as declared, else more than what was read (the bound passed).
+            declared_reply = response.headers.get("content-length", "")
+            self._too_large(session_id, "reply", len(body),
+                            exact=int(declared_reply) if declared_reply.isdigit() else None,
+                            at_least=sum(map(len, raw)))
             await _relay(scope, receive, send, response, prefix=raw)
             return
         status, raw_headers = response.status, response.raw_headers
@@ -459,7 +463,8 @@ class Gateway:
         headers = _buffered_headers(raw_headers, len(raw))
         text = await _decoded(raw_headers, raw, self.max_turn_bytes - len(body))
         if text is None:
-            self._too_large(session_id, "decompressed reply", len(raw))
+            self._too_large(session_id, "decompressed reply", len(body),
+                            at_least=self.max_turn_bytes - len(body) + 1)
             await _send_raw(send, status, headers, raw)
             return
         # Its R3 payload decoded once, from the bytes: never a 4 MB str.
@@ -579,13 +584,20 @@ class Gateway:
                 f"be relayed: {unrelayable}", extra={"upstream": str(self.upstream)})
         return response
 
-    def _too_large(self, session_id: str, part: str, size: int) -> None:
+    def _too_large(self, session_id: str, part: str, request_bytes: int | None = None, *,
+                   exact: int | None = None, at_least: int = 0) -> None:
         """A turn the store could not take (its body limit, a §1 413): forwarded,
-        counted `rejected`, never held whole."""
+        counted `rejected`, never held whole. Logged with the part's size: `bytes` when
+        it is known (declared), else `at_least` (a chunked body, or a reply that
+        inflates past the limit, is not read to its end); for a reply, also the
+        request's bytes, with which it shares the limit."""
         self.metrics.unrecorded.labels(REJECTED).inc()
+        size: dict[str, int] = {"bytes": exact} if exact is not None else \
+            {"at_least": at_least}
+        if request_bytes is not None:
+            size["request_bytes"] = request_bytes
         log.warning("turn not recorded: too large", session_id=session_id, part=part,
-                    bytes=size, limit=self.max_turn_bytes,
-                    problem="urn:turnlog:too-large")
+                    **size, limit=self.max_turn_bytes, problem="urn:turnlog:too-large")
 
     async def _read(self, response: aiohttp.ClientResponse,
                     limit: int) -> bytes | bytearray | tuple[bytes | bytearray, ...]:

@@ -38,6 +38,14 @@ def bounded_gateway(tmp_path: Path, fake_sglang: ServerProcess) -> Iterator[Serv
         yield process
 
 
+def too_large(gateway: ServerProcess) -> dict[str, Any]:
+    """The last "turn not recorded: too large" line of the gateway's (JSON) log."""
+    lines = [json.loads(line) for line in gateway.log_tail(200).splitlines()
+             if '"turn not recorded: too large"' in line]
+    assert lines, gateway.log_tail(50)
+    return lines[-1]
+
+
 async def counts(http: httpx.AsyncClient) -> tuple[float, float]:
     text = await scrape(http)
     return (metric(text, "turnlog_gateway_recorded_total"),
@@ -70,7 +78,14 @@ async def test_a_request_above_the_limit_is_forwarded_not_held(bounded_gateway, 
         # The whole body went up: the upstream's answer is the one it gives directly.
         assert (reply.status_code, reply.content) == (200, expected.content)
         assert await counts(http) == (0, 1)
-    assert "turn not recorded: too large" in bounded_gateway.log_tail(100)
+    # The size logged: as declared, else at least what was read (a helper's finding:
+    # a declared reply past the limit was logged as 0 bytes).
+    logged = too_large(bounded_gateway)
+    assert logged["part"] == "request" and logged["limit"] == LIMIT
+    if framing == "content-length":
+        assert logged["bytes"] == len(body)
+    else:
+        assert LIMIT < logged["at_least"] <= len(body)
 
 
 async def test_a_reply_above_the_limit_is_relayed_not_held(bounded_gateway, fake_sglang):
@@ -83,6 +98,9 @@ async def test_a_reply_above_the_limit_is_relayed_not_held(bounded_gateway, fake
         assert sent.status == 200 and sent.reply == expected.content
         assert len(sent.reply) > 2 * LIMIT
         assert await counts(http) == (0, 1)
+    logged = too_large(bounded_gateway)
+    assert (logged["part"], logged["bytes"]) == ("reply", len(sent.reply))
+    assert 0 < logged["request_bytes"] < 1000  # the small request sharing the limit
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
@@ -101,7 +119,10 @@ async def test_a_reply_that_inflates_past_the_limit_is_not_inflated(bounded_gate
         assert expected.headers["content-encoding"] == encoding
         assert len(expected.content) > 8 * LIMIT
         assert await counts(http) == (0, 1)
-    assert "decompressed reply" in bounded_gateway.log_tail(100)
+    logged = too_large(bounded_gateway)
+    assert logged["part"] == "decompressed reply"
+    # Inflated only past what the limit leaves beside the request, never to its end.
+    assert logged["at_least"] == LIMIT - logged["request_bytes"] + 1
 
 
 async def test_a_declared_length_past_the_limit_allocates_nothing(tmp_path, gateway_process):
