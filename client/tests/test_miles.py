@@ -570,6 +570,32 @@ async def test_a_malformed_turnlog_url_never_fails_the_rollout(
     assert await rm(types.SimpleNamespace(), Sample(metadata={"turnlog_session_id": "x"})) == 1.0
 
 
+async def test_a_turnlog_url_without_a_scheme_still_closes_through_the_gateway(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    """A helper's finding: `TURNLOG_URL=127.0.0.1:8000` (no scheme) made the hook skip
+    everything: no close even through a working gateway (the session stayed open), and
+    no session id in the result, so the reward hook recorded nothing either."""
+    closes: list[str] = []
+
+    def gateway(target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+        if target.endswith("/close"):
+            closes.append(target)
+            return b"200 OK", b"Content-Type: application/json\r\n", b'{"samples": []}'
+        return b"404 Not Found", b"Content-Type: text/plain\r\n", b"no such route"
+
+    env.setenv("TURNLOG_URL", "127.0.0.1:8000")
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    async with fake_http(gateway) as url:
+        env.setenv("TURNLOG_GATEWAY_URL", url)
+        sid = new_sid()
+        result = await run_agent(sid, {})
+    assert result == {"reward": 1.0, "turnlog_session_id": sid}
+    assert closes == [f"/turnlog/v1/sessions/{sid}/close"]
+    (warning,) = warnings.records  # one per rollout, naming what is wrong
+    assert "not opened here" in warning.getMessage()
+    assert "not an http:// or https:// URL" in warning.getMessage()
+
+
 async def test_hook_clients_share_one_tls_context(env: pytest.MonkeyPatch) -> None:
     """Each hook call builds its client; loading the CA bundle for each (~20-50 ms of
     blocking work) would stall every rollout on the loop when many start together."""

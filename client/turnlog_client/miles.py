@@ -38,6 +38,7 @@ rule of the store: what a close or a reward means is the server's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -910,19 +911,27 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     inner = load(settings.agent, "TURNLOG_MILES_AGENT")
     try:
         sid = session_id_of(base_url)
-        tl = settings.client()
-    except ValueError as exc:  # a launcher's typo (TURNLOG_URL) or an odd base_url
+    except ValueError as exc:  # an odd base_url: no session to record
         log.warning("turnlog cannot record this rollout (it goes on): %s", exc)
         return await inner(base_url=base_url, prompt=prompt, request_kwargs=request_kwargs,
                            **kwargs)
     metadata = kwargs.get("metadata")
     problems: list[str] = []
-    async with tl:
-        try:
-            problems += await _open(tl, open_body(
-                sid, settings, metadata if isinstance(metadata, Mapping) else None))
-        except Exception as exc:  # turnlog never fails the rollout
-            problems.append(_problem("open", exc))
+    try:
+        tl: TurnlogClient | None = settings.client()
+    except ValueError as exc:
+        # A launcher's typo (TURNLOG_URL): no open from here, but the session id still
+        # goes into the result (the reward hook finds the session by it), and the close
+        # still goes to the gateway, if one is named (which opened the session itself).
+        tl = None
+        problems.append(f"the session is not opened here ({exc})")
+    async with tl if tl is not None else contextlib.nullcontext():
+        if tl is not None:
+            try:
+                problems += await _open(tl, open_body(
+                    sid, settings, metadata if isinstance(metadata, Mapping) else None))
+            except Exception as exc:  # turnlog never fails the rollout
+                problems.append(_problem("open", exc))
         error: BaseException | None = None
         result: Any = None
         try:
