@@ -52,6 +52,9 @@ ServerUrl = Annotated[str | None, typer.Option(
 Token = Annotated[str | None, typer.Option(
     "--token", envvar="TURNLOG_TOKEN", show_envvar=True,
     help="Bearer token for --url (a write token: the server records values)")]
+ReadToken = Annotated[str | None, typer.Option(
+    "--token", envvar="TURNLOG_TOKEN", show_envvar=True,
+    help="Bearer token for --url (a read token will do)")]
 
 
 class CliError(Exception):

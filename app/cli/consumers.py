@@ -17,8 +17,8 @@ from rich.table import Table
 from app.cli.common import (
     AsJson,
     DatabaseUrl,
+    ReadToken,
     ServerUrl,
-    Token,
     check_database,
     echo_json,
     out,
@@ -49,7 +49,7 @@ def _table(groups: list[dict[str, Any]], title: str) -> Table:
 
 @consumers_cli.command("list")
 def consumers_list(database_url: DatabaseUrl = None, url: ServerUrl = None,
-                   token: Token = None, as_json: AsJson = False) -> None:
+                   token: ReadToken = None, as_json: AsJson = False) -> None:
     """Every consumer group with its acked / leased / available counts."""
     if url:
         groups = remote(url, token, "groups")
@@ -66,12 +66,12 @@ def consumers_list(database_url: DatabaseUrl = None, url: ServerUrl = None,
 @consumers_cli.command("show")
 def consumers_show(
     group: Annotated[str, typer.Argument(help="The consumer group")],
-    acks: Annotated[int, typer.Option(help="Also list the latest N acks (0: none)")] = 10,
+    acks: Annotated[int, typer.Option(min=0, help="Also list the latest N acks (0: none)")] = 10,
     step: Annotated[int | None, typer.Option(help="Only the acks of this training step")]
     = None,
     database_url: DatabaseUrl = None,
     url: ServerUrl = None,
-    token: Token = None,
+    token: ReadToken = None,
     as_json: AsJson = False,
 ) -> None:
     """One group: its definition, counts, and which sessions trained which step."""

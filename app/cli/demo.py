@@ -87,7 +87,7 @@ async def _r3_matches(http: httpx.AsyncClient, sid: str, sample: dict[str, Any],
 
 
 def demo(
-    sessions: Annotated[int, typer.Option(help="How many sessions to simulate")] = 4,
+    sessions: Annotated[int, typer.Option(min=1, help="How many sessions to simulate")] = 4,
     seed: Annotated[int, typer.Option(help="Simulator seed")] = 0,
     database_url: DatabaseUrl = None,
     as_json: AsJson = False,

@@ -53,7 +53,9 @@ def import_(
         min=1, help="R3 layers when a dump's metadata does not say (num_layers)")] = None,
     max_trim_tokens: Annotated[int, typer.Option(
         min=0, help="TITO trim allowed, unless a dump's metadata says (max_trim_tokens)")] = 0,
-    label: Labels = None,
+    label: Annotated[list[str] | None, typer.Option(
+        "--label", metavar="KEY=VALUE",
+        help="Label every imported session KEY=VALUE (repeatable; values are text)")] = None,
     close: Annotated[bool, typer.Option(
         "--close", help="Close each session after import, so its samples can be read "
                         "(not one with a rejected record: see --close-incomplete)")] = False,

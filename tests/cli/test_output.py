@@ -8,6 +8,8 @@ import json
 import subprocess
 import uuid
 
+import pytest
+
 from tests.cli.support import (
     ROOT,
     TOKEN,
@@ -221,3 +223,23 @@ def test_help_through_a_pipe_names_every_environment_variable_whole() -> None:
     assert done.returncode == 0, done.stderr
     assert "TURNLOG_GATEWAY_PAUSE_GENERATION_MODE" in done.stdout
     assert "TURNLOG_GATEWAY_…" not in done.stdout
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (("demo", "--sessions", "0"), "--sessions"),
+    (("demo", "--sessions", "-1"), "--sessions"),
+    (("consumers", "show", "g", "--acks", "-1"), "--acks"),
+])
+def test_a_count_below_its_range_is_one_error_line(tmp_path, args, option):
+    # A helper's finding: these ran and printed empty tables (exit 0).
+    line = one_error_line(run(*args, "--database-url", sqlite_file(tmp_path)))
+    assert f"Invalid value for '{option}'" in line
+
+
+def test_option_help_says_what_the_option_does_for_its_command():
+    # A helper's finding: `import --label` was described as a filter, and the read-only
+    # `consumers list/show` asked for a write token.
+    assert "Label every imported session" in run("import", "--help").stdout
+    for command in (("consumers", "list"), ("consumers", "show")):
+        text = run(*command, "--help").stdout
+        assert "a read token will do" in text and "write token" not in text, command
