@@ -75,7 +75,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     limits = settings.limits
     app.state.uploads = Uploads(limits.large_body_bytes, limits.max_large_uploads,
                                 limits.max_body_values, limits.min_upload_rate,
-                                limits.upload_grace_s, limits.offload_body_bytes)
+                                limits.upload_grace_s, limits.offload_body_bytes,
+                                limits.body_timeout_s)
     problems.install(app)
     openapi_problems.install(app)  # /openapi.json documents the problems as sent
     # Added innermost first: metrics see every answer; header bounds, tokens in URLs

@@ -17,7 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BeforeValidator
 
 from app.allocator import unfilled_bytearray
-from app.api.http_errors import RequestTimeout
+from app.api.http_errors import Overloaded, RequestTimeout
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import jsonio, msgpackio, r3text
 from app.domain.wire.media import JSON, media_type_of
@@ -282,14 +282,18 @@ class Uploads:
 
     def __init__(self, threshold: int, slots: int, max_values: int = MAX_VALUES,
                  min_rate: int = 0, grace: float = 10.0,
-                 offload: int | None = None) -> None:
+                 offload: int | None = None, wait: float = 30.0) -> None:
         self.threshold = threshold
+        # How long a large body waits for a slot before it is a 503 (`Overloaded`): the
+        # slots may be held by slow uploads that keep the minimum pace for minutes.
+        self.wait = wait
         # Bodies above this are decoded (and turns validated and encoded) on worker
         # threads; the rest on the event loop (None: the large-body threshold).
         self.offload = threshold if offload is None else offload
         self.max_values = max_values  # what a body may decode into (`app.domain.wire.width`)
         self.min_rate = min_rate  # bytes/s a slot holder's body must keep up (0: none)
         self.grace = grace
+        self.slots = slots
         self._slots = asyncio.Semaphore(slots)
 
     def is_large(self, request: Request) -> bool:
@@ -333,8 +337,21 @@ class Uploads:
         if not self.is_large_body(declared, chunked):
             yield False
             return
-        async with self._slots:
+        try:
+            async with asyncio.timeout(self.wait):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise Overloaded(
+                f"no upload slot came free within {self.wait:g} s: the "
+                f"{self.slots} slots for bodies above {self.threshold} bytes are taken; "
+                "retry shortly", field="body",
+                expected=f"a free upload slot within {self.wait:g} s "
+                         "(TURNLOG_MAX_LARGE_UPLOADS, TURNLOG_BODY_TIMEOUT_S)",
+                actual=f"{declared} bytes" if declared is not None else "chunked") from None
+        try:
             yield True
+        finally:
+            self._slots.release()
 
 
 ServicesDep = Annotated[Services, Depends(services)]

@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Send
 
-from app.api.http_errors import RequestTimeout, Unavailable
+from app.api.http_errors import Overloaded, RequestTimeout, Unavailable
 from app.api.middleware.methods import allowed_methods
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
@@ -134,6 +134,13 @@ def install(app: FastAPI) -> None:
     async def _store_unavailable(request: Request, exc: Unavailable) -> JSONText:
         warn_unavailable(request.url.path, exc)
         return problem_response(exc.problem(), headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_request: Request, exc: Overloaded) -> JSONText:
+        # A large body that waited too long for an upload slot: its bytes were never
+        # read, and may be hundreds of MB still on their way; the client retries anew.
+        return problem_response(exc.problem(), headers={
+            "Retry-After": UNAVAILABLE_RETRY_AFTER, "Connection": "close"})
 
     @app.exception_handler(RequestTimeout)
     async def _timeout(_request: Request, exc: RequestTimeout) -> JSONText:

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -264,4 +265,47 @@ async def test_a_chunked_turn_waits_for_an_upload_slot(settings, sid):
         ra, rb = await a, await b
         assert ra.status_code == rb.status_code == 201, (ra.text, rb.text)
         assert ra.request.headers.get("transfer-encoding") == "chunked"
+    await app.state.services.db.dispose()
+
+
+async def test_a_large_body_waits_for_a_slot_only_so_long_then_503(settings, sid):
+    # Slots held by slow uploads that keep the minimum pace may be held for minutes;
+    # a body waiting behind them was held as long (its client could only time out).
+    # Now it waits at most TURNLOG_BODY_TIMEOUT_S, then 503 `overloaded`, Retry-After.
+    app = create_app(settings.replace(large_body_bytes=1000, max_large_uploads=1,
+                                      body_timeout_s=0.5))
+    raw = big_turn()
+    release = asyncio.Event()
+
+    async def held():
+        yield raw[:100]
+        while not release.is_set():  # a read every 0.1 s: within the body timeout
+            await asyncio.sleep(0.1)
+            yield b""
+        yield raw[100:]
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        other = sid + "-b"
+        assert (await http.post("/v1/sessions", json=open_body(other))).status_code == 201
+        headers = {"content-type": "application/json", "content-length": str(len(raw))}
+        first = asyncio.create_task(http.post(f"/v1/sessions/{sid}/turns", content=held(),
+                                              headers=headers))
+        await asyncio.sleep(0.1)
+        waited = time.monotonic()
+        r = await asyncio.wait_for(  # (it waited for ever before)
+            http.post(f"/v1/sessions/{other}/turns", content=raw, headers=headers), 10)
+        waited = time.monotonic() - waited
+        assert r.status_code == 503, r.text
+        problem = r.json()
+        assert problem["type"] == "urn:turnlog:overloaded" and problem["field"] == "body"
+        assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        assert 0.4 < waited < 5, waited
+        release.set()
+        assert (await first).status_code == 201
+        # Nothing of the refused body was stored; with the slot free it goes in.
+        assert (await http.get(f"/v1/sessions/{other}")).json()["num_nodes"] == 0
+        r = await http.post(f"/v1/sessions/{other}/turns", content=raw, headers=headers)
+        assert r.status_code == 201, r.text
     await app.state.services.db.dispose()
