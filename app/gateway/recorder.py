@@ -199,12 +199,12 @@ class Recorder:
                      prompt: np.ndarray | None = None) -> str:
         """`prompt`: the turn's `input_ids` already validated (`Candidate.prompt`)."""
         if self.spool.holds(session_id):
-            return self._spool(TURN, session_id, body, open_body)  # behind its earlier turns
+            return await self._spool(TURN, session_id, body, open_body)  # behind its earlier turns
         if self.store_hangs():
             # Another attempt would wait the whole store timeout too: the caller is
             # answered now, and the drainer appends the turn once the store answers.
             log.warning("the store is not answering; spooling the turn", session_id=session_id)
-            return self._spool(TURN, session_id, body, open_body)
+            return await self._spool(TURN, session_id, body, open_body)
         write = asyncio.ensure_future(self._store(session_id, body, open_body, size, prompt))
         try:
             await within(write, self.store_timeout)
@@ -212,7 +212,7 @@ class Recorder:
             if self._is_verdict(exc):
                 return self._verdict(session_id, exc)
             # Connection, I/O, timeout, 5xx: the store gave no verdict.
-            outcome = self._no_verdict(session_id, body, open_body, exc)
+            outcome = await self._no_verdict(session_id, body, open_body, exc)
             if outcome == SPOOL_FULL and not write.done():
                 return await self._outcome_of(session_id, write)
             return outcome
@@ -313,19 +313,19 @@ class Recorder:
                       reason=reason, error=type(exc).__name__, detail=str(exc)[:300])
         return reason
 
-    def _no_verdict(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any],
-                    exc: BaseException) -> str:
+    async def _no_verdict(self, session_id: str, body: dict[str, Any],
+                          open_body: dict[str, Any], exc: BaseException) -> str:
         log.warning("store gave no verdict; spooling the turn", session_id=session_id,
                     error=type(exc).__name__, detail=str(exc)[:200])
         self.drain_failing = True  # not ready until a drain gets through
-        return self._spool(TURN, session_id, body, open_body)
+        return await self._spool(TURN, session_id, body, open_body)
 
-    def _spool(self, kind: str, session_id: str, body: dict[str, Any],
+    async def _spool(self, kind: str, session_id: str, body: dict[str, Any],
                open_body: dict[str, Any] | None = None) -> str:
         """Write a turn (with how to open its session), a close or a reward to the spool:
         SPOOLED, or SPOOL_FULL."""
         try:
-            self.spool.add(session_id, body, open_body, kind)
+            await self.spool.add_async(session_id, body, open_body, kind)
         except SpoolFull as exc:
             log.error("spool full: not spooled", kind=kind, session_id=session_id,
                       detail=str(exc))
@@ -412,7 +412,7 @@ class Recorder:
                 "the store did not take this reward in time, and the gateway holds no close "
                 "of its session to put it behind: send it again with the same event_id (a "
                 "try still in flight may record it; the resend is then a repeat)")
-        if self._spool(kind, session_id, body) == SPOOLED:
+        if await self._spool(kind, session_id, body) == SPOOLED:
             return SPOOLED
         full = SpoolFull(f"the store cannot take this {kind} now and the gateway's spool is "
                          "full: it was not written (send it again)")

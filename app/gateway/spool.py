@@ -7,7 +7,8 @@ earlier gateway left is read as it is). A write
 is a turn (`kind` "turn"), or a close or a reward a client handed the gateway
 to carry out behind the session's spooled turns ("close", "reward";
 docs/gateway.md). A file is written to a temporary name, fsynced, renamed
-into place and the directory fsynced before `add` returns, so a write the
+into place and the directory fsynced before `add` returns (the gateway's
+`add_async`: on a worker thread, one write at a time), so a write the
 caller was answered for survives a crash of the gateway. Each file holds the
 kind, the session id, the body (a turn's with its original `event_id`) and,
 for a turn, the auto-open body to use if the session does not exist yet.
@@ -21,6 +22,7 @@ Refuses: deciding what to spool or when to drain (app.gateway.recorder).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import time
@@ -28,6 +30,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import anyio.to_thread
 
 from app.domain.body.turn import json_carried
 from app.domain.errors import DomainError
@@ -67,6 +71,29 @@ def _event_id(body: dict[str, Any]) -> str | None:
     return event_id if isinstance(event_id, str) else None
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A write as its file will hold it, not yet written."""
+
+    session_id: str
+    kind: str
+    event_id: str | None
+    spooled_at: float
+    data: bytes
+
+
+def _prepare(session_id: str, body: dict[str, Any], open_body: dict[str, Any] | None,
+             kind: str) -> _Prepared:
+    assert kind in KINDS, kind
+    spooled_at = time.time()
+    # An R3 payload handed over as bytes is spooled as the base64 JSON carries.
+    if kind == TURN and "record" in body:
+        body = {**body, "record": json_carried(body["record"])}
+    data = jsonio.dumps_bytes({"kind": kind, "session_id": session_id, "body": body,
+                               "open": open_body, "spooled_at": spooled_at})
+    return _Prepared(session_id, kind, _event_id(body), spooled_at, data)
+
+
 class SpoolInUse(Exception):
     """Another live gateway holds this spool directory."""
 
@@ -94,6 +121,7 @@ class Spool:
         # Per session, its entries of each kind (a session with none is not a key).
         self.per_session: dict[str, Counter[str]] = {}
         self.next_sequence = 0
+        self._writing = asyncio.Lock()  # `add_async`: one write at a time, in order
         try:
             self._load()
         except BaseException:
@@ -165,18 +193,47 @@ class Spool:
     def add(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any] | None,
             kind: str = TURN) -> Spooled:
         """Write one write durably (file and directory fsynced), or SpoolFull."""
-        assert kind in KINDS, kind
-        spooled_at = time.time()
-        # An R3 payload handed over as bytes is spooled as the base64 JSON carries.
-        if kind == TURN and "record" in body:
-            body = {**body, "record": json_carried(body["record"])}
-        data = jsonio.dumps_bytes({"kind": kind, "session_id": session_id, "body": body,
-                                   "open": open_body, "spooled_at": spooled_at})
-        if self.bytes + len(data) > self.max_bytes:
-            raise SpoolFull(f"spool holds {self.bytes} bytes; this {kind} needs {len(data)} "
-                            f"more than the bound {self.max_bytes} allows")
+        prepared = _prepare(session_id, body, open_body, kind)
+        sequence = self._reserve(prepared)
+        self._write(sequence, prepared.data)
+        return self._track_new(sequence, prepared)
+
+    async def add_async(self, session_id: str, body: dict[str, Any],
+                        open_body: dict[str, Any] | None, kind: str = TURN) -> Spooled:
+        """`add`, with the encoding, the write and the fsyncs on a worker thread: a few
+        MB turn's take milliseconds, on the event loop every session's relaying
+        shares, and a store outage sends every turn here. One write at a time, so
+        the writes are tracked (and drained) in the order of their sequence numbers;
+        once begun, a write is finished and tracked even if its caller is cancelled
+        (its file on disk would otherwise be drained after the next restart only)."""
+        prepared = await anyio.to_thread.run_sync(_prepare, session_id, body, open_body, kind)
+        async with self._writing:
+            sequence = self._reserve(prepared)
+            written = asyncio.ensure_future(self._written(sequence, prepared))
+            try:
+                return await asyncio.shield(written)
+            except asyncio.CancelledError:
+                # The write goes on, and holds the next back until it is tracked.
+                await asyncio.wait({written})
+                raise
+
+    async def _written(self, sequence: int, prepared: _Prepared) -> Spooled:
+        await anyio.to_thread.run_sync(self._write, sequence, prepared.data)
+        return self._track_new(sequence, prepared)
+
+    def _reserve(self, prepared: _Prepared) -> int:
+        """The write's sequence number, or SpoolFull."""
+        if self.bytes + len(prepared.data) > self.max_bytes:
+            raise SpoolFull(f"spool holds {self.bytes} bytes; this {prepared.kind} needs "
+                            f"{len(prepared.data)} more than the bound {self.max_bytes} "
+                            "allows")
         sequence = self.next_sequence
         self.next_sequence += 1
+        return sequence
+
+    def _write(self, sequence: int, data: bytes) -> None:
+        """The file, durable: written to a temporary name, fsynced, renamed, the directory
+        fsynced. Touches nothing but the disk (it runs on a worker thread)."""
         path = self._path(sequence)
         tmp = path.with_name(path.name + ".tmp")
         try:
@@ -194,7 +251,10 @@ class Spool:
             tmp.unlink(missing_ok=True)  # a full disk keeps no half-written turn
             path.unlink(missing_ok=True)  # renamed but not known durable: not spooled
             raise
-        entry = Spooled(sequence, session_id, _event_id(body), len(data), spooled_at, kind)
+
+    def _track_new(self, sequence: int, prepared: _Prepared) -> Spooled:
+        entry = Spooled(sequence, prepared.session_id, prepared.event_id, len(prepared.data),
+                        prepared.spooled_at, prepared.kind)
         self._track(entry)
         return entry
 
