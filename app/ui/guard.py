@@ -30,7 +30,7 @@ from app.access import (
 )
 from app.api.middleware.auth import is_ui
 from app.api.problems import send_problem
-from app.ui.render import login_page
+from app.ui.render import SIGNED_IN, login_page
 
 COOKIE = "turnlog_ui_token"
 OPEN_PATHS = frozenset({"/ui/login", "/ui/logout"})
@@ -76,11 +76,14 @@ class UiGuard:
             await send(message)
 
         path, method = scope["path"], scope["method"]
+        by_cookie = False
         if self.tokens and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
             headers = scope.get("headers") or []
             presented = bearer_token(headers)
             if not presented and method.upper() in READ_METHODS:
-                presented = cookie_token(headers) or presented
+                cookie = cookie_token(headers)
+                by_cookie = bool(cookie)
+                presented = cookie or presented
             try:
                 authorize(self.tokens, method, presented)
             except (Unauthorized, Forbidden) as exc:
@@ -92,4 +95,8 @@ class UiGuard:
                 await send_problem(send_with_headers, exc,
                                    {"www-authenticate": challenge(exc)})
                 return
-        await self.app(scope, receive, send_with_headers)
+        signed_in = SIGNED_IN.set(by_cookie)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            SIGNED_IN.reset(signed_in)

@@ -9,10 +9,11 @@ problem+json like the API. Refuses auth and headers (`app/ui/guard.py`).
 
 from __future__ import annotations
 
+import posixpath
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
@@ -21,7 +22,12 @@ from app.access import TokenTable
 from app.api.deps import Blank, OptStr, ServicesDep
 from app.api.problems import JSONText
 from app.api.routes.sessions import label_filters
-from app.domain.body.labels import label_text, parse_label_filters
+from app.domain.body.labels import (
+    label_filter_text,
+    label_text,
+    parse_label_filter_text,
+    parse_label_filters,
+)
 from app.domain.body.queries import SESSIONS_PAGE, parse_status, parse_wait
 from app.domain.body.specinfo import SpecInfo
 from app.domain.errors import DomainError, UnknownParent
@@ -53,29 +59,19 @@ LOGIN_FORM_BYTES = 8192
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
 
-def parse_label_text(text: str) -> list[tuple[str, str]]:
-    """`run_id=run7 rollout_id=12` (spaces, commas or `&` between pairs) → pairs."""
-    pairs = []
-    for part in text.replace(",", " ").replace("&", " ").split():
-        key, _, value = part.partition("=")
-        if key:
-            pairs.append((key, value))
-    return pairs
-
-
 @router.get("", response_model=None)
 async def index(
     request: Request, svc: ServicesDep, status: OptStr = None, limit: OptStr = None,
     labels: OptStr = None, sort: OptStr = None, reward_min: OptStr = None,
     reward_max: OptStr = None, sample_status: OptStr = None,
 ) -> Response:
-    filters = label_filters(request, LIST_PARAMS)
-    if labels is not None:
-        # The filter form's free-text field: redirect to the canonical `?key=value` URL.
-        query = [(k, v) for k, v in request.query_params.multi_items() if k != "labels"]
-        return RedirectResponse(f"/ui?{urlencode(query + parse_label_text(labels))}",
-                                status_code=303)
     try:
+        filters = label_filters(request, LIST_PARAMS)
+        if labels is not None:
+            # The filter form's free-text field: redirect to the canonical `?key=value` URL.
+            query = [(k, v) for k, v in request.query_params.multi_items() if k != "labels"]
+            return RedirectResponse(
+                f"/ui?{urlencode(query + parse_label_filter_text(labels))}", status_code=303)
         view = parse_list_view(sort, reward_min, reward_max, sample_status)
         page_size = SESSIONS_PAGE.parse_text(limit)
         recent = await browse.recent_sessions(svc.db, parse_status(status), filters, page_size)
@@ -121,23 +117,25 @@ async def index(
             "length_by_weight": plots.chart(weights,
                                             [g["accept_length"] for g in run.by_weight]),
         }
-    # A full page may hide older sessions: offer the largest page the list allows.
-    more = len(recent.sessions) >= page_size and page_size < SESSIONS_PAGE.maximum
-    more_query = urlencode({**({"status": status} if status else {}), **dict(filters),
-                            "limit": SESSIONS_PAGE.maximum})
     view_query = {key: value for key, value in (
         ("sort", view.sort), ("reward_min", reward_min or ""), ("reward_max", reward_max or ""),
         ("sample_status", view.sample_status or "")) if value}
+    # Every link and the filter form keep what the page shows: its filters, its view
+    # (sort, reward range, sample status) and its page size.
+    shown = {**({"status": status} if status else {}), **dict(filters)}
+    sized = {"limit": str(page_size)} if limit else {}
+    # A full page may hide older sessions: offer the largest page the list allows.
+    more = len(recent.sessions) >= page_size and page_size < SESSIONS_PAGE.maximum
+    more_query = urlencode({**shown, **view_query, "limit": SESSIONS_PAGE.maximum})
     return render("index.html", rows=rows, status=status, filters=dict(filters),
+                  filters_text=label_filter_text(dict(filters)), page_limit=sized.get("limit"),
                   view=view, view_query=view_query, rewards=rewards,
                   reward_plots=None if rewards is None else plots.reward_histograms(rewards),
                   more_query=more_query if more else None,
                   list_cursor=recent.list_cursor, feed_cursor=recent.feed_cursor,
-                  filter_query=urlencode({**({"status": status} if status else {}),
-                                          **dict(filters)}),
+                  filter_query=urlencode(shown),
                   sort_query=lambda column: urlencode({
-                      **({"status": status} if status else {}), **dict(filters),
-                      **{k: v for k, v in view_query.items() if k != "sort"},
+                      **shown, **{k: v for k, v in view_query.items() if k != "sort"}, **sized,
                       "sort": ("-" + column) if view.sort == column else column}),
                   run=run, charts=charts)
 
@@ -237,8 +235,14 @@ def same_origin(request: Request) -> bool:
 
 
 def safe_next(target: str) -> str:
-    """Only a path under `/ui` (never `//host` or a scheme): no open redirect."""
-    if target.startswith("/ui") and not target.startswith("//") and "\\" not in target:
+    """Only a path under `/ui` (never `//host` or a scheme): no open redirect. Judged
+    with its dot segments resolved as a browser resolves them (`/ui/../v1/sessions`
+    is `/v1/sessions`, and `%2e%2e` is `..`), and `/uix` is not under `/ui`."""
+    if "\\" in target or not target.startswith("/") or target.startswith("//"):
+        return "/ui"
+    path = urlsplit(target).path
+    resolved = posixpath.normpath(unquote(path)) if path else "/"
+    if resolved == "/ui" or resolved.startswith("/ui/"):
         return target
     return "/ui"
 

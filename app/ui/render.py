@@ -6,6 +6,7 @@ value, SVG included: labels, ids and record text are user data.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlencode
 
@@ -27,7 +28,14 @@ def utf8(text: str) -> bytes:
     return text.encode("utf-8", "backslashreplace")
 
 
+# Set by the guard for a page request it let in on the UI's cookie: the page offers a
+# sign-out button (`POST /ui/logout`). A request with a bearer header has nothing to
+# sign out of.
+SIGNED_IN: ContextVar[bool] = ContextVar("turnlog_ui_signed_in", default=False)
+
+
 def render(template: str, code: int = 200, **context: Any) -> HTMLResponse:
+    context.setdefault("signed_in", SIGNED_IN.get())
     return HTMLResponse(utf8(templates.get_template(template).render(**context)),
                         status_code=code)
 

@@ -100,12 +100,60 @@ async def test_the_list_sorts_and_filters_by_reward_and_status(page: Page, api: 
 async def test_a_bad_list_parameter_is_an_error_page_naming_it(api: httpx.Client) -> None:
     for query, name in (("sort=colour", "sort"), ("reward_min=abc", "reward_min"),
                         ("sample_status=lost", "sample_status"), ("limit=abc", "limit"),
-                        ("limit=0", "limit")):
+                        ("limit=0", "limit"),
+                        # Bad label filters (a helper's finding: these were problem+json).
+                        ("bad%20name=1", "bad name"), ("run_id=%00", "run_id"),
+                        ("labels=novalue", "labels"), ("labels=k%3D%22open", "labels")):
         reply = api.get(f"/ui?{query}")
         assert reply.status_code == 422, query
         # A page, not the API's problem+json (`limit` was a typed framework parameter).
         assert reply.headers["content-type"].startswith("text/html"), query
         assert name in reply.text
+
+
+async def test_the_filter_form_keeps_odd_label_values_the_page_size_and_the_view(
+        page: Page, api: httpx.Client, run_id: str) -> None:
+    """A helper's finding: pressing "filter" on a page filtered by a label value with a
+    space, `&`, a comma or quotes split it into other filters (0 rows, or a 422), and
+    the page size and the sort were dropped by the form, the links and "show up to
+    1,000"."""
+    odd = "'\"&<> a,b"
+    random_session(api, f"{run_id}-odd", {"run_id": run_id, "task": odd}, seed=0, turns=2)
+    random_session(api, f"{run_id}-other", {"run_id": run_id, "task": "x"}, seed=1, turns=2)
+    rows = '[data-testid="session-row"]'
+    query = httpx.QueryParams({"run_id": run_id, "task": odd, "limit": "5",
+                               "sort": "-reward"})
+    await page.goto(f"/ui?{query}")
+    assert await attribute_list(page.page, rows, "data-session-id") == [f"{run_id}-odd"]
+    await page.page.click('[data-testid="filters"] button[type="submit"]')
+    await page.page.wait_for_load_state()
+    assert await attribute_list(page.page, rows, "data-session-id") == [f"{run_id}-odd"]
+    kept = httpx.URL(page.page.url).params
+    assert (kept["task"], kept["run_id"], kept["limit"], kept["sort"]) == \
+        (odd, run_id, "5", "-reward")
+    # A column link keeps the page size and the filters.
+    href = await page.page.get_attribute('[data-testid="sort-samples"]', "href")
+    linked = httpx.URL(f"http://x{href}").params
+    assert (linked["task"], linked["limit"], linked["sort"]) == (odd, "5", "samples")
+    # Typed by hand, quoted: the same filter.
+    await page.page.fill('input[name="labels"]', f'run_id={run_id} task="x"')
+    await page.page.click('[data-testid="filters"] button[type="submit"]')
+    await page.page.wait_for_load_state()
+    assert await attribute_list(page.page, rows, "data-session-id") == [f"{run_id}-other"]
+    assert page.errors == []
+
+
+async def test_show_up_to_1000_keeps_the_sort_and_the_filters(api: httpx.Client,
+                                                              run_id: str) -> None:
+    for seed in (0, 1):
+        random_session(api, f"{run_id}-{seed}", {"run_id": run_id}, seed=seed, turns=2)
+    page = api.get("/ui", params={"run_id": run_id, "limit": "1", "sort": "-samples",
+                                  "sample_status": "completed", "reward_min": "-5"})
+    assert page.status_code == 200, page.text
+    href = page.text.split("show up to 1,000")[0].rsplit('href="', 1)[1].split('"')[0]
+    more = httpx.URL("http://x" + href.replace("&amp;", "&")).params
+    assert dict(more) == {"run_id": run_id, "sort": "-samples", "reward_min": "-5",
+                          "sample_status": "completed", "limit": "1000"}
 
 
 async def test_samples_show_off_policy_lag_and_a_readable_mismatch_list(

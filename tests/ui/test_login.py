@@ -82,10 +82,27 @@ def test_cookie_is_read_only_and_ui_only(auth_server: UiServer, seeded: str) -> 
 
 def test_login_redirects_only_inside_the_ui(auth_server: UiServer) -> None:
     with httpx.Client(base_url=auth_server.base_url, timeout=30) as http:
-        for target in ("https://evil.example/", "//evil.example/ui", "/v1/sessions"):
+        for target in ("https://evil.example/", "//evil.example/ui", "/v1/sessions",
+                       # A helper's finding: followed, as they start with "/ui".
+                       "/ui/../v1/sessions", "/ui/%2e%2e/v1/sessions", "/uix"):
             reply = http.post("/ui/login", data={"token": READ_TOKEN, "next": target},
                               follow_redirects=False)
             assert reply.headers["location"] == "/ui", target
+
+
+def test_a_page_opened_with_the_cookie_offers_sign_out(auth_server: UiServer) -> None:
+    # A helper's finding: nothing on the pages posted to /ui/logout.
+    with httpx.Client(base_url=auth_server.base_url, timeout=30) as http:
+        bearer = http.get("/ui", headers={"Authorization": f"Bearer {READ_TOKEN}"})
+        assert 'data-testid="sign-out"' not in bearer.text  # nothing to sign out of
+        http.post("/ui/login", data={"token": READ_TOKEN, "next": "/ui"})
+        page = http.get("/ui")
+        assert page.status_code == 200 and 'data-testid="sign-out"' in page.text
+        assert 'action="/ui/logout"' in page.text
+        out = http.post("/ui/logout", headers={"Origin": auth_server.base_url},
+                        follow_redirects=False)
+        assert out.status_code == 303 and out.headers["location"] == "/ui/login"
+        assert http.get("/ui").status_code == 401
 
 
 def test_bearer_token_also_opens_pages(auth_server: UiServer) -> None:

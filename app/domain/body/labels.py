@@ -12,10 +12,12 @@ SQL. Pure: no I/O.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from app.domain.errors import InvalidRequest
 from app.domain.wire.jsonio import canonical
 from app.domain.wire.validate import LABEL_KEY, require_object, require_text
 
@@ -57,3 +59,59 @@ def parse_label_filters(raw: Mapping[str, Any]) -> LabelFilters:
         LABEL_KEY.require(key, key, "label filter names")
         pairs.append((key, require_text(label_text(value), key)))
     return LabelFilters(tuple(pairs))
+
+
+# What separates the pairs of a label filter written as one line of text.
+_PAIR_SEPARATORS = frozenset(" \t\r\n,&")
+_JSON_STRING = json.JSONDecoder()
+
+
+def _quoted_if_needed(value: str) -> str:
+    if value and not any(c in _PAIR_SEPARATORS or c in "\"=" for c in value):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def label_filter_text(filters: Mapping[str, str]) -> str:
+    """Label filters as one line a person can edit (the web UI's filter field):
+    `run_id=run7 task="a b"` — a value holding a separator, a quote or `=`, or none
+    at all, written as a JSON string. `parse_label_filter_text` reads it back."""
+    return " ".join(f"{key}={_quoted_if_needed(value)}" for key, value in filters.items())
+
+
+def parse_label_filter_text(text: str, field_name: str = "labels") -> list[tuple[str, str]]:
+    """`run_id=run7 task="a b"` → pairs: spaces, commas or `&` between pairs; a value
+    in double quotes is a JSON string (so it may hold any of them). A pair without
+    `=` or a quote left open is refused, naming the field."""
+    def refused(why: str, actual: str) -> InvalidRequest:
+        return InvalidRequest(f"{field_name}: {why}", field=field_name,
+                              expected='key=value pairs, separated by spaces; a value with '
+                                       'spaces, commas, & or quotes in double quotes: '
+                                       'key="a b"', actual=actual[:80])
+
+    pairs: list[tuple[str, str]] = []
+    at, end = 0, len(text)
+    while True:
+        while at < end and text[at] in _PAIR_SEPARATORS:
+            at += 1
+        if at == end:
+            return pairs
+        stop = at
+        while stop < end and text[stop] not in _PAIR_SEPARATORS and text[stop] != "=":
+            stop += 1
+        key = text[at:stop]
+        if stop == end or text[stop] != "=" or not key:
+            raise refused("expected key=value", text[at:stop + 1] or text[at:])
+        at = stop + 1
+        if at < end and text[at] == '"':
+            try:
+                value, at = _JSON_STRING.raw_decode(text, at)
+            except ValueError:
+                raise refused("a quoted value is not closed (or not a JSON string)",
+                              text[stop + 1:]) from None
+        else:
+            stop = at
+            while stop < end and text[stop] not in _PAIR_SEPARATORS:
+                stop += 1
+            value, at = text[at:stop], stop
+        pairs.append((key, value))
