@@ -163,6 +163,14 @@ async def fold_events(
         .where(sa.or_(events.c.seq.is_(None), events.c.seq >= from_seq))
         .order_by(events.c.position)
     )
+    # The events first, then their patches' geometry. Outside the session's lock (a
+    # read, `Writer._definition`) each statement of PostgreSQL's READ COMMITTED sees
+    # the commits made before it began: read the other way round, a turn committed
+    # (by another worker) between the two statements was folded without its patch —
+    # as a turn of R3 rows with no payload, refused as 422 `invalid-r3` to a client
+    # whose own turn was valid. This way a patch is read for every event read (one
+    # transaction wrote both), and a patch of a later event is not looked at.
+    rows = (await conn.execute(query)).all()
     geometry = {
         row.seq: (row.start_row, row.topk)
         for row in await conn.execute(
@@ -171,10 +179,9 @@ async def fold_events(
             .where(r3_patches.c.seq >= from_seq)
         )
     }
-    # Fetch everything first, then fold without awaiting: another task may advance
+    # Everything fetched first, then folded without awaiting: another task may advance
     # the same cached state while we wait on the database, and folding must not
     # interleave with it (turns it already holds are skipped).
-    rows = (await conn.execute(query)).all()
     return fold_rows(state, session_id, rows, geometry, log)
 
 
