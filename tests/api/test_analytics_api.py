@@ -352,3 +352,17 @@ async def test_counter_totals_past_64_bits_are_exact_or_a_clear_422(db_url, fres
         assert r.status_code == 200, r.text
         (group,) = r.json()["groups"]
         assert group["spec_verify_ct"] == 2100 * big and group["accept_rate"] == 1.0
+
+
+@pytest.mark.parametrize(("path", "query", "field"), [
+    ("/v1/analytics/spec", "group_by=day&run_id=a&run_id=b", "run_id"),
+    ("/v1/analytics/spec", "group_by=day&group_by=hour", "group_by"),
+    ("/v1/metrics/rollout", "run_id=a&run_id=a", "run_id"),
+    ("/v1/sessions", "model=x&status=open&model=y", "model"),
+])
+async def test_a_parameter_given_twice_is_422_naming_it(client, path, query, field):
+    # A helper's finding: the last value won, so `run_id=a&run_id=b` answered for run b
+    # alone (no session has two values of one label).
+    r = await client.get(f"{path}?{query}")
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == field and r.json()["expected"] == "each parameter at most once"

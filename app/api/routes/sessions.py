@@ -27,7 +27,7 @@ from app.api.deps import (
 from app.api.problems import JSONText
 from app.api.routes.append_log import turn_appended, turn_rejected
 from app.api.routes.docs import OPEN_BODY, TURN_BODY
-from app.domain.body.labels import LabelFilters, parse_label_filters
+from app.domain.body.labels import LabelFilters, parse_query_label_filters
 from app.domain.body.queries import EVENTS_PAGE, SESSIONS_PAGE, parse_status
 from app.domain.errors import DomainError
 from app.domain.wire import msgpackio
@@ -44,9 +44,8 @@ EVENTS_BATCH = 32  # events rendered per worker-thread call (and the largest uns
 
 
 def label_filters(request: Request, known: frozenset[str]) -> LabelFilters:
-    """Every query parameter but the endpoint's own is a label filter."""
-    return parse_label_filters(
-        {k: v for k, v in request.query_params.items() if k not in known})
+    """Every query parameter but the endpoint's own is a label filter (none twice)."""
+    return parse_query_label_filters(request.query_params.multi_items(), known)
 
 
 @router.post("", status_code=201, openapi_extra=OPEN_BODY)

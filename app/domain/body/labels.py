@@ -13,7 +13,7 @@ SQL. Pure: no I/O.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,22 @@ def parse_label_filters(raw: Mapping[str, Any]) -> LabelFilters:
         LABEL_KEY.require(key, key, "label filter names")
         pairs.append((key, require_text(label_text(value), key)))
     return LabelFilters(tuple(pairs))
+
+
+def parse_query_label_filters(pairs: Iterable[tuple[str, str]],
+                              known: frozenset[str]) -> LabelFilters:
+    """A query string's label filters: every parameter but the route's own (`known`).
+    A parameter given twice is refused, naming it: no session has two values of one
+    label, and keeping one of them (the last, as the framework does) silently
+    answered for another filter than the one asked."""
+    seen: dict[str, str] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise InvalidRequest(f"query parameter {key!r} is given more than once",
+                                 field=key, expected="each parameter at most once",
+                                 actual=f"{seen[key][:40]!r} and {value[:40]!r}")
+        seen[key] = value
+    return parse_label_filters({k: v for k, v in seen.items() if k not in known})
 
 
 # What separates the pairs of a label filter written as one line of text.
