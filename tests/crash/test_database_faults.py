@@ -69,6 +69,43 @@ def requests_for(sid: str, n: int) -> list[tuple[str, str, Any]]:
     return out
 
 
+async def test_a_frozen_postgres_makes_readyz_not_ready_within_its_bound(monkeypatch):
+    # A helper's finding: with PostgreSQL frozen (SIGSTOP: connections open, no
+    # answer) `/readyz` waited as long as the freeze (75 s), so a balancer kept
+    # routing to a server whose every request hung.
+    from app.api.routes import health
+
+    monkeypatch.setattr(health, "READY_TIMEOUT_S", 1.0, raising=False)
+    try:
+        cluster = await asyncio.to_thread(stoppable_cluster)
+    except RuntimeError as exc:
+        pytest.fail(f"PostgreSQL binaries are required for this fault test: {exc}")
+    try:
+        await migrate.upgrade_async(cluster.url)
+        app, http = app_client(cluster.url)
+        assert (await http.get("/readyz")).status_code == 200
+        cluster.freeze()
+        try:
+            started = time.monotonic()
+            ready = await asyncio.wait_for(http.get("/readyz"), 30)
+            waited = time.monotonic() - started
+        finally:
+            cluster.freeze(False)
+        assert ready.status_code == 503, ready.text
+        assert ready.json()["type"] == "urn:turnlog:not-ready"
+        assert ready.json()["reason"] == "database-unreachable"
+        assert waited < 5, waited
+        # Thawed: ready again.
+        deadline = time.monotonic() + 20
+        while (await http.get("/readyz")).status_code != 200:
+            assert time.monotonic() < deadline, "not ready after the database came back"
+            await asyncio.sleep(0.2)
+        await http.aclose()
+        await app.state.services.db.dispose()
+    finally:
+        await asyncio.to_thread(cluster.remove)
+
+
 # -- 4. PostgreSQL stopped ------------------------------------------------------------------
 
 async def test_a_stopped_postgres_is_503_with_retry_after_and_no_tracebacks():

@@ -6,8 +6,12 @@ client's URL stays valid across the outage.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.pg.binaries import run
 from tests.pg.cluster import (
@@ -61,6 +65,23 @@ class StoppableCluster:
         if c.postmaster_pid is not None:
             _reap_child(c.postmaster_pid)
             c.postmaster_pid = None
+
+    def freeze(self, frozen: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) the postmaster and every backend: a database that stops
+        answering without closing its connections (a frozen host, a partition)."""
+        postmaster = _read_postmaster_pid(self.cluster.data)
+        assert postmaster is not None, "the cluster is not running"
+        pids = [postmaster]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) == postmaster:
+                pids.append(int(stat.parent.name))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def remove(self) -> None:
         self.cluster.stop()

@@ -1,12 +1,15 @@
 """Liveness and readiness.
 
-`/readyz` answers 503 problem+json when the database cannot be reached, its
+`/readyz` answers 503 problem+json when the database cannot be reached (or does
+not answer within `READY_TIMEOUT_S`), its
 schema is not at head, or (SQLite) the file failed its integrity check; the
 problem names the reason but never carries the driver's error text, which
 may hold host names, paths or credentials (that text goes to the log).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import sqlalchemy as sa
 import structlog
@@ -17,6 +20,8 @@ from app.api.problems import JSONText, damaged_sqlite, problem_response
 from app.store.engine.migrate import current_revision, head_revision
 
 router = APIRouter(tags=["service"])
+# How long `/readyz` waits for the database's answer before it says "not ready".
+READY_TIMEOUT_S = 5.0
 log = structlog.get_logger("turnlog.api")
 
 
@@ -37,9 +42,16 @@ async def readyz(svc: ServicesDep) -> JSONText:
         # The integrity check first: damage can also break the reads below.
         damage = await svc.integrity.problems()
         if not damage:
-            async with svc.db.read() as conn:
+            # Bounded: a database that stops answering without closing its connections
+            # (a frozen host, a partition without resets) would hold the probe as long
+            # as the driver's command timeout, and the balancer would keep routing here.
+            async with asyncio.timeout(READY_TIMEOUT_S), svc.db.read() as conn:
                 await conn.execute(sa.text("SELECT 1"))
                 current = await conn.run_sync(current_revision)
+    except TimeoutError:
+        log.warning("not ready: the database did not answer", timeout_s=READY_TIMEOUT_S)
+        return not_ready(f"the database did not answer within {READY_TIMEOUT_S:g} s",
+                         "database-unreachable")
     except Exception as exc:  # any failure to reach the database means "not ready"
         if damaged_sqlite(exc):
             damage = [str(exc)[:200]]
