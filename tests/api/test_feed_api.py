@@ -43,3 +43,26 @@ async def test_a_huge_wait_is_clamped_on_every_feed_route(client, path, wait, si
     r = await client.get(path, params={"wait": wait})
     assert r.status_code == 200, r.text
     assert r.json()["events"]
+
+
+async def test_a_well_formed_cursor_naming_no_event_is_422(client, sid):
+    # A helper's finding: `v1:0:99999999` (well formed, made up) answered an empty page
+    # and itself as `next`, so a reader that saved it waited for ever.
+    from app.store.read import cursor
+
+    await opened(client, sid)
+    page = (await client.get("/v1/events", params={"limit": 1000})).json()
+    assert page["events"]
+    real = page["next"]
+    xid, position = cursor.decode(real, 2)
+    for made_up in (cursor.encode(xid, position + 10**9),  # ahead of the log
+                    cursor.encode(xid + 10**6, position)):  # a transaction it never had
+        for path in ("/v1/events", "/ui/feed"):
+            r = await client.get(path, params={"after": made_up})
+            assert r.status_code == 422, (path, made_up, r.text)
+            assert r.json()["field"] == "after"
+    # What the server gave is taken, here and on the page's long-poll route.
+    for path in ("/v1/events", "/ui/feed"):
+        r = await client.get(path, params={"after": real})
+        assert r.status_code == 200 and r.json()["next"] == real, r.text
+    assert (await client.get("/v1/events", params={"after": ""})).status_code == 200

@@ -32,7 +32,13 @@ def decode(cursor: str | None, arity: int, field: str = "after") -> tuple[int, .
         if tag != "v1" or len(values) != arity or any(not 0 <= v < 2**63 for v in values):
             raise ValueError(text)
     except (ValueError, UnicodeError, binascii.Error):
-        raise InvalidRequest("cursor is not one this server issued", field=field,
-                             expected="a `next` value from a previous page",
-                             actual=cursor[:80]) from None
+        raise not_issued(cursor, field) from None
     return values
+
+
+def not_issued(cursor: str, field: str = "after") -> InvalidRequest:
+    """The refusal of a cursor this server did not issue: malformed, or well formed but
+    naming no event of this store (another store's, a restored backup's, made up)."""
+    return InvalidRequest("cursor is not one this server issued", field=field,
+                          expected="a `next` value from a previous page",
+                          actual=cursor[:80])

@@ -222,6 +222,15 @@ class Reader:
                 query = query.where(fence)
             return list(await conn.execute(query))
 
+    async def _names_an_event(self, at: tuple[int, ...]) -> bool:
+        """A feed cursor names the last event of a page this server gave: an event row
+        (events are never deleted), or the start."""
+        async with self.db.read() as conn:
+            found = (await conn.execute(
+                sa.select(events.c.position)
+                .where(events.c.position == at[1], events.c.xid == at[0]))).first()
+        return found is not None
+
     async def feed_end(self) -> str:
         """The cursor after the last event a reader can see now (`tail` starts there)."""
         async with self.db.read() as conn:
@@ -239,6 +248,10 @@ class Reader:
         """At most `limit` events after the cursor, waiting up to `wait` seconds for one
         (both parsed: `FEED_PAGE`, `parse_wait`)."""
         start = cursor.decode(after, 2)
+        if after and start != cursor.START and not await self._names_an_event(start):
+            # Well formed but made up (or another store's): its page would stay empty
+            # for ever, and a reader that saved it would wait for ever.
+            raise cursor.not_issued(after)
         deadline = time.monotonic() + (wait or 0.0)
         while True:
             wakeup = self.new_events
