@@ -398,3 +398,22 @@ async def test_replay_shows_a_freed_session_as_the_api_does(client, db_url):
                             params={"arrays": "false"})).json()
     assert [s["r3"] for s in report["samples"]["samples"]] == [
         s["r3"] for s in api["samples"]] and api["samples"][0]["r3"]["pruned"] is True
+
+
+async def test_a_turn_repeated_after_its_r3_was_freed_is_a_repeat_not_a_500(client):
+    # A helper's finding: the repeat check decoded the freed patch (ValueError, 500),
+    # so a client's late retry, or a dump imported again, failed after retention.
+    labels = {"run_id": uuid.uuid4().hex}
+    name, (sid,) = await acked(client, labels)
+    events = (await client.get(f"/v1/sessions/{sid}/events")).json()
+    sent = [{"event_id": e["event_id"], "record": e["record"]} for e in events
+            if e["type"] == "turn_recorded"]
+    replies = [(await client.post(f"/v1/sessions/{sid}/turns", json=b)).json() for b in sent]
+    assert (await prune(client, name))["sessions"] == 1
+    for body, reply in zip(sent, replies, strict=True):
+        r = await client.post(f"/v1/sessions/{sid}/turns", json=body)
+        assert r.status_code == 200 and r.json() == reply, r.text
+        # Other content under the same event_id is still a conflict (R3 aside).
+        other = {**body, "record": {**body["record"], "extra": 1}}
+        problem(await client.post(f"/v1/sessions/{sid}/turns", json=other), 409,
+                "idempotency-conflict")

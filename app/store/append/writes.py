@@ -53,6 +53,7 @@ from app.domain.log.events import (
     encode_turn,
     prepare_turn,
     stored_content,
+    without_r3,
 )
 from app.domain.log.tree import Attachment, SessionState
 from app.domain.projection.rows import (
@@ -414,12 +415,18 @@ class Writer:
             .where(events.c.seq == seq)
         )).one()
         patch = (await load_patches(conn, session_id, [seq])).get(seq)
-        b64 = None if patch is None else patch.base64()
+        # R3 retention may have freed the patch since: the rest of the turn decides.
+        freed = patch is not None and patch.freed
+        b64 = None if patch is None or freed else patch.base64()
         prompt = state.nodes[seq].prompt
 
         def same() -> bool:
             first = stored_content(jsonio.loads_stored(event.payload), body.event_id, prompt, b64)
-            return jsonio.strict_equal(first, body.content())
+            sent = body.content()
+            if freed:
+                first["record"], sent["record"] = (without_r3(first["record"]),
+                                                   without_r3(sent["record"]))
+            return jsonio.strict_equal(first, sent)
 
         if not await run(offload, same):
             raise IdempotencyConflict(
