@@ -124,7 +124,7 @@ async def test_jsonl_with_several_sessions(client, db_url, tmp_path):
         assert summary["num_nodes"] == len(dump["records"])
 
 
-async def test_bad_records_are_reported_and_skipped(client, db_url, tmp_path):
+async def test_bad_records_are_reported_and_stop_their_session(client, db_url, tmp_path):
     good = linear_dump("retract", turns=4, seed=4)
     bad = linear_dump("retract", turns=4, seed=5)
     meta = bad["records"][2]["response"]["choices"][0]["meta_info"]
@@ -137,7 +137,7 @@ async def test_bad_records_are_reported_and_skipped(client, db_url, tmp_path):
                                          "--json")
     assert code == 1, output
     assert report["sessions_new"] == 2
-    assert report["turns_imported"] == 4 + 3
+    assert report["turns_imported"] == 4 + 2  # the bad session's records before it
     failures = {(f["session_id"], f["index"]): f for f in report["failures"]}
     assert len(report["failures"]) == 4
     record = failures[(bad["session_id"], 2)]
@@ -150,11 +150,13 @@ async def test_bad_records_are_reported_and_skipped(client, db_url, tmp_path):
     unreadable = [f for f in report["failures"] if f["session_id"] is None]
     assert [f["source"].rsplit(":", 1)[1] for f in unreadable] == ["4", "5"]
 
-    # The records after the bad one still landed; the bad one left no trace.
+    # The records after the bad one continue it: they wait for it (appended without
+    # it they would hang off an earlier turn); the bad one left no trace.
+    assert record["not_imported"] == 1 and "import the dump again" in record["detail"]
     turns = [e for e in await events_of(client, bad["session_id"])
              if e["type"] == "turn_recorded"]
     assert [e["event_id"] for e in turns] == [event_id(bad["session_id"], i)
-                                              for i in (0, 1, 3)]
+                                              for i in (0, 1)]
     assert (await client.get(f"/v1/sessions/{no_layers['session_id']}")).status_code == 404
 
     # The human summary names the failures too.

@@ -250,9 +250,20 @@ async def import_dump(writer: Writer, dump: Dump, options: ImportOptions,
         try:
             written = await writer.append_turn(str(sid), turn_body(dump, index))
         except DomainError as exc:
-            report.failures.append(Failure(dump.source, sid, index, exc.problem()))
+            # The records after a rejected one continue it: appended without it they
+            # would hang off an earlier turn (a v1 session branched where it was
+            # linear), and the fixed dump imported again would append it after them.
+            # So the session stops here; the fixed dump then goes on from here.
+            problem = exc.problem()
+            later = len(dump.records) - index - 1
+            if later:
+                problem["detail"] = (f"{problem['detail']} (records {index + 1}-"
+                                     f"{len(dump.records) - 1}, which continue it, were not "
+                                     "imported: fix this record and import the dump again)")
+                problem["not_imported"] = later
+            report.failures.append(Failure(dump.source, sid, index, problem))
             rejected += 1
-            continue
+            break
         if written.created:
             report.turns_imported += 1
         else:

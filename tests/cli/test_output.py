@@ -246,3 +246,44 @@ def test_option_help_says_what_the_option_does_for_its_command():
     for command in (("consumers", "list"), ("consumers", "show")):
         text = help_text(*command)
         assert "a read token will do" in text and "write token" not in text, command
+
+
+async def test_a_fixed_dump_imported_again_is_the_session_a_clean_import_makes(client, db_url,
+                                                                              tmp_path):
+    # A helper's finding: the records after a rejected one were appended anyway (a v1
+    # session's record 2 hung off record 0), and the fixed dump imported again
+    # appended record 1 after them: a branched tree and a wrong sample, exit 0.
+    import asyncio
+    import copy
+
+    from tests.test_import_export import linear_dump, write_json
+
+    good = linear_dump("retract", turns=4, seed=12)
+    clean_sid = good["session_id"]
+    bad = copy.deepcopy(good)
+    bad["session_id"] = fixed_sid = clean_sid + "-fixed"
+    bad["records"][1]["request"]["input_ids"] = "abc"
+    fixed = {**copy.deepcopy(good), "session_id": fixed_sid}
+
+    result = await asyncio.to_thread(run, "import", str(write_json(tmp_path / "b.json", bad)),
+                                     "--close", "--json", "--database-url", db_url)
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1 and report["left_open"] == [fixed_sid], result.output
+    (failure,) = report["failures"]
+    assert failure["index"] == 1 and failure["not_imported"] == 2
+    assert report["turns_imported"] == 1  # record 0; none after the rejected one
+    for dump, name in ((fixed, "f.json"), (good, "g.json")):
+        result = await asyncio.to_thread(run, "import", str(write_json(tmp_path / name, dump)),
+                                         "--close", "--json", "--database-url", db_url)
+        assert result.exit_code == 0, result.output
+
+    def shape(summary):
+        return [(n["seq"], n["parent"]) for n in summary["tree"]]
+
+    fixed_summary = (await client.get(f"/v1/sessions/{fixed_sid}")).json()
+    clean_summary = (await client.get(f"/v1/sessions/{clean_sid}")).json()
+    assert shape(fixed_summary) == shape(clean_summary) == [(0, None), (1, 0), (2, 1), (3, 2)]
+    samples = [(await client.get(f"/v1/sessions/{sid}/samples")).json()["samples"]
+               for sid in (fixed_sid, clean_sid)]
+    assert [(s["tokens"], s["loss_mask"]) for s in samples[0]] == \
+        [(s["tokens"], s["loss_mask"]) for s in samples[1]]
