@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -92,9 +93,51 @@ def _console(stream: IO[str]) -> Console:
                     no_color=not tty or None)
 
 
+class _WholeWrites(io.TextIOBase):
+    """Results written to stdout's descriptor with `os.write`, each write whole.
+
+    When the reader of a pipe goes away during a large write (`turnlog sessions |
+    head -1`), the kernel returns the part it took; CPython's buffered stdout then
+    drops the rest and reports success, so the command exited 0 with its output cut.
+    Here the next `os.write` raises BrokenPipeError, which ends the command with 141.
+    """
+
+    def __init__(self, stream: io.TextIOBase | IO[str]) -> None:
+        self.stream = stream
+        self.fd = stream.fileno()
+        self.codec = getattr(stream, "encoding", None) or "utf-8"
+        self.codec_errors = getattr(stream, "errors", None) or "strict"
+
+    def write(self, text: str) -> int:
+        self.stream.flush()  # what was printed before comes first
+        view = memoryview(text.encode(self.codec, self.codec_errors))
+        while view:
+            view = view[os.write(self.fd, view):]
+        return len(text)
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.fd
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.codec
+
+
+def results() -> IO[str]:
+    """Where results go: stdout, written whole (`_WholeWrites`) where it is a file
+    descriptor (a test runner's captured stdout is not)."""
+    try:
+        return _WholeWrites(sys.stdout)  # type: ignore[return-value]
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation included
+        return sys.stdout
+
+
 def out() -> Console:
     """Results: stdout (a script pipes this)."""
-    return _console(sys.stdout)
+    return _console(results())
 
 
 def err() -> Console:
@@ -117,7 +160,10 @@ def warn(message: str) -> None:
 def echo_json(value: Any) -> None:
     from app.domain.wire import jsonio
 
-    typer.echo(jsonio.dumps_bytes(value).decode() if not isinstance(value, str) else value)
+    text = jsonio.dumps_bytes(value).decode() if not isinstance(value, str) else value
+    stream = results()
+    stream.write(text + "\n")
+    stream.flush()
 
 
 # -- the database ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ checked before migrating; `make clean` keeps the event log."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sqlite3
 import subprocess
@@ -182,6 +183,34 @@ def test_a_real_pipe_closed_early_ends_with_141_and_nothing_on_stderr(tmp_path):
         code = proc.wait(timeout=120)
     assert code == 141, stderr
     assert "error" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_reader_gone_during_one_large_write_is_141_not_0(tmp_path, as_json):
+    """A helper's finding: `turnlog sessions | head -1` exited 0 when the output was
+    one large write. The kernel took part of it before the reader left; CPython's
+    buffered stdout dropped the rest and reported success. (A pipe of 4 KB here, so a
+    few sessions' listing is such a write.)"""
+    import fcntl
+
+    url = sqlite_file(tmp_path)
+    demo = run("demo", "--sessions", "80", "--database-url", url)
+    assert demo.exit_code == 0, demo.output
+    command = [sys.executable, "-m", "app", "sessions", "--limit", "80", "--database-url", url,
+               *(["--json"] if as_json else [])]
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, 1031, 4096)  # F_SETPIPE_SZ: the output is more than the pipe
+    with subprocess.Popen(command, cwd=ROOT, stdout=write_end,
+                          stderr=subprocess.PIPE) as proc:
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as reader:
+            taken = reader.read(100)  # the reader goes away, as `head -c 100` does
+        assert proc.stderr is not None
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    assert len(taken) == 100
+    assert code == 141, stderr
+    assert "Traceback" not in stderr, stderr
 
 
 def test_an_export_into_a_missing_folder_names_out_not_the_database(tmp_path):
