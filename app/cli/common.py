@@ -345,7 +345,9 @@ def describe_failure(exc: BaseException) -> str:
     from app.domain.errors import DomainError
 
     where = mask(_last_url[0]) if _last_url else "the database"
-    if isinstance(exc, CliError):
+    from app.store.engine.migrate import NotTurnlogDatabase
+
+    if isinstance(exc, CliError | NotTurnlogDatabase):
         return str(exc)
     if isinstance(exc, DomainError):
         return exc.detail

@@ -84,3 +84,29 @@ async def test_turn_payload_is_compressed_with_lz4(db_url, backend):
     assert (await payload_compression(db_url, backend == "citus"))[1] == {""}
     await migrate.upgrade_async(db_url)
     assert (await payload_compression(db_url, backend == "citus"))[1] == {"l"}
+
+
+async def execute(url, statement):
+    engine = create_async_engine(url)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(statement))
+    await engine.dispose()
+
+
+async def test_a_database_with_turnlog_named_tables_but_no_version_is_refused_untouched(
+        empty_url):
+    # A helper's finding: a file with another `events` table was half-migrated (its
+    # SQLite DDL not transactional): `sessions` created, then "table events already
+    # exists", and no turnlog command could go on from there.
+    await execute(empty_url, "CREATE TABLE events (id integer primary key, x text)")
+    with pytest.raises(migrate.NotTurnlogDatabase, match="tables named as turnlog's"):
+        await migrate.upgrade_async(empty_url)
+    assert await table_names(empty_url) == {"events"}  # nothing written
+
+
+async def test_a_sqlite_file_of_other_tables_is_refused_untouched(fresh_database):
+    url = fresh_database("sqlite")
+    await execute(url, "CREATE TABLE mine (x text)")
+    with pytest.raises(migrate.NotTurnlogDatabase, match="not turnlog's"):
+        await migrate.upgrade_async(url)
+    assert await table_names(url) == {"mine"}

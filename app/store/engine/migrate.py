@@ -42,6 +42,40 @@ def current_revision(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
+class NotTurnlogDatabase(Exception):
+    """A database the migrations must not write into (`foreign_tables` says why)."""
+
+
+def foreign_tables(connection: Connection) -> str | None:
+    """Why a database without a turnlog schema version must not be migrated, or None.
+
+    Tables named as turnlog's there: another application's database, or a turnlog
+    migration that stopped midway (SQLite's DDL is not transactional), which the
+    next run could only fail on ("table sessions already exists"), half-written.
+    A SQLite file holding other tables: most likely the wrong file. (A PostgreSQL
+    database may be shared with other applications' tables.)
+    """
+    import sqlalchemy as sa
+
+    from app.store.engine.schema import metadata
+
+    if current_revision(connection) is not None:
+        return None
+    names = set(sa.inspect(connection).get_table_names())
+    clash = sorted(names & set(metadata.tables))
+    if clash:
+        return (f"the database has tables named as turnlog's ({', '.join(clash[:4])}) but "
+                "no turnlog schema version: another application's database, or a turnlog "
+                "migration that stopped midway; restore it from a backup, or use a new "
+                "database")
+    other = sorted(n for n in names if n != "alembic_version" and not n.startswith("sqlite_"))
+    if connection.dialect.name == "sqlite" and other:
+        return (f"the SQLite file holds tables that are not turnlog's "
+                f"({', '.join(other[:4])}): point --database-url (TURNLOG_DATABASE_URL) at "
+                "a new file, or at turnlog's own")
+    return None
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     with _lock:
         command.upgrade(config(url), revision)

@@ -37,10 +37,20 @@ def do_run_migrations(connection: Connection) -> None:
 
 
 async def run_async_migrations(url: str) -> None:
+    from app.store.engine.migrate import NotTurnlogDatabase, foreign_tables
+
     engine = create_async_engine(url, poolclass=pool.NullPool)
-    async with engine.connect() as connection:
-        await connection.run_sync(do_run_migrations)
-    await engine.dispose()
+    try:
+        # Judged on a connection of its own (its reads end with it), before anything
+        # is written: a database that is not turnlog's is left as it was.
+        async with engine.connect() as connection:
+            refusal = await connection.run_sync(foreign_tables)
+        if refusal is not None:
+            raise NotTurnlogDatabase(refusal)
+        async with engine.connect() as connection:
+            await connection.run_sync(do_run_migrations)
+    finally:
+        await engine.dispose()
 
 
 def run_migrations_online() -> None:
