@@ -132,6 +132,7 @@ async def _run_rebuild(url: str, session: str | None, gauges: RebuildProgress,
             return await run_rebuild(db, only, advance,
                                      start_after=None if resume is None else resume.last_id,
                                      before=None if resume is None else resume.before,
+                                     mark=None if resume is None else resume.mark,
                                      on_batch=saved.save, parallel=parallel)
     finally:
         await db.dispose()

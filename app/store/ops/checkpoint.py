@@ -1,8 +1,10 @@
 """The resume protocol of a rebuild: where an interrupted `turnlog rebuild` stands.
 
 A checkpoint file holds the run's key (the database URL without its password,
-and the session asked for), the id of the last session rebuilt and the
-checksums taken when the run first started. It is written whole after each
+and the session asked for), the id of the last session rebuilt, and the
+checksums and the count of events (`log_mark`) taken when the run first
+started: events appended between the interruption and the resume are then
+counted as written during the rebuild, not taken for a difference. It is written whole after each
 batch (`rebuild`'s `on_batch`) and then renamed over the previous one, so an
 interruption never leaves half a checkpoint; a run of the same database and
 session resumes from it, compared against those first checksums, and a
@@ -34,6 +36,9 @@ class Resume:
 
     last_id: int
     before: dict[str, str] | None
+    # The events in scope when the run first started (None: a checkpoint written
+    # before this was kept; the resume counts from its own start then).
+    mark: int | None = None
 
 
 class Checkpoint:
@@ -50,12 +55,13 @@ class Checkpoint:
         saved = json.loads(self.path.read_text())
         if saved.get("key") != self.key:
             return None
-        return Resume(saved["last_id"], saved.get("before"))
+        return Resume(saved["last_id"], saved.get("before"), saved.get("mark"))
 
-    def save(self, last_id: int, before: dict[str, str]) -> None:
+    def save(self, last_id: int, before: dict[str, str], mark: int | None = None) -> None:
         # Written whole then renamed: an interruption never leaves half a checkpoint.
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "last_id": last_id, "before": before}))
+        tmp.write_text(json.dumps({"key": self.key, "last_id": last_id, "before": before,
+                                   "mark": mark}))
         tmp.replace(self.path)
 
     def remove(self) -> None:

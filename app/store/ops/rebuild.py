@@ -222,18 +222,21 @@ async def rebuild(
     *,
     start_after: int | None = None,
     before: dict[str, str] | None = None,
-    on_batch: Callable[[int, dict[str, str]], None] | None = None,
+    mark: int | None = None,
+    on_batch: Callable[[int, dict[str, str], int], None] | None = None,
     batch_sessions: int = BATCH_SESSIONS,
     parallel: int = PARALLEL_BATCHES,
 ) -> RebuildReport:
     """Rebuild every session (or one), checksummed before and after.
 
-    Resuming: `start_after` is the last `sessions.id` already rebuilt and `before`
-    the checksums taken when the interrupted run began; `on_batch(last_id,
-    before)` is called once every batch up to `last_id` has committed, so a caller
-    can persist both. On PostgreSQL `parallel` batches run at once, each on its
-    own connection (their sessions are disjoint; while one batch waits for the
-    server another folds); SQLite has one writer and runs them one by one.
+    Resuming: `start_after` is the last `sessions.id` already rebuilt, `before`
+    the checksums and `mark` the count of events (`log_mark`) taken when the
+    interrupted run began; `on_batch(last_id, before, mark)` is called once every
+    batch up to `last_id` has committed, so a caller can persist them. Events
+    appended while the run was interrupted are then counted in `changed`. On
+    PostgreSQL `parallel` batches run at once, each on its own connection (their
+    sessions are disjoint; while one batch waits for the server another folds);
+    SQLite has one writer and runs them one by one.
     """
     if session_id is not None:
         async with db.read() as conn:
@@ -244,7 +247,8 @@ async def rebuild(
         keys = await session_keys(db)
         scope = None
     total = len(keys)
-    mark = await log_mark(db, scope)
+    if mark is None or before is None:  # a run from the start (or an old checkpoint)
+        mark = await log_mark(db, scope)
     if before is None:
         before = await checksums(db, scope)
     todo = keys if start_after is None else [k for k in keys if k[0] > start_after]
@@ -260,7 +264,7 @@ async def rebuild(
                                for batch in wave))
         done += sum(map(len, wave))
         if on_batch is not None:
-            on_batch(wave[-1][-1][0], before)
+            on_batch(wave[-1][-1][0], before, mark)
         if progress is not None:
             progress(done, total)
     after = await checksums(db, scope)
