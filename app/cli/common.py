@@ -225,6 +225,12 @@ def check_database(url: str, *, creating: bool = False) -> None:
     if path is not None:
         if not path.parent.is_dir():
             raise CliError(f"no directory {path.parent} for the SQLite database")
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            # SQLite (in WAL mode, as turnlog keeps it) writes `-wal` and `-shm` files
+            # beside the database even to read it: "unable to open database file".
+            raise CliError(f"the folder {path.parent} is not writable: SQLite writes its "
+                           f"-wal and -shm files beside {path.name}, even to read it (copy "
+                           "the file to a writable folder)")
         if not path.exists():
             if creating:
                 err().print(f"creating a new SQLite database at {escape(str(path))}")

@@ -285,3 +285,17 @@ def test_help_into_a_reader_that_stops_early_ends_with_141(args):
         code = proc.wait(timeout=60)
     assert code == 141, stderr
     assert "Traceback" not in stderr, stderr
+
+
+def test_a_database_in_a_read_only_folder_says_why_it_cannot_be_opened(tmp_path, monkeypatch):
+    # A helper's finding (a read-only mount): every command said "unable to open database
+    # file". SQLite in WAL mode writes -wal and -shm files beside the file, even to read.
+    import app.cli.common as common
+
+    url = sqlite_file(tmp_path)
+    assert run("migrate", "--database-url", url).exit_code == 0
+    real = os.access
+    monkeypatch.setattr(common.os, "access",
+                        lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    line = one_error_line(run("sessions", "--database-url", url))
+    assert f"the folder {tmp_path} is not writable" in line and "-shm" in line
