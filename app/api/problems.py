@@ -12,6 +12,7 @@ import structlog
 from asyncpg.exceptions import (
     InsufficientResourcesError,
     InternalClientError,
+    InternalServerError,
     OperatorInterventionError,
 )
 from fastapi import FastAPI, Request
@@ -43,6 +44,12 @@ SQLITE_DAMAGE = ("malformed", "not a database", "corrupt")
 # driver read the socket's end. Any other InternalClientError is a bug (500).
 BROKEN_PROTOCOL = ("cannot switch to state", "protocol is in an unexpected state",
                    "unknown error in protocol implementation")
+# What Citus's coordinator says (SQLSTATE XX000, "internal error") when a worker node it
+# needs went away mid-statement or at commit: the node is lost, not the statement bad.
+# Retrying is safe (every write is idempotent), and the outcome may be that it landed.
+CITUS_NODE_LOST = ("at least one active node", "connection to the remote node",
+                   "could not establish any connections to the node",
+                   "failed to commit transaction on", "remote transaction")
 # Failures that mean "the database cannot answer now": each gets the 503 handler,
 # which still answers 500 for anything `database_unavailable` does not recognize.
 UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
@@ -213,6 +220,9 @@ def database_unavailable(exc: BaseException) -> bool:
             return True
         if isinstance(current, InternalClientError) and any(
                 sign in str(current) for sign in BROKEN_PROTOCOL):
+            return True
+        if isinstance(current, InternalServerError) and any(
+                sign in str(current) for sign in CITUS_NODE_LOST):
             return True
     return False
 

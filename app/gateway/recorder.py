@@ -325,7 +325,12 @@ class Recorder:
         """Write a turn (with how to open its session), a close or a reward to the spool:
         SPOOLED, or SPOOL_FULL."""
         try:
-            await self.spool.add_async(session_id, body, open_body, kind)
+            try:
+                await self.spool.add_async(session_id, body, open_body, kind)
+            finally:
+                # Also when the caller was cancelled: the spool finishes a write it began,
+                # and the drainer must not sleep on it.
+                self.wake.set()
         except SpoolFull as exc:
             log.error("spool full: not spooled", kind=kind, session_id=session_id,
                       detail=str(exc))
@@ -339,7 +344,6 @@ class Recorder:
         if kind != TURN:
             log.info("close or reward spooled behind the session's spooled writes", kind=kind,
                      session_id=session_id)
-        self.wake.set()
         return SPOOLED
 
     # -- closes and rewards handed to the gateway ---------------------------------------

@@ -23,6 +23,7 @@ Refuses: deciding what to spool or when to drain (app.gateway.recorder).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import time
@@ -122,6 +123,8 @@ class Spool:
         self.per_session: dict[str, Counter[str]] = {}
         self.next_sequence = 0
         self._writing = asyncio.Lock()  # `add_async`: one write at a time, in order
+        # Per session, its writes `add_async` has taken and not yet tracked, by kind.
+        self._pending: dict[str, Counter[str]] = {}
         try:
             self._load()
         except BaseException:
@@ -178,11 +181,14 @@ class Spool:
         return self._kinds(session_id)[CLOSE] > 0
 
     def holds(self, session_id: str) -> bool:
-        """Whether writes of this session wait here (its next ones must queue behind them)."""
-        return session_id in self.per_session
+        """Whether writes of this session wait here (its next ones must queue behind them),
+        those being written (`add_async`) included."""
+        return session_id in self.per_session or session_id in self._pending
 
     def _kinds(self, session_id: str) -> Counter[str]:
-        return self.per_session.get(session_id) or Counter()
+        """This session's writes by kind: on disk, and being written."""
+        return (self.per_session.get(session_id) or Counter()) + \
+            (self._pending.get(session_id) or Counter())
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -202,22 +208,38 @@ class Spool:
                         open_body: dict[str, Any] | None, kind: str = TURN) -> Spooled:
         """`add`, with the encoding, the write and the fsyncs on a worker thread: a few
         MB turn's take milliseconds, on the event loop every session's relaying
-        shares, and a store outage sends every turn here. One write at a time, so
-        the writes are tracked (and drained) in the order of their sequence numbers;
-        once begun, a write is finished and tracked even if its caller is cancelled
-        (its file on disk would otherwise be drained after the next restart only)."""
-        prepared = await anyio.to_thread.run_sync(_prepare, session_id, body, open_body, kind)
-        async with self._writing:
-            sequence = self._reserve(prepared)
-            written = asyncio.ensure_future(self._written(sequence, prepared))
-            try:
-                return await asyncio.shield(written)
-            except asyncio.CancelledError:
-                # The write goes on, and holds the next back until it is tracked.
-                await asyncio.wait({written})
-                raise
+        shares, and a store outage sends every turn here.
 
-    async def _written(self, sequence: int, prepared: _Prepared) -> Spooled:
+        In call order, one at a time (the lock is the first thing awaited, and
+        asyncio's lock is first come, first served), so a session's writes are
+        numbered, tracked and drained in the order they were made. From the call
+        on, the write counts as held (`holds`, `count_writes`): the session's next
+        writes queue behind it, as behind a write on disk. Once begun, a write is
+        finished and tracked even if its caller is cancelled (its file would
+        otherwise be drained only after a restart)."""
+        pending = self._pending.setdefault(session_id, Counter())
+        pending[kind] += 1
+        try:
+            async with self._writing:
+                written = asyncio.ensure_future(self._written(session_id, body, open_body,
+                                                              kind))
+                try:
+                    return await asyncio.shield(written)
+                except asyncio.CancelledError:
+                    # The write goes on, and holds the next back until it is tracked.
+                    while not written.done():
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.shield(written)
+                    raise
+        finally:
+            pending[kind] -= 1
+            if not +pending:
+                self._pending.pop(session_id, None)
+
+    async def _written(self, session_id: str, body: dict[str, Any],
+                       open_body: dict[str, Any] | None, kind: str) -> Spooled:
+        prepared = await anyio.to_thread.run_sync(_prepare, session_id, body, open_body, kind)
+        sequence = self._reserve(prepared)
         await anyio.to_thread.run_sync(self._write, sequence, prepared.data)
         return self._track_new(sequence, prepared)
 

@@ -136,3 +136,33 @@ async def test_an_unreachable_database_is_still_503(tmp_path):
         r = await http.get("/v1/sessions")
     assert r.status_code == 503 and r.json()["type"] == "urn:turnlog:unavailable", r.text
     await app.state.services.db.dispose()
+
+
+@pytest.mark.parametrize(("message", "status"), [
+    # Citus's coordinator when a worker went away at commit (a Citus helper's finding:
+    # these were 500s, though the write may have landed and a retry is safe).
+    ("could not commit transaction for shard 102008 on at least one active node", 503),
+    ("connection to the remote node localhost:19711 failed with the following error", 503),
+    # Any other internal error is a bug, not the database gone.
+    ("cache lookup failed for relation 12345", 500),
+])
+async def test_a_citus_node_lost_is_503_unavailable_other_internal_errors_500(
+        settings, message, status):
+    import asyncpg
+    import httpx
+
+    from app.main import create_app
+
+    app = create_app(settings)
+
+    @app.get("/test-internal")
+    async def internal() -> None:
+        raise asyncpg.exceptions.InternalServerError(message)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(
+            app=app, raise_app_exceptions=False), base_url="http://turnlog") as http:
+        r = await http.get("/test-internal")
+    assert r.status_code == status, r.text
+    if status == 503:
+        assert r.json()["type"] == "urn:turnlog:unavailable" and r.headers["retry-after"]
+    await app.state.services.db.dispose()

@@ -30,7 +30,7 @@ def test_typed_filters(text, pairs):
     assert parse_label_filter_text(text) == pairs
 
 
-@pytest.mark.parametrize("text", ["novalue", "=v", 'k="open', "a=[1,2]"])
+@pytest.mark.parametrize("text", ["novalue", "=v", 'k="open', "a=[1,2]", 'a="\\ud800"'])
 def test_a_pair_without_a_key_and_value_is_refused_naming_labels(text):
     with pytest.raises(InvalidRequest) as refused:
         parse_label_filter_text(text)

@@ -213,3 +213,20 @@ def test_the_scalar_bound_is_exact_when_every_other_value_is_one_byte(limit_over
             width.check_msgpack(raw, limit, bin_bytes)
     else:
         width.check_msgpack(raw, limit, bin_bytes)
+
+
+def test_a_msgpack_refusal_names_a_value_of_the_kind_it_refused():
+    # A review's finding: the refusal named the first faulty value of any kind (a bin
+    # at metadata.x.b) while its detail spoke of another (the NaN at `reward`).
+
+
+    from app.domain.errors import InvalidRequest
+    from app.domain.wire import msgpackio
+
+    body = {"event_id": "e", "metadata": {"x": {"b": b"xx"}}, "reward": float("nan")}
+    try:
+        msgpackio.loads(msgspec.msgpack.encode(body))
+    except InvalidRequest as refused:
+        assert "non-finite" in refused.detail and refused.field == "reward"
+    else:
+        raise AssertionError("a NaN was accepted")

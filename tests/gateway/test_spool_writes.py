@@ -98,3 +98,50 @@ async def test_a_full_spool_refuses_an_async_write(tmp_path: Path) -> None:
             == [f"{0:020d}.turn"]
     finally:
         spool.close()
+
+
+async def test_writes_are_numbered_in_call_order_and_held_from_the_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A review's finding: the encoding ran before the order was taken, so a turn slow
+    # to encode was numbered after the close sent behind it (drained first, the turn
+    # then refused by the closed session); and until its file was on disk the
+    # session did not count as held, so its next turn could go straight to the store.
+    real = spool_module._prepare
+    slow = {"turn"}
+
+    def prepare(session_id, body, open_body, kind):  # type: ignore[no-untyped-def]
+        if kind in slow:
+            time.sleep(0.2)
+        return real(session_id, body, open_body, kind)
+
+    monkeypatch.setattr(spool_module, "_prepare", prepare)
+    spool = Spool(tmp_path / "spool", 1 << 30)
+    try:
+        turn_write = asyncio.create_task(spool.add_async("s", body(0), None))
+        await asyncio.sleep(0)
+        assert spool.holds("s") and spool.count_turns("s") == 1  # held from the call
+        close_write = asyncio.create_task(spool.add_async("s", {"metadata": {}}, None, CLOSE))
+        await asyncio.sleep(0.01)
+        await asyncio.gather(turn_write, close_write)
+        assert [(e.sequence, e.kind) for e in spool.entries] == [(0, "turn"), (1, "close")]
+        assert spool.count_turns("s") == 1 and spool.count_writes("s") == 2
+    finally:
+        spool.close()
+
+
+async def test_a_write_cancelled_twice_still_lands_before_the_next(tmp_path: Path,
+                                                                   slow_disk: None) -> None:
+    spool = Spool(tmp_path / "spool", 1 << 30)
+    try:
+        first = asyncio.create_task(spool.add_async("s", body(0), None))
+        second = asyncio.create_task(spool.add_async("s", body(1), None))
+        await asyncio.sleep(FSYNC_S / 2)
+        first.cancel()
+        await asyncio.sleep(FSYNC_S / 4)
+        first.cancel()  # again, while it waits for its write
+        await asyncio.gather(first, second, return_exceptions=True)
+        assert first.cancelled()
+        assert [(e.sequence, e.event_id) for e in spool.entries] == [(0, "e0"), (1, "e1")]
+        assert not spool.holds("other")
+    finally:
+        spool.close()

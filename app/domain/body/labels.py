@@ -122,8 +122,9 @@ def parse_label_filter_text(text: str, field_name: str = "labels") -> list[tuple
         if at < end and text[at] == '"':
             try:
                 value, at = _JSON_STRING.raw_decode(text, at)
-            except ValueError:
-                raise refused("a quoted value is not closed (or not a JSON string)",
+                value.encode("utf-8")  # a lone surrogate escape (`"\ud800"`) is no text
+            except (ValueError, UnicodeEncodeError):
+                raise refused("a quoted value is not closed (or not a JSON string of text)",
                               text[stop + 1:]) from None
         else:
             stop = at

@@ -23,6 +23,7 @@ or more) is used where it lies, as a read-only view. The value is the same as th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, compress
 from typing import Any, NoReturn
@@ -51,11 +52,33 @@ _IS_DICT = frozenset({dict}).__contains__
 _IS_FLOAT = frozenset({float}).__contains__
 
 
-def _invalid(why: str, actual: Any) -> InvalidRequest:
-    return InvalidRequest(f"body is not valid MessagePack here: {why}", field="body",
-                          expected="a MessagePack map with string keys, finite floats, "
-                                   "no ext types and bin only as routed_experts",
-                          actual=actual)
+class _Refused(InvalidRequest):
+    """`_check`'s refusal, with what it refused (`offends`, asked of one value), so the
+    field where such a value first stands can be named (`_named`)."""
+
+    offends: Callable[[Any], bool] | None = None
+
+
+def _invalid(why: str, actual: Any,
+             offends: Callable[[Any], bool] | None = None) -> InvalidRequest:
+    refusal = _Refused(f"body is not valid MessagePack here: {why}", field="body",
+                       expected="a MessagePack map with string keys, finite floats, "
+                                "no ext types and bin only as routed_experts",
+                       actual=actual)
+    refusal.offends = offends
+    return refusal
+
+
+def _not_allowed(value: Any) -> bool:
+    return type(value) not in _VALUES
+
+
+def _non_finite(value: Any) -> bool:
+    return type(value) is float and not math.isfinite(value)
+
+
+def _key_not_text(value: Any) -> bool:
+    return type(value) is dict and any(type(key) is not str for key in value)
 
 
 def _reject_ext(code: int, _data: memoryview) -> NoReturn:
@@ -222,19 +245,14 @@ def loads(raw: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
     return value
 
 
-def _offends(value: Any) -> bool:
-    """What `_check` refuses, asked of one value: a type MessagePack may not carry
-    here (a bin out of place), a non-finite float, a map with a key not a string."""
-    kind = type(value)
-    return kind not in _VALUES or (kind is float and not math.isfinite(value)) or \
-        (kind is dict and any(type(key) is not str for key in value))
-
-
 def _named(error: InvalidRequest, value: Any) -> InvalidRequest:
     """`error` naming the field where the refused value stands, as the JSON path's
     errors do (`record.response.choices[0].meta_info.output_token_logprobs[0][0]`);
     found by a second walk, on this error path only. A body too deep stays `body`."""
-    found = first_path(value, _offends)
+    offends = getattr(error, "offends", None)
+    if offends is None:  # too deep, or not MessagePack at all: the body as a whole
+        return error
+    found = first_path(value, offends)  # the first such value, in document order
     if found is None or not found[0]:
         return error
     field = found[0]
@@ -383,9 +401,9 @@ def _check(value: Any) -> None:
     """
     if type(value) not in _VALUES:
         name = "bin" if type(value) is bytes else type(value).__name__
-        raise _invalid(f"{name} is not allowed here", name)
+        raise _invalid(f"{name} is not allowed here", name, _not_allowed)
     if type(value) is float and not math.isfinite(value):  # a bare NaN document
-        raise _invalid("non-finite float", "NaN or Infinity")
+        raise _invalid("non-finite float", "NaN or Infinity", _non_finite)
     containers = [value] if type(value) is dict or type(value) is list else []
     level = 0
     while containers:
@@ -397,14 +415,15 @@ def _check(value: Any) -> None:
             keys = set(map(type, chain.from_iterable(dicts)))
             if keys and keys != {str}:
                 bad = next(k for k in chain.from_iterable(dicts) if type(k) is not str)
-                raise _invalid("map keys must be strings", f"{type(bad).__name__} key")
+                raise _invalid("map keys must be strings", f"{type(bad).__name__} key",
+                               _key_not_text)
         children, kinds, leaves, rows = level_of(containers)
         if not kinds <= _VALUES:
             kind = next(iter(kinds - _VALUES))
             name = "bin" if kind is bytes else kind.__name__
-            raise _invalid(f"{name} is not allowed here", name)
+            raise _invalid(f"{name} is not allowed here", name, _not_allowed)
         if float in kinds and not _all_finite(children, leaves):
-            raise _invalid("non-finite float", "NaN or Infinity")
+            raise _invalid("non-finite float", "NaN or Infinity", _non_finite)
         if rows and level == MAX_DEPTH:  # lists of finite numbers, one level too deep
             raise _too_deep()
         if dict not in kinds and list not in kinds:
