@@ -35,7 +35,7 @@ from app.main import create_app
 from app.settings import Settings
 from app.store.engine import migrate
 from tests.factory import open_body, turn
-from tests.pg.stoppable import stoppable_cluster
+from tests.pg.stoppable import migrated_stoppable_cluster
 
 
 def app_client(url: str) -> tuple[Any, httpx.AsyncClient]:
@@ -76,12 +76,7 @@ async def test_a_frozen_postgres_makes_readyz_not_ready_within_its_bound(monkeyp
     from app.api.routes import health
 
     monkeypatch.setattr(health, "READY_TIMEOUT_S", 1.0, raising=False)
-    try:
-        cluster = await asyncio.to_thread(stoppable_cluster)
-    except RuntimeError as exc:
-        pytest.fail(f"PostgreSQL binaries are required for this fault test: {exc}")
-    try:
-        await migrate.upgrade_async(cluster.url)
+    async with migrated_stoppable_cluster() as cluster:
         app, http = app_client(cluster.url)
         assert (await http.get("/readyz")).status_code == 200
         cluster.freeze()
@@ -102,19 +97,12 @@ async def test_a_frozen_postgres_makes_readyz_not_ready_within_its_bound(monkeyp
             await asyncio.sleep(0.2)
         await http.aclose()
         await app.state.services.db.dispose()
-    finally:
-        await asyncio.to_thread(cluster.remove)
 
 
 # -- 4. PostgreSQL stopped ------------------------------------------------------------------
 
 async def test_a_stopped_postgres_is_503_with_retry_after_and_no_tracebacks():
-    try:
-        cluster = await asyncio.to_thread(stoppable_cluster)
-    except RuntimeError as exc:
-        pytest.fail(f"PostgreSQL binaries are required for this fault test: {exc}")
-    try:
-        await migrate.upgrade_async(cluster.url)
+    async with migrated_stoppable_cluster() as cluster:
         app, http = app_client(cluster.url)
         sid = f"pg-{uuid.uuid4().hex}"
         await fill(http, [sid])
@@ -158,8 +146,6 @@ async def test_a_stopped_postgres_is_503_with_retry_after_and_no_tracebacks():
         assert r.status_code == 201, r.text
         await http.aclose()
         await app.state.services.db.dispose()
-    finally:
-        await asyncio.to_thread(cluster.remove)
 
 
 # -- 10. a damaged SQLite file ------------------------------------------------------------

@@ -29,7 +29,7 @@ from tests.gateway_e2e.checks import Router, check_samples, open_body
 from tests.gateway_e2e.conftest import store_at
 from tests.gateway_e2e.scenarios import play_v1, play_v2
 from tests.gateway_e2e.session_driver import SessionDriver
-from tests.pg.stoppable import stoppable_cluster
+from tests.pg.stoppable import migrated_stoppable_cluster
 
 ROUTER = Router()
 # Turns the first session records before the store fails.
@@ -83,15 +83,8 @@ async def store_with_fault(kind: str, tmp_path: Path
         lock = SqliteLock(path)
         yield url, lock.fail, lock.recover
         return
-    try:
-        cluster = await asyncio.to_thread(stoppable_cluster)
-    except RuntimeError as exc:
-        pytest.fail(f"PostgreSQL binaries are required for this fault test: {exc}")
-    try:
-        await migrate.upgrade_async(cluster.url)
+    async with migrated_stoppable_cluster() as cluster:
         yield cluster.url, lambda: cluster.stop("immediate"), cluster.start
-    finally:
-        await asyncio.to_thread(cluster.remove)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])

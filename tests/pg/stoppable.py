@@ -6,10 +6,12 @@ client's URL stays valid across the outage.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shlex
 import signal
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,3 +95,22 @@ def stoppable_cluster() -> StoppableCluster:
         return StoppableCluster(start_cluster(SETTINGS))
     except Unavailable as exc:
         raise RuntimeError(f"no PostgreSQL binaries for a private cluster: {exc}") from exc
+
+
+@contextlib.asynccontextmanager
+async def migrated_stoppable_cluster() -> AsyncIterator[StoppableCluster]:
+    """A private cluster migrated to head, removed afterwards. Without PostgreSQL
+    binaries the test fails (naming them), never skips."""
+    import pytest
+
+    from app.store.engine import migrate
+
+    try:
+        cluster = await asyncio.to_thread(stoppable_cluster)
+    except RuntimeError as exc:
+        pytest.fail(f"PostgreSQL binaries are required for this fault test: {exc}")
+    try:
+        await migrate.upgrade_async(cluster.url)
+        yield cluster
+    finally:
+        await asyncio.to_thread(cluster.remove)
