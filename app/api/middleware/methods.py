@@ -4,8 +4,9 @@ FastAPI's routes answer only the methods they declare, so a HEAD on a GET
 route was a 405, although HTTP (RFC 9110 §9.1) has every server that answers
 GET answer HEAD. `HeadAsGet` routes a HEAD as its GET; uvicorn sends the
 headers of the GET's answer without its body (it drops the body of any answer
-to a HEAD). The route, its authorization (HEAD reads, as GET does) and its
-metrics see the request as a GET; the access log keeps the HEAD.
+to a HEAD). It is the innermost middleware: the route sees a GET, while the
+middlewares before it (authorization, where HEAD reads as GET does; metrics)
+and the access log see the HEAD.
 
 Starlette answers a method a path does not serve with 405 and an `Allow` of
 the first route whose path matched, so `DELETE /v1/sessions` said `Allow:
