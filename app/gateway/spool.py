@@ -28,6 +28,7 @@ import fcntl
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,10 +220,21 @@ class Spool:
         otherwise be drained only after a restart)."""
         pending = self._pending.setdefault(session_id, Counter())
         pending[kind] += 1
+        settled = False
+
+        def settle() -> None:  # once: when tracked (counted there now), or on failure
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            pending[kind] -= 1
+            if not +pending and self._pending.get(session_id) is pending:
+                del self._pending[session_id]
+
         try:
             async with self._writing:
                 written = asyncio.ensure_future(self._written(session_id, body, open_body,
-                                                              kind))
+                                                              kind, settle))
                 try:
                     return await asyncio.shield(written)
                 except asyncio.CancelledError:
@@ -232,16 +244,17 @@ class Spool:
                             await asyncio.shield(written)
                     raise
         finally:
-            pending[kind] -= 1
-            if not +pending:
-                self._pending.pop(session_id, None)
+            settle()
 
     async def _written(self, session_id: str, body: dict[str, Any],
-                       open_body: dict[str, Any] | None, kind: str) -> Spooled:
+                       open_body: dict[str, Any] | None, kind: str,
+                       settle: Callable[[], None]) -> Spooled:
         prepared = await anyio.to_thread.run_sync(_prepare, session_id, body, open_body, kind)
         sequence = self._reserve(prepared)
         await anyio.to_thread.run_sync(self._write, sequence, prepared.data)
-        return self._track_new(sequence, prepared)
+        entry = self._track_new(sequence, prepared)
+        settle()  # in the same step: the write is never counted twice, nor not at all
+        return entry
 
     def _reserve(self, prepared: _Prepared) -> int:
         """The write's sequence number, or SpoolFull."""
