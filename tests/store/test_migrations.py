@@ -110,3 +110,21 @@ async def test_a_sqlite_file_of_other_tables_is_refused_untouched(fresh_database
     with pytest.raises(migrate.NotTurnlogDatabase, match="not turnlog's"):
         await migrate.upgrade_async(url)
     assert await table_names(url) == {"mine"}
+
+
+def test_two_processes_migrating_one_new_database_both_succeed(empty_url):
+    # A helper's finding: `turnlog serve` and `turnlog gateway` started together on a
+    # new SQLite file both created tables; one failed ("table sessions already exists").
+    # The migration now takes a lock (the file's flock; PostgreSQL's advisory lock).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "app", "migrate", "--database-url", empty_url]
+    procs = [subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for _ in range(3)]
+    results = [(p.wait(timeout=120), p.stderr.read().decode()) for p in procs]  # type: ignore[union-attr]
+    assert all(code == 0 for code, _ in results), results
+    assert set(metadata.tables) <= asyncio.run(table_names(empty_url))
+    assert migrate.current(empty_url) == migrate.head_revision()

@@ -7,9 +7,13 @@ SQLite runs in batch mode so ALTERs work there.
 """
 
 import asyncio
+import contextlib
+import fcntl
+from collections.abc import Iterator
 
+import sqlalchemy as sa
 from sqlalchemy import pool
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
@@ -36,19 +40,46 @@ def do_run_migrations(connection: Connection) -> None:
         context.run_migrations()
 
 
+@contextlib.contextmanager
+def _sqlite_file_locked(url: str) -> Iterator[None]:
+    """One migrating process at a time on a SQLite file: an exclusive `flock` on the
+    file itself (SQLite's own locks are POSIX record locks, which it does not touch).
+    Two processes started together on a new file (`turnlog serve` and `turnlog
+    gateway`) both created tables: "table sessions already exists"."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        yield
+        return
+    with open(parsed.database or "", "ab") as handle:  # an empty file is a new database
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# PostgreSQL's lock for the same (`pg_advisory_lock`, held by the judging connection).
+MIGRATION_LOCK = 0x7475726E6C6F67  # "turnlog"
+
+
 async def run_async_migrations(url: str) -> None:
     from app.store.engine.migrate import NotTurnlogDatabase, foreign_tables
 
     engine = create_async_engine(url, poolclass=pool.NullPool)
     try:
-        # Judged on a connection of its own (its reads end with it), before anything
-        # is written: a database that is not turnlog's is left as it was.
-        async with engine.connect() as connection:
-            refusal = await connection.run_sync(foreign_tables)
-        if refusal is not None:
-            raise NotTurnlogDatabase(refusal)
-        async with engine.connect() as connection:
-            await connection.run_sync(do_run_migrations)
+        with _sqlite_file_locked(url):
+            async with engine.connect() as guard:
+                if guard.dialect.name == "postgresql":
+                    await guard.execute(sa.text(f"SELECT pg_advisory_lock({MIGRATION_LOCK})"))
+                    await guard.commit()  # the session-level lock stays; its reads end
+                # Judged before anything is written (a database that is not turnlog's is
+                # left as it was), and after any other process's migration finished.
+                refusal = await guard.run_sync(foreign_tables)
+                await guard.rollback()
+                if refusal is not None:
+                    raise NotTurnlogDatabase(refusal)
+                async with engine.connect() as connection:
+                    await connection.run_sync(do_run_migrations)
     finally:
         await engine.dispose()
 
