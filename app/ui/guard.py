@@ -90,6 +90,8 @@ class UiGuard:
                 if isinstance(exc, Unauthorized) and method.upper() in ("GET", "HEAD"):
                     response = login_page(path, scope.get("query_string", b""),
                                           error=bool(presented))
+                    # A 401 names its scheme (RFC 9110 §11.6.1), the form's page too.
+                    response.headers["www-authenticate"] = challenge(exc)
                     await response(scope, receive, send_with_headers)
                     return
                 await send_problem(send_with_headers, exc,

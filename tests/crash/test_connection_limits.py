@@ -225,3 +225,34 @@ def test_head_is_answered_wherever_get_is_without_a_body(server):
         assert get_head.split(b"\r\n")[0] == head.split(b"\r\n")[0], (path, head)
         assert header(head, b"content-type") == header(get_head, b"content-type"), path
         assert body == b"" and get_body, path
+
+
+def test_the_host_checks_judge_the_name_the_request_is_for(server_process, fresh_database):
+    # The auth helper's findings, on a server without tokens (loopback names only):
+    # an absolute-form target's authority was ignored (`GET http://evil.com/…` with
+    # `Host: localhost` was served), and with two Host lines the first one won.
+    env = {k: v for k, v in LIMITS.items() if k != "TURNLOG_API_TOKENS"}
+    server = server_process(fresh_database("sqlite"), env)
+    asyncio.run(server.wait_ready())
+
+    def status(request: bytes) -> tuple[int, bytes]:
+        sock = connect(server)
+        sock.sendall(request)
+        answer = read_all(sock, time.monotonic() + 10)
+        sock.close()
+        return int(answer.split(b" ", 2)[1]), answer
+
+    for target, host, expected in [
+        (b"http://evil.com/v1/sessions", b"localhost", 421),
+        (b"HTTPS://EVIL.COM/v1/sessions", b"localhost", 421),
+        (b"http://localhost/v1/sessions", b"evil.com", 200),  # the target names it
+        (b"/v1/sessions", b"localhost", 200),
+    ]:
+        code, answer = status(b"GET " + target + b" HTTP/1.1\r\nHost: " + host
+                              + b"\r\nConnection: close\r\n\r\n")
+        assert code == expected, (target, host, answer[:300])
+    code, answer = status(b"GET /v1/sessions HTTP/1.1\r\nHost: localhost\r\nHost: evil.com"
+                          b"\r\nConnection: close\r\n\r\n")
+    assert code == 400, answer[:300]
+    problem = json.loads(answer.removesuffix(b"<closed>").partition(b"\r\n\r\n")[2])
+    assert problem["field"] == "Host" and problem["status"] == 400

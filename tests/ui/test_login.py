@@ -109,6 +109,8 @@ def test_bearer_token_also_opens_pages(auth_server: UiServer) -> None:
     with httpx.Client(base_url=auth_server.base_url, timeout=30) as http:
         assert http.get("/ui").status_code == 401
         assert "text/html" in http.get("/ui").headers["content-type"]
+        # The form's 401 names the scheme too (the auth helper's finding).
+        assert http.get("/ui").headers["www-authenticate"].startswith("Bearer")
         assert http.get("/ui", headers={"Authorization": f"Bearer {READ_TOKEN}"}
                         ).status_code == 200
         assert http.get("/ui/static/ui.css").status_code == 200

@@ -51,6 +51,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.header_timeout = bounds.header_timeout_s
         self._header_bytes = 0
         self._header_count = 0
+        self._hosts = 0
         self._refusal: DomainError | None = None
         self._header_timer: asyncio.TimerHandle | None = None
 
@@ -97,6 +98,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_message_begin()
         self._header_bytes = 0
         self._header_count = 0
+        self._hosts = 0
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url), 0)
@@ -104,15 +106,41 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4, 1)
+        if name.lower() == b"host":
+            self._hosts += 1
+            if self._hosts > 1:
+                # RFC 9112 §3.2: a request with more than one Host line is a 400 — a proxy
+                # reading the other one would disagree with us about whom it is for.
+                self._refusal = InvalidRequest(
+                    "the request has more than one Host header", field="Host",
+                    expected="exactly one Host header", actual="2 or more", status=400)
+                raise HeaderLimitExceeded
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        self._host_from_target()
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope and self.scope["method"] == "POST":
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
             extensions[DIRECT_BODY] = DirectBody(self, cycle)
+
+    def _host_from_target(self) -> None:
+        """An absolute-form target (`GET http://name/path`) names the host itself, and
+        then the Host header is to be ignored (RFC 9112 §3.2.2): the header is made the
+        target's authority, so the Host checks judge the name the request is for."""
+        if not self.url[:8].lower().startswith((b"http://", b"https://")):
+            return
+        try:
+            target = httptools.parse_url(self.url)
+        except httptools.HttpParserInvalidURLError:
+            return  # uvicorn refuses it in a moment (400)
+        if not target.host:
+            return
+        authority = target.host + (b":%d" % target.port if target.port else b"")
+        self.headers[:] = [(k, v) for k, v in self.headers if k != b"host"]
+        self.headers.append((b"host", authority))
 
     def fresh_parser(self) -> None:
         """A new parser for the connection's next request, after a body read directly
@@ -142,7 +170,7 @@ class GuardedHttpTools(HttpToolsProtocol):
                 field="request", expected="an HTTP/1.1 request (RFC 9112)",
                 actual="unparsable", status=400))
             return
-        self.logger.warning("request headers over the limit; closing")
+        self.logger.warning("request headers refused; closing")
         refusal, self._refusal = self._refusal, None
         self._refuse(refusal)
 
