@@ -102,3 +102,21 @@ def challenge(error: DomainError) -> str:
     if error.actual == UNKNOWN_TOKEN:
         return CHALLENGE + ', error="invalid_token"'
     return CHALLENGE
+
+
+# A token in a URL lands in access logs, proxies and browser history, so it is refused
+# (the store's `QueryTokens` middleware, the gateway's own routes).
+URL_TOKEN_CHALLENGE = CHALLENGE + ', error="invalid_request"'
+
+
+def token_in_url(query_string: bytes) -> Unauthorized | None:
+    """The refusal of a request whose query string carries a credential-like parameter
+    (names matched decoded, `app.domain.wire.url_tokens`), or None."""
+    from app.domain.wire.url_tokens import query_token_param
+
+    name = query_token_param(query_string.decode("latin-1"))
+    if name is None:
+        return None
+    return Unauthorized("API tokens go in the Authorization header, never in the URL",
+                        field=name[:40], expected="Authorization: Bearer <token>",
+                        actual="a token in the query string (redacted)")

@@ -45,7 +45,15 @@ import zstandard
 from aiohttp.abc import AbstractStreamWriter
 from yarl import URL
 
-from app.access import Forbidden, TokenTable, Unauthorized, authorize, bearer_token, challenge
+from app.access import (
+    Forbidden,
+    TokenTable,
+    Unauthorized,
+    authorize,
+    bearer_token,
+    challenge,
+    token_in_url,
+)
 from app.allocator import unfilled_bytearray
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, parse_timeout
 from app.domain.body.gateway import (
@@ -314,6 +322,10 @@ class Gateway:
                 f"{_raw_path(scope).decode('latin-1')} answers POST only", field="method",
                 expected="POST", actual=scope["method"]), b"POST")
             return
+        # A token in the URL is refused, as the store refuses it (logs, proxies keep URLs).
+        refusal = token_in_url(scope.get("query_string") or b"")
+        if refusal is not None:
+            raise refusal
         if self.tokens:
             authorize(self.tokens, "POST", bearer_token(scope["headers"]))
         if not names_session(session_id):

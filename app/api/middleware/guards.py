@@ -24,12 +24,11 @@ from urllib.parse import urlsplit
 import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.access import Unauthorized
+from app.access import URL_TOKEN_CHALLENGE, token_in_url
 from app.api.http_errors import ForeignHost, HeadersTooLarge
 from app.api.problems import send_problem
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import msgpackio
-from app.domain.wire.url_tokens import query_token_param
 
 log = structlog.get_logger("turnlog.guard")
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
@@ -151,12 +150,8 @@ class QueryTokens:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            name = query_token_param((scope.get("query_string") or b"").decode("latin-1"))
-            if name is not None:
-                await send_problem(send, Unauthorized(
-                    "API tokens go in the Authorization header, never in the URL",
-                    field=name[:40], expected="Authorization: Bearer <token>",
-                    actual="a token in the query string (redacted)"),
-                    {"www-authenticate": 'Bearer realm="turnlog", error="invalid_request"'})
+            refusal = token_in_url(scope.get("query_string") or b"")
+            if refusal is not None:
+                await send_problem(send, refusal, {"www-authenticate": URL_TOKEN_CHALLENGE})
                 return
         await self.app(scope, receive, send)
