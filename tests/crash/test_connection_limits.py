@@ -246,6 +246,7 @@ def test_the_host_checks_judge_the_name_the_request_is_for(server_process, fresh
         (b"http://evil.com/v1/sessions", b"localhost", 421),
         (b"HTTPS://EVIL.COM/v1/sessions", b"localhost", 421),
         (b"http://localhost/v1/sessions", b"evil.com", 200),  # the target names it
+        (b"http://[::1]:8000/v1/sessions", b"evil.com", 200),  # an IPv6 loopback
         (b"/v1/sessions", b"localhost", 200),
     ]:
         code, answer = status(b"GET " + target + b" HTTP/1.1\r\nHost: " + host

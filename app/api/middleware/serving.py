@@ -138,7 +138,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             return  # uvicorn refuses it in a moment (400)
         if not target.host:
             return
-        authority = target.host + (b":%d" % target.port if target.port else b"")
+        host = b"[" + target.host + b"]" if b":" in target.host else target.host  # IPv6
+        authority = host + (b":%d" % target.port if target.port else b"")
         self.headers[:] = [(k, v) for k, v in self.headers if k != b"host"]
         self.headers.append((b"host", authority))
 
