@@ -151,6 +151,16 @@ async def test_a_non_numeric_reward_is_closed_as_null(
     assert close_of(await events_of(server_url, sid))["reward"] is None
 
 
+async def test_an_integer_reward_is_closed_as_the_integer_returned(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    # The store tells a reward's 1 from 1.0: the close carries the value returned.
+    sid = new_sid()
+    await run_agent(sid, {"reward": 1})
+    closed = close_of(await events_of(server_url, sid))
+    assert type(closed["reward"]) is int and closed["reward"] == 1
+    assert type(closed["agent"]["reward"]) is int
+
+
 @pytest.mark.usefixtures("rewards")
 async def test_an_already_closed_session_gets_the_reward_as_an_event(
         env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:

@@ -265,16 +265,19 @@ def open_body(sid: str, settings: Settings, metadata: Mapping[str, Any] | None) 
     return body
 
 
-def finite(value: Any) -> float | None:
-    """A reward as a float when it is a finite number float64 holds (not a bool), else
-    None (an integer of 400 digits included)."""
+def finite(value: Any) -> int | float | None:
+    """A reward as the number JSON carries for it when float64 holds it (not a bool),
+    else None (an integer of 400 digits included). An integer stays an integer: the
+    store tells a reward's `1` from `1.0`, and §15 closes with the returned value."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         return None
     try:
         number = float(value)
     except OverflowError:
         return None
-    return number if math.isfinite(number) else None
+    if not math.isfinite(number):
+        return None
+    return int(value) if isinstance(value, int | np.integer) else number
 
 
 def jsonable(value: Any, depth: int = 0, inside: frozenset[int] = frozenset()) -> Any:
@@ -337,7 +340,7 @@ def _problem(step: str, exc: Exception) -> str:
     return f"{step}: {exc} ({hint})"
 
 
-def branch_rewards(result: Any) -> dict[str, float]:
+def branch_rewards(result: Any) -> dict[str, int | float]:
     """The per-branch rewards an agent returned (`"rewards": {response_id: reward}`, the
     shape miles v2 assigns to the samples by their leaf's `response_id`): the finite ones."""
     returned = returned_mapping(result)
@@ -354,7 +357,7 @@ class Reward:
     whose answer was lost, sent again to the gateway or to the store, records it once."""
 
     sid: str
-    value: float
+    value: int | float
     response_id: str | None
     source: str | None
     event_id: str = field(default_factory=new_event_id)

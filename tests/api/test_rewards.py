@@ -125,7 +125,6 @@ async def test_an_open_session_is_409_and_unknown_targets_404(client, sid):
     ({"reward": 1, "sample": "0"}, "sample"),
     ({"reward": 1, "sample": 0.0}, "sample"),
     ({"reward": 1, "response_id": 7}, "response_id"),
-    ({"reward": 1, "response_id": ""}, "response_id"),
     ({"reward": 1, "source": "s" * 129}, "source"),
     ({"reward": 1, "source": 3}, "source"),
     ({"reward": 1, "session": "x"}, "session"),
@@ -198,6 +197,27 @@ async def test_a_response_id_rewards_the_sample_whose_leaf_has_it(client, sid):
     r = await client.post(f"/v1/sessions/{sid}/rewards",
                           json={"event_id": "e", "reward": 1, "response_id": "r-root"})
     assert_problem(r, 404, "unknown-sample")
+
+
+async def test_any_response_id_a_leaf_holds_is_rewarded_empty_or_long(client, sid):
+    # SGLang's response.id is whatever text the engine wrote: the reward names it as is.
+    long = "chatcmpl-" + "y" * 1500
+    await two_leaves(client, sid, ids=("", long))
+    await reward(client, sid, reward=0.5, response_id=long)
+    await reward(client, sid, reward=0.25, response_id="")
+    assert await shown(client, sid) == [(0.25, None), (0.5, None)]
+
+
+async def test_a_sample_index_beyond_any_session_is_404_not_422(client, sid):
+    await two_leaves(client, sid)
+    for index in (2, 2**31, 10**30):
+        r = await client.post(f"/v1/sessions/{sid}/rewards",
+                              json={"event_id": "e", "reward": 1, "sample": index})
+        assert assert_problem(r, 404, "unknown-sample")["field"] == "sample"
+    r = await client.post(f"/v1/sessions/{sid}/rewards",
+                          json={"event_id": "e", "reward": 1, "response_id": ""})
+    assert assert_problem(r, 404, "unknown-sample")["field"] == "response_id"
+    assert await event_count(client, sid) == 5  # open, three turns, close: nothing stored
 
 
 async def test_a_response_id_shared_by_several_leaves_rewards_each(client, sid):

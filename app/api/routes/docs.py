@@ -89,7 +89,7 @@ REWARD_BODY = _body({
         "event_id": {"type": "string", "minLength": 1, "maxLength": 128},
         "reward": {"type": "number"},
         "sample": {"type": ["integer", "null"], "minimum": 0},
-        "response_id": {"type": ["string", "null"], "minLength": 1},
+        "response_id": {"type": ["string", "null"]},
         "source": {"type": ["string", "null"], "maxLength": 128},
     },
 }, {"event_id": "rm-7f3a", "reward": 0.75, "sample": None, "response_id": None,
