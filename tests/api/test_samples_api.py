@@ -114,6 +114,26 @@ async def test_r3_gap_on_read_is_422_naming_the_turn(client, sid):
     assert r.json()["type"] == "urn:turnlog:r3-gap"
 
 
+@pytest.mark.parametrize("cut", ["abort", "max_seq_len"])
+async def test_r3_left_out_with_its_turn_is_a_gap_not_a_sample_without_r3(client, sid, cut):
+    # Addition mode: the path [0, 1] carries R3 (turn 1's patch), but the sample keeps
+    # only turn 0, which has none — merging stops at its abort, or max_seq_len drops
+    # turn 1. r3 is null only when no turn of the path carries R3: this is a gap.
+    await client.post("/v1/sessions", json=open_body(
+        sid, pause_generation_mode="in_place", r3={"num_layers": L}))
+    finish = "abort" if cut == "abort" else "stop"
+    await append(client, sid, turn([1, 2, 3, 4], [5, 6], finish_reason=finish))
+    await append(client, sid, turn([1, 2, 3, 4, 5, 6, 7], [8], parent=0,
+                                   r3=r3_b64(2, L, K), start=5))
+    await close(client, sid, **({"max_seq_len": 6} if cut == "max_seq_len" else {}))
+    (sample,) = (await client.get(f"/v1/sessions/{sid}/samples")).json()["samples"]
+    assert sample["path"] == [0, 1] and sample["tokens"] == [1, 2, 3, 4, 5, 6]
+    assert sample["r3"] == {"shape": [5, L, K], "dtype": "int32"}
+    problem = assert_problem(await client.get(f"/v1/sessions/{sid}/samples/0/r3"), 422,
+                             "r3-gap")
+    assert problem["field"] == "path[0]"
+
+
 async def test_close_with_no_turns(client, sid):
     await client.post("/v1/sessions", json=open_body(sid))
     r = await client.post(f"/v1/sessions/{sid}/close", json={})

@@ -44,6 +44,17 @@ def gap(excinfo: pytest.ExceptionInfo[R3Gap]) -> dict[str, object]:
     return excinfo.value.problem()
 
 
+def test_addition_mode_is_a_gap_when_only_a_left_out_turn_of_the_path_carries_r3() -> None:
+    # Kept: turn 0 (no R3); the path goes on to turn 1, whose patch the sample
+    # does not keep. Null would hide that the sample owes rows [0, 5).
+    with pytest.raises(R3Gap) as excinfo:
+        plan_r3([no_r3(0)], 5, addition=True, num_layers=L, topk=K,
+                path=[no_r3(0), span(1, 5, 7)])
+    assert gap(excinfo)["field"] == "path[0]"
+    assert plan_r3([no_r3(0)], 5, addition=True, num_layers=L, topk=K,
+                   path=[no_r3(0), no_r3(1)]) is None
+
+
 # -- full (retract) mode ------------------------------------------------------------
 
 

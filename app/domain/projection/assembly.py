@@ -91,8 +91,12 @@ def _plan_full(kept: Sequence[PatchSpan], rows: int) -> tuple[PlanSlice, ...] | 
     return (PlanSlice(last.seq, 0, rows),) if rows else ()
 
 
-def _plan_addition(kept: Sequence[PatchSpan], rows: int) -> tuple[PlanSlice, ...] | None:
-    if all(turn.r3_span is None for turn in kept):
+def _plan_addition(kept: Sequence[PatchSpan], rows: int,
+                   path: Sequence[PatchSpan]) -> tuple[PlanSlice, ...] | None:
+    # Null only when no turn of the whole path carries R3: a path whose R3 sits
+    # only in turns truncation or a stopped merge left out still owes its kept
+    # turns' rows, so it is a gap (422), never a sample silently without replay data.
+    if all(turn.r3_span is None for turn in path):
         return None
     covered = 0
     slices: list[PlanSlice] = []
@@ -125,20 +129,23 @@ def _plan_addition(kept: Sequence[PatchSpan], rows: int) -> tuple[PlanSlice, ...
 
 
 def plan_r3(
-    kept: Sequence[PatchSpan], rows: int, *, addition: bool, num_layers: int, topk: int
+    kept: Sequence[PatchSpan], rows: int, *, addition: bool, num_layers: int, topk: int,
+    path: Sequence[PatchSpan] | None = None,
 ) -> R3Plan | None:
     """Plan the R3 tensor of a sample made of `kept` turns (root first).
 
     `rows = len(sample tokens) - 1`; after truncation that is fewer rows than
-    the kept turns hold, and the plan cuts to it. Returns None when the sample
-    has no R3; raises `R3Gap` (422, naming the turn and rows) when the log
-    cannot yield it.
+    the kept turns hold, and the plan cuts to it. `path`: every turn of the
+    sample's path, kept or not (default: `kept`); in addition mode the sample
+    has R3 when any of them carries it. Returns None when the sample has no R3;
+    raises `R3Gap` (422, naming the turn and rows) when the log cannot yield it.
     """
     if not kept:
         raise ValueError("a sample keeps at least one turn")
     if rows < 0:
         raise ValueError(f"rows must be non-negative, got {rows}")
-    slices = _plan_addition(kept, rows) if addition else _plan_full(kept, rows)
+    slices = (_plan_addition(kept, rows, kept if path is None else path) if addition
+              else _plan_full(kept, rows))
     if slices is None:
         return None
     return R3Plan(num_layers=num_layers, topk=topk, slices=slices)

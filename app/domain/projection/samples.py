@@ -183,7 +183,8 @@ def _r3(state: SessionState, item: MergedPath
     rows = int(item.tokens.size) - 1
     try:
         plan = plan_r3(item.turns, rows, addition=state.definition.use_addition_r3,
-                       num_layers=num_layers, topk=topk)
+                       num_layers=num_layers, topk=topk,
+                       path=[state.node(seq) for seq in item.path])
     except R3Gap as gap:
         return {"shape": [rows, num_layers, topk], "dtype": "int32"}, None, gap
     if plan is None:
