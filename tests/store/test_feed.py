@@ -87,6 +87,51 @@ async def test_feed_never_skips_a_slow_transaction(client, db_url, sid):
     assert [e["type"] for e in page["events"]] == ["session_opened", "turn_recorded"]
 
 
+@pytest.mark.postgres_only  # SQLite has one writer: rowid order is commit order
+async def test_positions_increase_along_the_feed(client, db_url, sid):
+    """A transaction that took its id first but inserts after a later one committed:
+    the feed (which never skips it) shows it first, and its position is the smaller —
+    a position is the event's place in the feed's order (a helper saw them fall)."""
+    await client.post("/v1/sessions", json=open_body(sid))
+    cur = await tail_cursor(client)
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.connect() as slow:
+            await slow.begin()
+            await slow.execute(sa.text("SELECT pg_current_xact_id()"))  # its id, taken first
+            fast = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+            assert fast.status_code == 201
+            slow_position = (await slow.execute(sa.text(
+                "INSERT INTO events (session_id, type, payload, recorded_us) "
+                "VALUES (:s, 'session_opened', '{\"session\": {}}', 0) RETURNING position"),
+                {"s": sid})).scalar_one()
+            await slow.commit()
+    finally:
+        await engine.dispose()
+    page = (await client.get("/v1/events", params={"after": cur})).json()
+    assert [e["type"] for e in page["events"]] == ["session_opened", "turn_recorded"]
+    positions = [e["position"] for e in page["events"]]
+    assert positions == [slow_position, fast.json()["position"]]
+    assert positions[0] < positions[1]
+
+
+async def test_positions_increase_along_the_feed_with_concurrent_writers(client, sid):
+    sids = [f"{sid}-{i}" for i in range(6)]
+    start = await tail_cursor(client)
+
+    async def writer(s: str) -> None:
+        assert (await client.post("/v1/sessions", json=open_body(s))).status_code == 201
+        for i in range(5):
+            r = await client.post(f"/v1/sessions/{s}/turns", json=turn([1, 2 + i], [3]))
+            assert r.status_code == 201
+        assert (await client.post(f"/v1/sessions/{s}/close", json={})).status_code == 200
+
+    await asyncio.gather(*(writer(s) for s in sids))
+    page = (await client.get("/v1/events", params={"after": start, "limit": 1000})).json()
+    positions = [e["position"] for e in page["events"]]
+    assert len(positions) == 6 * 7 and positions == sorted(set(positions))
+
+
 async def worker_of(conn, session_id):
     return (await conn.execute(sa.text(
         "SELECT nodeport FROM citus_shards WHERE table_name = 'events'::regclass "
