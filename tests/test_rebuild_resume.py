@@ -73,20 +73,32 @@ def test_the_cli_resumes_from_a_checkpoint_and_removes_it(demo_url, tmp_path):
     assert result.output.count("equal") == 4 and not checkpoint.exists()
 
 
-def test_a_checkpoint_of_another_database_or_restart_is_ignored(demo_url, tmp_path):
+def test_another_runs_checkpoint_is_kept_unless_restart(demo_url, tmp_path):
+    # A helper's finding: another database's checkpoint was ignored, then removed when
+    # this rebuild finished — that one could no longer resume. Now refused, untouched.
     checkpoint = tmp_path / "cp.json"
-    for key, extra in (("sqlite:///elsewhere.db session=None", []),
-                       (None, ["--restart"])):
-        from app.cli.store import _checkpoint_key
-
-        checkpoint.write_text(json.dumps({
-            "key": key or _checkpoint_key(demo_url, None), "last_id": 10**9,
-            "before": {"sessions": "x", "session_labels": "x", "nodes": "x",
-                       "samples": "x"}}))
+    before = {"sessions": "x", "session_labels": "x", "nodes": "x", "samples": "x"}
+    for text in (json.dumps({"key": "sqlite:////elsewhere.db session=None",
+                             "last_id": 10**9, "before": before}), "{not json"):
+        checkpoint.write_text(text)
         result = CliRunner().invoke(cli, ["rebuild", "--database-url", demo_url,
-                                          "--checkpoint", str(checkpoint), *extra])
-        assert result.exit_code == 0, result.output
-        assert "resuming" not in result.output and result.output.count("equal") == 4
+                                          "--checkpoint", str(checkpoint)])
+        assert result.exit_code == 2, result.output
+        assert "--restart" in result.output and str(checkpoint) in result.output
+        assert checkpoint.read_text() == text
+    result = CliRunner().invoke(cli, ["rebuild", "--database-url", demo_url,
+                                      "--checkpoint", str(checkpoint), "--restart"])
+    assert result.exit_code == 0, result.output
+    assert "resuming" not in result.output and result.output.count("equal") == 4
+    assert not checkpoint.exists()
+
+
+def test_a_sqlite_file_is_one_run_however_its_url_spells_it(tmp_path, monkeypatch):
+    from app.store.ops.checkpoint import checkpoint_key
+
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_key("sqlite:///a.db", None) == \
+        checkpoint_key(f"sqlite:///{tmp_path / 'a.db'}", None)
 
 
 def test_batches_in_parallel_rebuild_every_session_equal(demo_url):

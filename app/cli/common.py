@@ -371,6 +371,11 @@ def describe_failure(exc: BaseException) -> str:
         if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
             return f"not migrated: run `turnlog migrate` (database {where}: {reason})"
         return f"cannot use {where}: {reason}"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        # A file's error (a full disk under an export, a read-only checkpoint folder):
+        # named as the file's, never as the database's. A socket's carries no name.
+        name = exc.filename2 if exc.filename2 is not None else exc.filename
+        return f"cannot use the file {os.fsdecode(name)}: {exc.strerror or _first_line(exc)}"
     if isinstance(exc, OSError | TimeoutError) or type(exc).__module__.startswith("asyncpg"):
         return (f"cannot connect to {where}: {_first_line(exc)} "
                 "(check --database-url or TURNLOG_DATABASE_URL)")

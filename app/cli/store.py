@@ -22,6 +22,7 @@ from rich.table import Table
 from app.cli.browse import print_tree
 from app.cli.common import (
     AsJson,
+    CliError,
     DatabaseUrl,
     check_database,
     echo_json,
@@ -103,7 +104,12 @@ def _progress_gauges(metrics_port: int | None) -> RebuildProgress:
 
 def _resume_from(saved: Checkpoint, restart: bool) -> Resume | None:
     """This run's checkpoint, unless `--restart`; said on stderr when resuming."""
-    resume = None if restart else saved.load()
+    from app.store.ops.checkpoint import ForeignCheckpoint
+
+    try:
+        resume = None if restart else saved.load()
+    except ForeignCheckpoint as exc:
+        raise CliError(str(exc)) from None
     if resume is not None:
         err().print(f"resuming the rebuild after session id {resume.last_id} "
                     f"(checkpoint {saved.path})")

@@ -199,7 +199,9 @@ def _export_parquet(url: str, filters: dict[str, str], out_file: Path, as_json: 
 def _check_out(out_file: Path) -> None:
     """The export's file can be written where it goes (its folder exists and takes a
     file): said first, naming `--out`, not later as a failure to reach the database."""
-    probe = out_file.with_name(out_file.name + ".partial")  # the name the writers use
+    from app.transfer.npz import partial_path
+
+    probe = partial_path(out_file)  # the name the writers use
     try:
         probe.open("wb").close()
     except OSError as exc:

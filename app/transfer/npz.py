@@ -19,6 +19,7 @@ replaces `out` only when complete; an R3 tensor goes in block by block.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zipfile
@@ -152,13 +153,40 @@ async def closed_sessions(svc: Services, filters: dict[str, str]) -> list[dict[s
         after = page["next"]
 
 
+def partial_path(out: Path) -> Path:
+    """The file an export writes before it becomes `out`: beside it (one rename, on one
+    file system), named for this process, so two exports to one `--out` never write
+    into the same file (the second would replace the first's half-written one)."""
+    return out.with_name(f"{out.name}.{os.getpid()}.partial")
+
+
+def finish(partial: Path, out: Path) -> int:
+    """Move the finished `partial` onto `out`; its size (read before the move, so an
+    export racing to the same name cannot change what this one reports)."""
+    size = partial.stat().st_size
+    try:
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def abandon(close: Callable[[], object], partial: Path) -> None:
+    """An export that failed: its writer closed (a full disk fails that too, and must
+    not keep the half-written file from being removed) and its file removed."""
+    with contextlib.suppress(Exception):
+        close()
+    partial.unlink(missing_ok=True)
+
+
 async def export_samples(svc: Services, filters: dict[str, str], out: Path, *,
                          compress: bool = False, progress: Progress | None = None
                          ) -> ExportReport:
     """Write every matching closed session's samples to `out` (replaced atomically)."""
     summaries = await closed_sessions(svc, filters)
     report = ExportReport(out=out, sessions=len(summaries))
-    partial = out.with_name(out.name + ".partial")
+    partial = partial_path(out)
     npz = NpzWriter(partial, compress)
     manifest: list[dict[str, Any]] = []
     sessions: list[dict[str, Any]] = []
@@ -177,9 +205,7 @@ async def export_samples(svc: Services, filters: dict[str, str], out: Path, *,
         npz.array("sessions", _json_bytes(sessions))
         npz.close()
     except BaseException:
-        npz.close()
-        partial.unlink(missing_ok=True)
+        abandon(npz.close, partial)
         raise
-    os.replace(partial, out)
-    report.bytes = out.stat().st_size
+    report.bytes = finish(partial, out)
     return report

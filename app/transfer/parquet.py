@@ -24,7 +24,6 @@ samples projection the API serves, R3 bytes from the same stream as `…/r3`.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from app.domain.projection.overview import reward_number
 from app.domain.projection.rows import weight_version_text
 from app.domain.projection.samples import Sample
 from app.services import Services
-from app.transfer.npz import closed_sessions
+from app.transfer.npz import abandon, closed_sessions, finish, partial_path
 
 Progress = Callable[[int, int, int], None]  # sessions done, sessions total, samples written
 ROW_GROUP_ROWS = 1024
@@ -154,7 +153,7 @@ async def export_parquet(svc: Services, filters: dict[str, str], out: Path, *,
     """Write every matching closed session's samples to `out` (replaced atomically)."""
     summaries = await closed_sessions(svc, filters)
     report = ParquetReport(out=out, sessions=len(summaries))
-    partial = out.with_name(out.name + ".partial")
+    partial = partial_path(out)
     writer = pq.ParquetWriter(partial, SCHEMA, compression="zstd")
     group = _RowGroup()
     try:
@@ -172,9 +171,7 @@ async def export_parquet(svc: Services, filters: dict[str, str], out: Path, *,
         _flush(writer, group, report)
         writer.close()
     except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
+        abandon(writer.close, partial)
         raise
-    os.replace(partial, out)
-    report.bytes = out.stat().st_size
+    report.bytes = finish(partial, out)
     return report

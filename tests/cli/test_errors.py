@@ -223,6 +223,42 @@ def test_an_export_into_a_missing_folder_names_out_not_the_database(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("fmt", ["npz", "parquet"])
+def test_an_export_the_disk_cannot_take_names_the_file_and_leaves_nothing(tmp_path, monkeypatch,
+                                                                         fmt):
+    # A helper's finding: on a full disk the export said "cannot connect to <the
+    # database>: [Errno 28] No space left on device" and left its .partial file (the
+    # writer's close, in the failure path, failed again before the file was removed).
+    import errno
+
+    import pyarrow.parquet as pq
+
+    from app.transfer.npz import NpzWriter
+
+    def full(self: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "o.partial"))
+
+    monkeypatch.setattr(NpzWriter if fmt == "npz" else pq.ParquetWriter, "close", full)
+    url = sqlite_file(tmp_path)
+    assert run("demo", "--sessions", "1", "--database-url", url).exit_code == 0
+    line = one_error_line(run("export", "--run-id", "demo", "--format", fmt,
+                              "--out", str(tmp_path / "o.npz"), "--database-url", url))
+    assert "No space left on device" in line and "cannot use the file" in line
+    assert "database" not in line and "connect" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.db"]
+
+
+def test_two_exports_to_one_file_write_apart() -> None:
+    # Each process writes its own partial file, renamed onto --out when done: two
+    # exports to one name no longer replace each other's half-written file.
+    from pathlib import Path
+
+    from app.transfer.npz import partial_path
+
+    assert str(os.getpid()) in partial_path(Path("/x/o.npz")).name
+    assert partial_path(Path("/x/o.npz")).parent == Path("/x")
+
+
 def test_tail_stopped_by_ctrl_c_or_by_its_reader_ends_as_every_command(tmp_path):
     """`turnlog tail` follows until stopped. Ctrl-C: where to resume, `interrupted` and
     130; a reader that goes away (`| head -1`): 141, nothing on stderr but the cursor.

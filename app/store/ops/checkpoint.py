@@ -21,12 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def checkpoint_key(url: str, session: str | None) -> str:
-    """Which run a checkpoint belongs to: the database (password hidden) and the session."""
+class ForeignCheckpoint(Exception):
+    """The checkpoint file holds another run's progress (or is not a checkpoint): it
+    is neither resumed nor overwritten, so that run can still resume from it."""
+
+
+def checkpoint_key(url: str, session: str | None, *, absolute: bool = True) -> str:
+    """Which run a checkpoint belongs to: the database (password hidden; a SQLite
+    file by its absolute path, however the URL spells it) and the session."""
     # Imported here: the CLI imports this module at start, and starts without SQLAlchemy.
     from sqlalchemy.engine import make_url
 
-    return f"{make_url(url).render_as_string(hide_password=True)} session={session}"
+    parsed = make_url(url)
+    if absolute and parsed.get_backend_name() == "sqlite" \
+            and parsed.database not in (None, "", ":memory:"):
+        parsed = parsed.set(database=str(Path(parsed.database).resolve()))
+    return f"{parsed.render_as_string(hide_password=True)} session={session}"
 
 
 @dataclass(frozen=True)
@@ -47,22 +57,38 @@ class Checkpoint:
     def __init__(self, path: Path, url: str, session: str | None) -> None:
         self.path = path
         self.key = checkpoint_key(url, session)
+        # As checkpoints written before SQLite paths were made absolute name it.
+        self.spelled = checkpoint_key(url, session, absolute=False)
 
     def load(self) -> Resume | None:
-        """The saved position, if the file exists and belongs to this run."""
+        """The saved position, if the file exists; `ForeignCheckpoint` if it is another
+        run's (another database or session) or not a checkpoint at all."""
         if not self.path.exists():
             return None
-        saved = json.loads(self.path.read_text())
-        if saved.get("key") != self.key:
-            return None
-        return Resume(saved["last_id"], saved.get("before"), saved.get("mark"))
+        try:
+            saved = json.loads(self.path.read_text())
+            key, last_id = saved["key"], saved["last_id"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ForeignCheckpoint(
+                f"{self.path} is not a rebuild checkpoint ({exc}): give this rebuild "
+                "another --checkpoint, or pass --restart to replace it") from None
+        if key not in (self.key, self.spelled):
+            raise ForeignCheckpoint(
+                f"{self.path} holds an interrupted rebuild of another run ({key}), not of "
+                f"this one ({self.key}): finish that one first, give this one another "
+                "--checkpoint, or pass --restart to discard it")
+        return Resume(last_id, saved.get("before"), saved.get("mark"))
 
     def save(self, last_id: int, before: dict[str, str], mark: int | None = None) -> None:
         # Written whole then renamed: an interruption never leaves half a checkpoint.
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "last_id": last_id, "before": before,
-                                   "mark": mark}))
-        tmp.replace(self.path)
+        try:
+            tmp.write_text(json.dumps({"key": self.key, "last_id": last_id, "before": before,
+                                       "mark": mark}))
+            tmp.replace(self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk: no half-written file left behind
+            raise
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
