@@ -173,6 +173,7 @@ _last_url: list[str] = []
 
 def resolve_url(database_url: str | None) -> str:
     """The URL a command uses, normalized to the async drivers; remembered for errors."""
+    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     from app.store.engine.db import normalize_url
@@ -185,6 +186,11 @@ def resolve_url(database_url: str | None) -> str:
                        "sqlite:///FILE") from None
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    if sqlite_path(url) is None and make_url(url).get_backend_name() == "sqlite":
+        # Each connection of an in-memory database is a database of its own: the
+        # migrations would fill one, the command read another (empty) one.
+        raise CliError("an in-memory SQLite database (sqlite:// or sqlite:///:memory:) "
+                       "lasts only as long as one connection: give a file, sqlite:///FILE")
     _last_url[:] = [url]
     return url
 
@@ -247,7 +253,8 @@ def check_database(url: str, *, creating: bool = False) -> None:
         where = mask(url) if path is None else str(path)
         raise CliError(f"not migrated: run `turnlog migrate` (database {where})")
     if current != head:
-        raise CliError(f"schema at revision {current}, this turnlog expects {head}: "
+        raise CliError(migrate.newer_schema(current) if not migrate.knows(current) else
+                       f"schema at revision {current}, this turnlog expects {head}: "
                        "run `turnlog migrate`")
 
 

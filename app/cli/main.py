@@ -220,6 +220,10 @@ def migrate(
     from app.store.engine import migrate as migrations
 
     url = resolve_url(database_url)
+    if revision is not None and revision not in ("head", "base") \
+            and not revision.lstrip("+-").isdigit() and not migrations.knows(revision):
+        raise CliError(f"no revision {revision!r}: expected head, base or "
+                       f"one of this turnlog's revisions (0001 … {migrations.head_revision()})")
     if action is MigrateAction.upgrade:
         check_database(url, creating=True)
         migrations.upgrade(url, revision or "head")

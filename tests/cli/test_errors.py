@@ -335,3 +335,33 @@ def test_a_database_in_a_read_only_folder_says_why_it_cannot_be_opened(tmp_path,
                         lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
     line = one_error_line(run("sessions", "--database-url", url))
     assert f"the folder {tmp_path} is not writable" in line and "-shm" in line
+
+
+def test_a_database_a_newer_turnlog_migrated_says_upgrade_turnlog_not_migrate(tmp_path):
+    # A helper's finding: "this turnlog expects 0012: run `turnlog migrate`", and
+    # `turnlog migrate` then failed with alembic's "Can't locate revision '0099'".
+    url = sqlite_file(tmp_path)
+    assert run("migrate", "--database-url", url).exit_code == 0
+    with sqlite3.connect(tmp_path / "t.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0099'")
+    for command in (["sessions"], ["migrate"], ["migrate", "downgrade", "0011"]):
+        line = one_error_line(run(*command, "--database-url", url))
+        assert "revision 0099" in line and "upgrade turnlog" in line, (command, line)
+        assert "turnlog migrate`" not in line and "Can't locate" not in line
+
+
+def test_a_revision_turnlog_does_not_ship_is_refused_by_name(tmp_path):
+    url = sqlite_file(tmp_path)
+    assert run("migrate", "--database-url", url).exit_code == 0
+    line = one_error_line(run("migrate", "downgrade", "zzz", "--database-url", url))
+    assert "no revision 'zzz'" in line and "CommandError" not in line
+    assert run("migrate", "downgrade", "0011", "--database-url", url).exit_code == 0
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_sqlite_database_is_refused_naming_a_file(url):
+    # Each connection of one is a database of its own: `migrate` said "upgraded" and then
+    # "current: None"; `demo` failed with a 503.
+    for command in (["migrate"], ["demo", "--sessions", "1"], ["sessions"]):
+        line = one_error_line(run(*command, "--database-url", url))
+        assert "in-memory" in line and "sqlite:///FILE" in line

@@ -38,6 +38,23 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(config()).get_current_head()
 
 
+def knows(revision: str) -> bool:
+    """`revision` is one of this turnlog's migrations (a newer turnlog's is not)."""
+    from alembic.util.exc import CommandError
+
+    try:
+        return ScriptDirectory.from_config(config()).get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def newer_schema(current: str) -> str:
+    """A database migrated by a newer turnlog: migrating cannot help, upgrading can."""
+    return (f"schema at revision {current}, which this turnlog does not know (its newest "
+            f"is {head_revision()}): a newer turnlog migrated this database; upgrade "
+            "turnlog, or use the one that migrated it")
+
+
 def current_revision(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
@@ -47,7 +64,8 @@ class NotTurnlogDatabase(Exception):
 
 
 def foreign_tables(connection: Connection) -> str | None:
-    """Why a database without a turnlog schema version must not be migrated, or None.
+    """Why a database must not be migrated, or None: one at a revision this turnlog
+    does not know (a newer turnlog's), or one without a turnlog schema version and:
 
     Tables named as turnlog's there: another application's database, or a turnlog
     migration that stopped midway (SQLite's DDL is not transactional), which the
@@ -59,8 +77,9 @@ def foreign_tables(connection: Connection) -> str | None:
 
     from app.store.engine.schema import metadata
 
-    if current_revision(connection) is not None:
-        return None
+    current = current_revision(connection)
+    if current is not None:
+        return None if knows(current) else newer_schema(current)
     names = set(sa.inspect(connection).get_table_names())
     clash = sorted(names & set(metadata.tables))
     if clash:
