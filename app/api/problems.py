@@ -130,6 +130,11 @@ def install(app: FastAPI) -> None:
         # Transient: the transaction was rolled back (or its commit is unknown);
         # a retry with the same body is safe because every write is idempotent.
         warn_unavailable(request.url.path, exc)
+        if disk_full(exc):
+            # Said as it is: no retry succeeds until someone frees space.
+            return unavailable_response(
+                "the database's disk is full: nothing of this request was stored; free "
+                "space on the database's disk, then retry it unchanged")
         return unavailable_response(
             "the database connection failed during this request; "
             "retry it unchanged (appends are idempotent by event_id)")
@@ -225,6 +230,15 @@ def database_unavailable(exc: BaseException) -> bool:
                 sign in str(current) for sign in CITUS_NODE_LOST):
             return True
     return False
+
+
+def disk_full(exc: BaseException) -> bool:
+    """The database's disk is full (SQLite's SQLITE_FULL, PostgreSQL's 53100), anywhere
+    in the chain."""
+    return any(isinstance(current, asyncpg.exceptions.DiskFullError)
+               or (isinstance(current, sqlite3.OperationalError)
+                   and "database or disk is full" in str(current))
+               for current in _chain(exc))
 
 
 def sqlite_overflow(exc: BaseException) -> bool:

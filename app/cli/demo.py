@@ -25,6 +25,7 @@ from rich.progress import Progress
 
 from app.cli.common import (
     AsJson,
+    CliError,
     DatabaseUrl,
     check_database,
     echo_json,
@@ -46,6 +47,21 @@ def start_clock(index: int, sessions: int, now: float) -> float:
     return now - SPREAD_S * (sessions - index) / max(sessions, 1)
 
 
+def _answered(reply: httpx.Response) -> None:
+    """The store took the write; else what it said (a full disk, a lost database), as
+    the one line every failed command ends with."""
+    if reply.is_success:
+        return
+    try:
+        problem = reply.json()
+    except ValueError:
+        problem = None
+    said = (f"{problem.get('title') or reply.reason_phrase}: {problem.get('detail')}"
+            if isinstance(problem, dict) else reply.reason_phrase)
+    raise CliError(f"the store answered {reply.status_code} to "
+                   f"{reply.request.method} {reply.request.url.path}: {said}")
+
+
 async def _play(http: httpx.AsyncClient, index: int, seed: int, clock: float) -> dict[str, Any]:
     from app.sim.simulator import SessionSimulator, SimConfig, SimRates
 
@@ -56,14 +72,12 @@ async def _play(http: httpx.AsyncClient, index: int, seed: int, clock: float) ->
     rng = random.Random(seed + index)
     sim = SessionSimulator(config, rng, SimRates())
     sim.clock = clock
-    (await http.post("/v1/sessions", json=sim.open_body())).raise_for_status()
+    _answered(await http.post("/v1/sessions", json=sim.open_body()))
     for body in sim.random_session(8):
-        reply = await http.post(f"/v1/sessions/{config.session_id}/turns", json=body)
-        reply.raise_for_status()
-    closed = await http.post(f"/v1/sessions/{config.session_id}/close",
-                             json={"max_seq_len": 60,
-                                   "metadata": {"reward": round(rng.random(), 2)}})
-    closed.raise_for_status()
+        _answered(await http.post(f"/v1/sessions/{config.session_id}/turns", json=body))
+    _answered(await http.post(f"/v1/sessions/{config.session_id}/close",
+                              json={"max_seq_len": 60,
+                                    "metadata": {"reward": round(rng.random(), 2)}}))
     samples = (await http.get(f"/v1/sessions/{config.session_id}/samples")).json()
     samples["mode"] = mode
     samples["config"] = config

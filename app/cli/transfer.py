@@ -117,6 +117,9 @@ def import_(
         echo_json(report.to_json())
     else:
         _print_import(report)
+    if report.sessions == 0 and not report.failures:
+        warn("no session dump in " + ", ".join(str(path) for path in files)
+             + " (empty files): nothing imported")
     for sid in report.left_open:
         warn(f"left {sid} open: a record was rejected (fix the dump and import it again, "
              "or pass --close-incomplete)")
@@ -149,7 +152,8 @@ def _print_import(report: ImportReport) -> None:
         slug = str(problem.get("type", "")).removeprefix("urn:turnlog:")
         field = f" {problem['field']}" if problem.get("field") else ""
         # soft_wrap: one line per failure, whatever the terminal width (greppable).
-        console.print(f"  {escape(failure.source)} {escape(str(failure.session_id))} {where}: "
+        session = "" if failure.session_id is None else f" {failure.session_id}"
+        console.print(f"  {escape(failure.source)}{escape(session)} {where}: "
                       f"[red]{escape(slug)}[/]{escape(field)}: {escape(_detail(problem))}",
                       soft_wrap=True)
 

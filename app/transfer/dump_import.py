@@ -134,9 +134,19 @@ def read_dumps(path: Path) -> Iterator[Dump | Unreadable]:
         yield from _lines(path)
         return
     raw = path.read_bytes()
+    if not raw.strip():
+        return  # an empty file holds no dump (the import says so)
     try:
         value = jsonio.loads(raw)
-    except DomainError:
+    except DomainError as exc:
+        first = next((line for line in raw.splitlines() if line.strip()), b"")
+        try:
+            jsonio.loads(first)
+        except DomainError:
+            # Neither one document nor lines of them (an .npz, gzip, a truncated
+            # document): one failure for the file, not one per "line" of its bytes.
+            yield Unreadable(str(path), f"not JSON, nor JSON Lines: {exc.detail}", len(raw))
+            return
         yield from _lines(path)
         return
     items = value if isinstance(value, list) else [value]

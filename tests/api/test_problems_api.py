@@ -166,3 +166,32 @@ async def test_a_citus_node_lost_is_503_unavailable_other_internal_errors_500(
     if status == 503:
         assert r.json()["type"] == "urn:turnlog:unavailable" and r.headers["retry-after"]
     await app.state.services.db.dispose()
+
+
+@pytest.mark.parametrize("raised", ["sqlite", "postgres"])
+async def test_a_full_disk_is_503_saying_the_disk_is_full(settings, raised):
+    # A helper's finding: `turnlog demo` on a full disk ended with a bare 503, whose
+    # detail ("the database connection failed") sent the operator the wrong way.
+    import sqlite3
+
+    import asyncpg
+    import httpx
+    from sqlalchemy.exc import OperationalError
+
+    from app.main import create_app
+
+    app = create_app(settings)
+
+    @app.get("/test-full")
+    async def full() -> None:
+        if raised == "sqlite":
+            raise OperationalError("INSERT", {}, sqlite3.OperationalError(
+                "database or disk is full"))
+        raise asyncpg.exceptions.DiskFullError("could not extend file: No space left")
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(
+            app=app, raise_app_exceptions=False), base_url="http://turnlog") as http:
+        r = await http.get("/test-full")
+    assert r.status_code == 503 and r.json()["type"] == "urn:turnlog:unavailable", r.text
+    assert "disk is full" in r.json()["detail"] and r.headers["retry-after"]
+    await app.state.services.db.dispose()

@@ -365,3 +365,38 @@ def test_an_in_memory_sqlite_database_is_refused_naming_a_file(url):
     for command in (["migrate"], ["demo", "--sessions", "1"], ["sessions"]):
         line = one_error_line(run(*command, "--database-url", url))
         assert "in-memory" in line and "sqlite:///FILE" in line
+
+
+def test_demo_says_what_the_store_answered_not_an_httpx_error():
+    import httpx
+
+    from app.cli.common import CliError
+    from app.cli.demo import _answered
+
+    request = httpx.Request("POST", "http://localhost/v1/sessions/s/turns")
+    reply = httpx.Response(503, request=request, json={
+        "type": "urn:turnlog:unavailable", "title": "store unavailable",
+        "detail": "the database's disk is full: nothing of this request was stored"})
+    with pytest.raises(CliError) as exc:
+        _answered(reply)
+    assert str(exc.value) == ("the store answered 503 to POST /v1/sessions/s/turns: store "
+                              "unavailable: the database's disk is full: nothing of this "
+                              "request was stored")
+    _answered(httpx.Response(201, request=request))
+
+
+def test_import_of_a_file_that_is_not_json_is_one_failure_and_empty_is_a_warning(tmp_path):
+    # A helper's finding: an .npz (or gzip) gave a failure per "line" of its bytes, each
+    # naming session "None"; an empty file exited 0 without a word.
+    url = sqlite_file(tmp_path)
+    junk = tmp_path / "samples.npz"
+    junk.write_bytes(bytes(range(256)) * 40 + b"\n" + bytes(range(256)) * 40)
+    result = run("import", str(junk), "--database-url", url)
+    assert result.exit_code == 1, result.output
+    failures = [line for line in result.stdout.splitlines() if "invalid-dump" in line]
+    assert len(failures) == 1 and "not JSON, nor JSON Lines" in failures[0]
+    assert "None" not in failures[0]
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    result = run("import", str(empty), "--database-url", url)
+    assert result.exit_code == 0 and "no session dump in" in result.stderr
