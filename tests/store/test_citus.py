@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.store.engine import citus
+from app.store.engine import citus, migrate
 from tests.factory import open_body, r3_b64, turn
 
 
@@ -39,6 +39,11 @@ async def test_session_tables_are_colocated_and_shared_tables_are_references(cit
         assert kinds[table][:2] == ("h", "session_id")
     for table in citus.REFERENCE:
         assert kinds[table][0] == "n"
+    # partmethod 'n' is also a Citus *local* table's (a table only the coordinator
+    # holds): the table type says which (a Citus helper saw metric_points as local).
+    types = dict(await scalar_rows(citus_url, (
+        "SELECT table_name::text, citus_table_type FROM citus_tables")))
+    assert {t: types[t] for t in citus.REFERENCE} == dict.fromkeys(citus.REFERENCE, "reference")
     for table in citus.COORDINATOR_LOCAL:
         assert table not in kinds
 
@@ -106,3 +111,28 @@ async def test_a_two_worker_transaction_would_use_two_phase_commit(client, citus
         await engine.dispose()
     assert len(ports) == 2
     assert after > before
+
+
+async def test_a_shared_table_left_local_becomes_a_reference_table(fresh_database, backend):
+    """Migration 0013 on a database 0006 left with `metric_points` a Citus local table."""
+    if backend != "citus":
+        pytest.skip("Citus only: reference and local tables are Citus's")
+    url = fresh_database(backend)
+    await migrate.upgrade_async(url, "0012")
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text(
+                "SELECT undistribute_table('metric_points', cascade_via_foreign_keys => true)"))
+            await conn.execute(sa.text(
+                "SELECT citus_add_local_table_to_metadata('metric_points', "
+                "cascade_via_foreign_keys => true)"))
+    finally:
+        await engine.dispose()
+    found = dict(await scalar_rows(url, "SELECT table_name::text, citus_table_type "
+                                        "FROM citus_tables"))
+    assert found["metric_points"] == "local"
+    await migrate.upgrade_async(url)
+    found = dict(await scalar_rows(url, "SELECT table_name::text, citus_table_type "
+                                        "FROM citus_tables"))
+    assert {t: found[t] for t in citus.REFERENCE} == dict.fromkeys(citus.REFERENCE, "reference")

@@ -58,6 +58,12 @@ def _exists(connection: Connection, table: str) -> bool:
                               {"t": table}).scalar_one()
 
 
+def _is_reference(connection: Connection, table: str) -> bool:
+    return connection.execute(sa.text(
+        "SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(:t) "
+        "AND partmethod = 'n' AND repmodel = 't'"), {"t": table}).first() is not None
+
+
 def _is_distributed(connection: Connection, table: str) -> bool:
     return connection.execute(sa.text(
         "SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(:t)"),
@@ -90,7 +96,10 @@ def distribute(execute: Callable[[str], object], connection: Connection,
         execute(f"SELECT create_distributed_table('{table}', '{DISTRIBUTION_COLUMN}'"
                 f"{colocate})")
     for table in reference:
-        if _exists(connection, table) and not _is_distributed(connection, table):
+        # A table referencing a reference table by a foreign key is made a Citus
+        # *local* table (the coordinator's alone) when that one becomes a reference:
+        # `metric_points` did. create_reference_table turns it into a reference too.
+        if _exists(connection, table) and not _is_reference(connection, table):
             execute(f"SELECT create_reference_table('{table}')")
 
 
