@@ -11,6 +11,7 @@ Refuses: forwarding and recording (app.gateway) and their rules (app.domain.body
 
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -152,9 +153,16 @@ def gateway(
 
     keep_turn_buffers_resident()
     # Date and Server are the upstream's: the caller sees its headers, not ours.
+    from app.served import guarded_protocol
+
     uvicorn.run(Gateway(config, settings, spool), host=host, port=port,
                 log_config=None, lifespan="on", server_header=False, date_header=False,
                 timeout_keep_alive=75,
+                # The store's HTTP bounds (TURNLOG_MAX_HEADER_BYTES, …_MAX_HEADERS,
+                # …_HEADER_TIMEOUT_S): one caller's endless or oversized headers could
+                # stall every session's relaying on the one event loop; malformed HTTP
+                # is a problem+json 400, as from the store.
+                http=functools.partial(guarded_protocol, bounds=settings.server),  # type: ignore[arg-type]
                 # The caller's address is the peer's: an X-Forwarded-For it sends is
                 # passed on with that address added, never taken as the peer.
                 proxy_headers=False)

@@ -85,7 +85,7 @@ from app.domain.errors import (
     UnsupportedMediaType,
 )
 from app.domain.wire import jsonio
-from app.domain.wire.media import JSON, media_type_of
+from app.domain.wire.media import JSON, coded_body, media_type_of
 from app.gateway.errors import (
     CallerStalled,
     MethodNotAllowed,
@@ -332,6 +332,9 @@ class Gateway:
             raise UnknownSession(f"no session {session_id!r}: not a session id",
                                  field="session_id", expected="a session id (docs/api.md §1)",
                                  actual=session_id[:80])
+        coded = coded_body(dict(scope["headers"]))
+        if coded is not None:
+            raise coded
         kind_of_body = media_type_of(_header(scope, b"content-type"))
         if kind_of_body not in (None, JSON):
             raise UnsupportedMediaType(f"this route does not read {kind_of_body} bodies",
@@ -1048,8 +1051,16 @@ async def _send(send: Any, status: int, content_type: bytes, body: bytes) -> Non
                                    (b"content-length", str(len(body)).encode())], body)
 
 
+# Refusals answered before the request's body was read to its end: the connection
+# closes after them (uvicorn honours the header), or what is left of that body (or,
+# for a stalled one, never comes) would be read as the connection's next request.
+BODY_LEFT_UNREAD = (CallerStalled, TooLarge)
+
+
 async def _problem(send: Any, error: DomainError, *headers: tuple[bytes, bytes]) -> None:
     body = jsonio.dumps_bytes(error.problem())
+    if isinstance(error, BODY_LEFT_UNREAD):
+        headers = (*headers, (b"connection", b"close"))
     await _send_raw(send, error.http_status, [
         (b"content-type", PROBLEM), (b"content-length", str(len(body)).encode()), *headers],
         body)

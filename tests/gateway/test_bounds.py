@@ -184,11 +184,70 @@ async def test_a_caller_whose_body_stops_gets_408_and_nothing_is_stored(
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                   if line.lower().startswith(b"content-length:"))
     problem = json.loads(await reader.readexactly(length))
+    # And the connection closes: the rest of that body never came, and would have been
+    # read as the next request (a helper's finding: the socket stayed open, dead).
+    assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()
     assert head.startswith(b"HTTP/1.1 408"), head
+    assert b"connection: close" in head.lower()
     assert problem["type"] == "urn:turnlog:request-timeout" and problem["field"] == "body"
     assert "TURNLOG_BODY_TIMEOUT_S" in problem["expected"]
     assert asyncio.get_running_loop().time() - started < 15
     async with httpx.AsyncClient(base_url=gateway.url) as http:
         assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 0
     assert "Traceback" not in gateway.log_tail(200)
+
+
+async def _exchange(port: int, request: bytes, timeout: float = 20) -> tuple[bytes, Any, bytes]:
+    """Send `request` raw; the answer's head, its problem body and what followed (b""
+    when the gateway closed the connection)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        body = json.loads(await reader.readexactly(length))
+        rest = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    return head, body, rest
+
+
+async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_process):
+    """A helper's findings: one caller's 300 MB header froze every session's relaying
+    (85 s, +570 MB), a connection that sent half a header (or nothing) was never closed,
+    and malformed HTTP got uvicorn's plain-text 400. The gateway now speaks through the
+    store's guarded protocol: 431, 408 after TURNLOG_HEADER_TIMEOUT_S, problem+json."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}",
+                              env={"TURNLOG_HEADER_TIMEOUT_S": "1"})
+    await gateway.wait_ready()
+    flood = b"GET /health HTTP/1.1\r\nHost: g\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+    head, problem, rest = await _exchange(gateway.port, flood)
+    assert head.startswith(b"HTTP/1.1 431") and rest == b"", head
+    assert problem["type"] == "urn:turnlog:headers-too-large"
+    started = asyncio.get_running_loop().time()
+    head, problem, rest = await _exchange(gateway.port, b"GET /health HTTP/1.1\r\nHost: g\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and rest == b"", head
+    assert problem["field"] == "headers"
+    assert asyncio.get_running_loop().time() - started < 8
+    head, problem, rest = await _exchange(
+        gateway.port, b"POST /generate HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/problem+json" in head, head
+    assert problem["field"] == "request"
+    async with httpx.AsyncClient(base_url=gateway.url) as http:  # and it still serves
+        assert (await http.get("/turnlog/healthz")).status_code == 200
+    assert "Traceback" not in gateway.log_tail(200)
+
+
+async def test_a_compressed_body_to_the_gateways_own_routes_is_415(tmp_path, gateway_process):
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}")
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        r = await http.post("/turnlog/v1/sessions/s-gz/close", content=b"\x1f\x8b\x08\x00",
+                            headers={"content-type": "application/json",
+                                     "content-encoding": "gzip"})
+    assert r.status_code == 415, r.text
+    assert r.json()["field"] == "content-encoding"

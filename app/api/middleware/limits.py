@@ -24,7 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.http_errors import RequestTimeout
 from app.api.problems import send_problem
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, keeps_deadline, parse_timeout
-from app.domain.errors import InvalidRequest, TooLarge, UnsupportedMediaType
+from app.domain.errors import InvalidRequest, TooLarge
+from app.domain.wire.media import coded_body
 from app.store.engine.db import write_deadline
 
 
@@ -43,15 +44,9 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await send_problem(send, self._error(int(declared)))
             return
-        coding = headers.get(b"content-encoding", b"").strip().lower()
-        if coding not in (b"", b"identity") and (
-                b"transfer-encoding" in headers or (declared or b"0").strip() != b"0"):
-            # Bodies are read as sent: a compressed one would be judged as its bytes, and
-            # a plain one labelled compressed stored as if it were not (RFC 9110 §8.4.1).
-            await send_problem(send, UnsupportedMediaType(
-                "request bodies are read as sent: no content coding is decoded",
-                field="content-encoding", expected="no Content-Encoding (or identity)",
-                actual=coding.decode("latin-1")[:80]))
+        coded = coded_body(headers)
+        if coded is not None:
+            await send_problem(send, coded)
             return
         seen, complete = 0, False
         watch = ReadWatch(self.timeout) if self.timeout is not None else None
