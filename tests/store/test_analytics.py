@@ -11,8 +11,10 @@ reach a group it looks at.
 
 import itertools
 import random
+import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -320,3 +322,33 @@ async def test_api_views_and_domain_rules_agree_exactly(client, engine, drawn):
     r = await client.get("/v1/metrics/rollout", params={"run_id": ex.run_id})
     assert r.json() == expected_metrics
     assert await view_rollout(engine, ex) == expected_metrics
+
+
+# --- the documented SQL runs as written ---------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "analytics.md"
+
+
+def documented_statements() -> list[str]:
+    blocks = re.findall(r"```sql\n(.*?)```", DOCS.read_text(encoding="utf-8"), re.S)
+    return [s.strip() for block in blocks for s in block.split(";") if s.strip()]
+
+
+async def test_the_documented_queries_run_and_order_as_the_api(client, engine, sid):
+    # A helper's finding: the example's `ORDER BY t.weight_version` put the null key
+    # last on PostgreSQL (first on SQLite), unlike the API's order.
+    labels = {"run_id": "run7", "team": "infra"}
+    await client.post("/v1/sessions", json=open_body(sid, labels=labels))
+    await client.post(f"/v1/sessions/{sid}/turns",
+                      json=turn([1], [2, 3], spec=(2, 1, 3), weight_version="7"))
+    await client.post(f"/v1/sessions/{sid}/turns",
+                      json=turn([9], [2], spec=(2, 1, 3), weight_version=None))
+    statements = documented_statements()
+    assert len(statements) >= 3
+    for statement in statements:
+        await fetch(engine, statement)  # runs as written, on every backend
+    by_version = next(s for s in statements if "GROUP BY t.weight_version" in s)
+    api = (await client.get("/v1/analytics/spec", params={
+        "group_by": "weight_version", "run_id": "run7", "team": "infra"})).json()["groups"]
+    assert [r["weight_version"] for r in await fetch(engine, by_version)] == \
+        [g["key"] for g in api] == [None, "7"]
