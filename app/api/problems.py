@@ -217,7 +217,10 @@ def database_unavailable(exc: BaseException) -> bool:
             return True
         if isinstance(current, OperationalError | InterfaceError | PoolTimeout
                       | asyncpg.PostgresConnectionError | asyncpg.InterfaceError
-                      | OperatorInterventionError | InsufficientResourcesError):
+                      | OperatorInterventionError | InsufficientResourcesError
+                      # rolled back whole (a deadlock, or a transaction behind the
+                      # store's clock just after a restore): the retry is safe
+                      | asyncpg.exceptions.TransactionRollbackError):
             return True
         if isinstance(current, OSError) and raised_by_database(current):
             return True

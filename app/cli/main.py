@@ -220,8 +220,9 @@ def migrate(
     from app.store.engine import migrate as migrations
 
     url = resolve_url(database_url)
-    if revision is not None and revision not in ("head", "base") \
-            and not revision.lstrip("+-").isdigit() and not migrations.knows(revision):
+    # Relative forms (-1, +2, head-1, 0011+1) are alembic's to resolve; a name must be ours.
+    if revision is not None and revision not in ("head", "heads", "base") \
+            and not any(sign in revision for sign in "+-") and not migrations.knows(revision):
         raise CliError(f"no revision {revision!r}: expected head, base or "
                        f"one of this turnlog's revisions (0001 … {migrations.head_revision()})")
     if action is MigrateAction.upgrade:

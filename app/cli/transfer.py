@@ -119,7 +119,7 @@ def import_(
         _print_import(report)
     if report.sessions == 0 and not report.failures:
         warn("no session dump in " + ", ".join(str(path) for path in files)
-             + " (empty files): nothing imported")
+             + ": nothing imported")
     for sid in report.left_open:
         warn(f"left {sid} open: a record was rejected (fix the dump and import it again, "
              "or pass --close-incomplete)")

@@ -126,6 +126,14 @@ def _lines(path: Path) -> Iterator[Dump | Unreadable]:
             yield _dump(value, source, len(line))
 
 
+def _parses(line: bytes) -> bool:
+    try:
+        jsonio.loads(line)
+    except DomainError:
+        return False
+    return True
+
+
 def read_dumps(path: Path) -> Iterator[Dump | Unreadable]:
     """Every dump in `path`, in file order. JSONL (by suffix) streams line by line;
     anything else is one JSON document (an object or an array of objects), or
@@ -139,10 +147,8 @@ def read_dumps(path: Path) -> Iterator[Dump | Unreadable]:
     try:
         value = jsonio.loads(raw)
     except DomainError as exc:
-        first = next((line for line in raw.splitlines() if line.strip()), b"")
-        try:
-            jsonio.loads(first)
-        except DomainError:
+        lines = [line for line in raw.splitlines() if line.strip()]
+        if not any(_parses(line) for line in lines):
             # Neither one document nor lines of them (an .npz, gzip, a truncated
             # document): one failure for the file, not one per "line" of its bytes.
             yield Unreadable(str(path), f"not JSON, nor JSON Lines: {exc.detail}", len(raw))

@@ -4,6 +4,7 @@ checked before migrating; `make clean` keeps the event log."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sqlite3
@@ -353,8 +354,9 @@ def test_a_database_a_newer_turnlog_migrated_says_upgrade_turnlog_not_migrate(tm
 def test_a_revision_turnlog_does_not_ship_is_refused_by_name(tmp_path):
     url = sqlite_file(tmp_path)
     assert run("migrate", "--database-url", url).exit_code == 0
-    line = one_error_line(run("migrate", "downgrade", "zzz", "--database-url", url))
-    assert "no revision 'zzz'" in line and "CommandError" not in line
+    for action, revision in (("downgrade", "zzz"), ("upgrade", "0099")):
+        line = one_error_line(run("migrate", action, revision, "--database-url", url))
+        assert f"no revision '{revision}'" in line and "CommandError" not in line
     assert run("migrate", "downgrade", "0011", "--database-url", url).exit_code == 0
 
 
@@ -396,6 +398,13 @@ def test_import_of_a_file_that_is_not_json_is_one_failure_and_empty_is_a_warning
     failures = [line for line in result.stdout.splitlines() if "invalid-dump" in line]
     assert len(failures) == 1 and "not JSON, nor JSON Lines" in failures[0]
     assert "None" not in failures[0]
+    # Lines of dumps whose first is damaged: that line fails, the others are imported.
+    from tests.test_import_export import linear_dump
+
+    lines = tmp_path / "dumps.txt"
+    lines.write_text('{"records": [\n' + json.dumps(linear_dump(turns=2, seed=3)) + "\n")
+    result = run("import", str(lines), "--database-url", url)
+    assert result.exit_code == 1 and "1 (1 new" in result.stdout, result.output
     empty = tmp_path / "empty.json"
     empty.write_text("\n")
     result = run("import", str(empty), "--database-url", url)

@@ -132,6 +132,53 @@ async def test_positions_increase_along_the_feed_with_concurrent_writers(client,
     assert len(positions) == 6 * 7 and positions == sorted(set(positions))
 
 
+@pytest.mark.postgres_only  # SQLite's rows carry no transaction id
+async def test_a_database_restored_onto_another_server_keeps_its_feed(client, db_url, sid):
+    """A review's finding: PostgreSQL's transaction ids are the server's, not the data's.
+    Rows restored (pg_dump) from a server whose ids were far ahead stayed behind the
+    feed fence, and new rows' positions fell below theirs (negative, once made from the
+    ids). `turnlog migrate` (run by serve and gateway at start) puts the store's clock
+    ahead of them."""
+    from app.store.engine import migrate
+    from app.store.engine.schema import sessions
+
+    restored = f"{sid}-restored"
+    await client.post("/v1/sessions", json=open_body(sid))
+    cur = await tail_cursor(client)
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            ahead = 10**7 + (await conn.execute(sa.text(
+                "SELECT pg_current_xact_id()::text::bigint"))).scalar_one()
+            far = 10**7 * 1024 + (await conn.execute(sa.text(
+                "SELECT max(position) FROM events"))).scalar_one()
+            columns = ", ".join(c.name for c in sessions.c if c.name not in ("id", "xid",
+                                                                             "session_id"))
+            await conn.execute(sa.text(
+                f"INSERT INTO sessions (session_id, xid, {columns}) "
+                f"SELECT :restored, :ahead, {columns} FROM sessions WHERE session_id = :sid"),
+                {"restored": restored, "ahead": ahead, "sid": sid})
+            await conn.execute(sa.text(
+                "INSERT INTO events (session_id, type, event_id, payload, recorded_us, xid, "
+                "position) SELECT :restored, type, event_id, payload, recorded_us, :ahead, :far "
+                "FROM events WHERE session_id = :sid AND type = 'session_opened'"),
+                {"restored": restored, "ahead": ahead, "far": far, "sid": sid})
+    finally:
+        await engine.dispose()
+    page = (await client.get("/v1/events", params={"after": cur})).json()
+    assert page["events"] == []  # behind the fence: the server's ids are behind the rows'
+    await migrate.upgrade_async(db_url)  # at head already: only the clock moves
+    turn_reply = await client.post(f"/v1/sessions/{restored}/turns", json=turn([1], [2]))
+    assert turn_reply.status_code == 201, turn_reply.text
+    page = (await client.get("/v1/events", params={"after": cur})).json()
+    assert [(e["session_id"], e["type"]) for e in page["events"]] == [
+        (restored, "session_opened"), (restored, "turn_recorded")]
+    assert [e["position"] for e in page["events"]] == [far, turn_reply.json()["position"]]
+    assert far < turn_reply.json()["position"]
+    events = (await client.get(f"/v1/sessions/{restored}/events")).json()
+    assert [e["type"] for e in events] == ["session_opened", "turn_recorded"]
+
+
 async def worker_of(conn, session_id):
     return (await conn.execute(sa.text(
         "SELECT nodeport FROM citus_shards WHERE table_name = 'events'::regclass "

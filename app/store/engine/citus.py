@@ -10,8 +10,9 @@ by session (CI metric history, gate baselines) become reference tables
 Citus requires every primary key and unique constraint of a distributed
 table to contain the distribution column: `sessions` and `events` are keyed
 by a row id / position alone elsewhere, so on Citus their primary keys
-become `(session_id, id)` and `(session_id, position)` — positions and ids
-still come from one sequence on the coordinator, so they stay unique.
+become `(session_id, id)` and `(session_id, position)` — ids still come from
+one sequence on the coordinator, positions from the coordinator's transaction
+ids (migration 0012), so both stay unique.
 
 The immutability triggers of the log tables are created on every shard
 (`citus.enable_unsafe_triggers`: Citus cannot prove a trigger only touches

@@ -14,8 +14,9 @@ the append's one-round-trip call (`app/store/append/fastpath.py`).
 
 SQL. PostgreSQL's feed fence: a reader takes only events whose writing
 transaction id is below the oldest transaction still running in its snapshot
-(`pg_snapshot_xmin(pg_current_snapshot())`), so an insert that commits after
-a later one was read can never be skipped. SQLite has a single writer and its
+(`pg_snapshot_xmin(pg_current_snapshot())`, on the store's transaction clock:
+the server's ids plus `turnlog_clock`'s offset, migration 0012), so an insert
+that commits after a later one was read can never be skipped. SQLite has a single writer and its
 rowid order is commit order, so it needs no fence. Also the append's row
 lock, the consumer groups' locks (advisory, `SKIP LOCKED`, row locks), the
 upsert, code-point text order, time buckets, Citus detection, R3 retention's
@@ -54,7 +55,10 @@ from sqlalchemy.sql.elements import ColumnElement
 from app.settings import Settings
 from app.store.engine.schema import events, sessions
 
-PG_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+# On the store's transaction clock (migration 0012): the server's ids plus the offset
+# that keeps them ahead of rows a restored database carries from another server.
+PG_XMIN = ("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint "
+           "+ (SELECT xid_offset FROM turnlog_clock WHERE id = 1)")
 CITUS_DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 
 

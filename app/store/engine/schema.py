@@ -292,3 +292,15 @@ gate_baselines = sa.Table(
     sa.UniqueConstraint("coordinate_key", "run_id"),
     sa.Index("ix_gate_baselines_coordinate_key_recorded_us", "coordinate_key", "recorded_us"),
 )
+
+# The store's transaction clock (migration 0012): the offset added to PostgreSQL's
+# transaction ids in every `xid` column and the feed fence, raised past the rows a
+# database restored onto another server carries (`turnlog_reclock()`). One row; unused
+# on SQLite, whose `xid` is 0.
+turnlog_clock = sa.Table(
+    "turnlog_clock",
+    metadata,
+    sa.Column("id", sa.Integer, sa.CheckConstraint("id = 1", name="ck_turnlog_clock_one_row"),
+              primary_key=True, autoincrement=False),
+    sa.Column("xid_offset", sa.BigInteger, nullable=False),
+)

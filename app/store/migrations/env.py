@@ -38,6 +38,21 @@ def do_run_migrations(connection: Connection) -> None:
     _configure(connection)
     with context.begin_transaction():
         context.run_migrations()
+    _reclock(connection)
+
+
+def _reclock(connection: Connection) -> None:
+    """The store's transaction clock ahead of every stamped row (migration 0012), on
+    every migration run: after a restore onto another server, whose transaction ids
+    may be far behind the restored rows', `turnlog migrate` (or a start of `serve` /
+    `gateway`) puts it right before anything is written."""
+    if connection.dialect.name != "postgresql":
+        return
+    # A revision before 0012 (a downgrade's target) has no clock: nothing to do.
+    connection.exec_driver_sql(
+        "DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL THEN "
+        "PERFORM turnlog_reclock(); END IF; END $$")
+    connection.commit()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""An event's `position` follows the feed's order (PostgreSQL and Citus).
+"""An event's `position` follows the feed's order; the store's own transaction clock
+(PostgreSQL and Citus).
 
 The feed pages events by (`xid`, `position`) behind the transaction-id fence
 (`app/store/engine/dialect.py`): that order never skips an event, but with
@@ -10,26 +11,43 @@ of adjacent pairs under eight concurrent writers). A position is the event's
 place in that order, so it is now made from it: the writing transaction's
 id, then the event's rank within the transaction,
 
-    position = P0 + (xid - X0) * 65536 + rank
+    position = P0 + (xid - X0) * 1024 + rank
 
-(`P0` one past the largest position the sequence handed out before this migration, `X0` the
-migration's own transaction id, below every later writer's). Positions then
-increase along the feed, and within a session (its writers hold its row
-lock, so a later one's transaction id is larger, or its turn fails the
-count check and is written again later). They are no longer consecutive:
-each transaction id is 65536 positions wide, which keeps them below 2^53
-(exact as JSON numbers everywhere) for ~1.4 × 10^11 transactions. A
-transaction writes at most 65536 events (turnlog's write at most a group
-commit's 32); one more is an error, never a shared position.
+(`P0` one past the largest position the sequence handed out before this
+migration, `X0` the migration's own transaction id, below every later
+writer's). Positions then increase along the feed, and within a session (its
+writers hold its row lock, so a later one's transaction id is larger, or its
+turn fails the count check and is written again later). They are no longer
+consecutive: each transaction id is 1024 positions wide, which keeps them
+below 2^53 (exact as JSON numbers everywhere) for ~8.8 × 10^12 transactions.
+A transaction writes at most 1024 events (turnlog's write at most a group
+commit's 32); one more is an error, never a shared position. The rank is
+counted in a transaction-local setting (`turnlog.events_written`, reset at
+every commit or rollback, and with a savepoint rolled back together with its
+rows).
 
-The rank is counted in a transaction-local setting (`turnlog.events_written`,
-reset at every commit or rollback, and with a savepoint rolled back together
-with its rows). The default is evaluated where the row's `xid` default is:
-on Citus the coordinator, whose transaction ids the fence compares
-(`turnlog_append` is not a distributed function for the same reason).
-Events written before keep their positions, all below `P0`; the feed's
-order is unchanged. SQLite has one writer: its positions (rowids) already
-are commit order.
+**The store's transaction clock.** PostgreSQL's transaction ids belong to the
+server, not to the data: a database restored from `pg_dump` onto another
+server (or moved by logical replication) keeps rows stamped with the old
+server's ids while the new one counts from its own, possibly far lower. The
+feed fence then hid every restored row, new rows sorted before them, and
+positions made from the new ids would fall below the old ones. So every
+`xid` (events, sessions, consumer acks) and the fence's horizon are now the
+server's id plus an offset kept in the database (`turnlog_clock`), and
+`turnlog_reclock()` raises the offset past every stamped row whenever the
+server's ids are behind them. It runs with every migration run (`turnlog
+migrate`, and `serve` / `gateway` at start): after a restore, migrate before
+serving. A transaction whose id is still behind (one that began before the
+reclock, or before this migration) cannot write an event: its position would
+fall below those written, so it fails (retried like any failed write).
+
+The defaults are evaluated where the row's `xid` default always was: on Citus
+the coordinator, which holds `turnlog_clock` (a plain table of its own) and
+whose transaction ids the fence compares (`turnlog_append` is not a
+distributed function for the same reason). Events written before keep their
+positions, all below `P0`; the feed's order is unchanged. SQLite has one
+writer: its positions (rowids) already are commit order, and `xid` is 0 (the
+clock's table is created there too, unused, so the schema is one).
 
 Revision ID: 0012
 Revises: 0011
@@ -38,6 +56,7 @@ Create Date: 2026-12-06
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from alembic import op
 from app.store.engine.dialect import has_citus
 
@@ -46,16 +65,55 @@ down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-RANK_WIDTH = 65536
+RANK_WIDTH = 1024
+XID_TABLES = ("events", "sessions", "consumer_acks")
+
+XID_FN = """
+CREATE OR REPLACE FUNCTION turnlog_xid() RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+  RETURN pg_current_xact_id()::text::bigint
+         + (SELECT xid_offset FROM turnlog_clock WHERE id = 1);
+END
+$$
+"""
+
+# Raises the offset past every stamped row when the server's ids are behind them
+# (a restore onto another server); returns the offset. The current id is this
+# transaction's own, newer than every committed row's on a server that stamped
+# them: in normal operation nothing changes.
+RECLOCK_FN = """
+CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+  v_offset bigint;
+  v_now bigint := pg_current_xact_id()::text::bigint;
+  v_seen bigint;
+BEGIN
+  SELECT xid_offset INTO v_offset FROM turnlog_clock WHERE id = 1 FOR UPDATE;
+  SELECT greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
+                  (SELECT max(xid) FROM consumer_acks)) INTO v_seen;
+  IF v_seen IS NOT NULL AND v_seen >= v_now + v_offset THEN
+    v_offset := v_seen - v_now + 1;
+    UPDATE turnlog_clock SET xid_offset = v_offset WHERE id = 1;
+  END IF;
+  RETURN v_offset;
+END
+$$
+"""
 
 POSITION_FN = """
 CREATE OR REPLACE FUNCTION turnlog_event_position() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-  v_xid bigint := pg_current_xact_id()::text::bigint;
+  v_xid bigint := turnlog_xid();
   v_rank bigint := coalesce(nullif(current_setting('turnlog.events_written', true), ''),
                             '0')::bigint;
 BEGIN
+  IF v_xid <= {x0} THEN
+    RAISE EXCEPTION 'transaction id % is behind the store''s clock: retry the write', v_xid
+      USING ERRCODE = 'serialization_failure';
+  END IF;
   IF v_rank >= {width} THEN
     RAISE EXCEPTION 'a transaction writes at most {width} events';
   END IF;
@@ -68,6 +126,12 @@ $$
 
 def upgrade() -> None:
     bind = op.get_bind()
+    op.create_table(
+        "turnlog_clock",
+        sa.Column("id", sa.Integer, sa.CheckConstraint("id = 1", name="ck_turnlog_clock_one_row"),
+                  primary_key=True, autoincrement=False),
+        sa.Column("xid_offset", sa.BigInteger, nullable=False))
+    op.execute("INSERT INTO turnlog_clock (id, xid_offset) VALUES (1, 0)")
     if bind.dialect.name != "postgresql":
         return
     # Past every position the sequence handed out (all of them came from it). Read
@@ -77,25 +141,36 @@ def upgrade() -> None:
         "SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END "
         "FROM events_position_seq").scalar()
     x0 = bind.exec_driver_sql("SELECT pg_current_xact_id()::text::bigint").scalar()
+    op.execute(XID_FN)
+    op.execute(RECLOCK_FN)
     op.execute(POSITION_FN.format(width=RANK_WIDTH, p0=int(p0 or 1), x0=int(x0 or 0)))
+    for table in XID_TABLES:
+        op.execute(f"ALTER TABLE {table} ALTER COLUMN xid SET DEFAULT turnlog_xid()")
     op.execute("ALTER TABLE events ALTER COLUMN position SET DEFAULT turnlog_event_position()")
 
 
 def downgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
+        op.drop_table("turnlog_clock")
         return
     if has_citus(bind):
-        # The ALTER below runs on every shard; DROP FUNCTION (propagated to the
+        # The ALTERs below run on every shard; DROP FUNCTION (propagated to the
         # workers) then needs one connection per node for the whole transaction.
         op.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
-    # Back to the sequence, past every position written meanwhile.
+    # Back to the sequence, past every position written meanwhile, and to the
+    # server's own transaction ids.
     op.execute("SELECT setval('events_position_seq', "
                "(SELECT coalesce(max(position), 0) + 1 FROM events), false)")
     op.execute("ALTER TABLE events ALTER COLUMN position "
                "SET DEFAULT nextval('events_position_seq')")
-    # On Citus the shards of `events` keep the function as their own default (Citus
-    # does not propagate a sequence default to them; inserts routed from the
-    # coordinator never use it): those defaults go with the function.
-    op.execute("DROP FUNCTION turnlog_event_position()"
-               + (" CASCADE" if has_citus(bind) else ""))
+    for table in XID_TABLES:
+        op.execute(f"ALTER TABLE {table} ALTER COLUMN xid "
+                   "SET DEFAULT (pg_current_xact_id()::text::bigint)")
+    # On Citus the shards of `events` and `sessions` keep the functions as their own
+    # defaults (Citus does not propagate these defaults to them; inserts routed from
+    # the coordinator never use them): those defaults go with the functions.
+    cascade = " CASCADE" if has_citus(bind) else ""
+    for function in ("turnlog_event_position", "turnlog_reclock", "turnlog_xid"):
+        op.execute(f"DROP FUNCTION {function}(){cascade}")
+    op.execute("DROP TABLE turnlog_clock")
