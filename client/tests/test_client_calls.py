@@ -159,3 +159,55 @@ def test_the_sync_client_has_the_async_clients_methods_and_signatures() -> None:
         like = getattr(TurnlogClient, name)
         assert inspect.signature(method) == inspect.signature(like), name
         assert method.__doc__ == like.__doc__, name
+
+
+def test_errors_cross_process_boundaries_intact() -> None:
+    # A helper's finding: pickling (a ProcessPoolExecutor worker's error) failed with a
+    # ValueError, so the pool broke instead of raising the documented TurnlogError.
+    import copy
+    import pickle
+
+    import httpx
+
+    from turnlog_client.errors import TurnlogConnectionError, TurnlogError
+
+    error = TurnlogError({"type": "urn:turnlog:session-closed", "status": 409,
+                          "detail": "closed", "field": "session_id"}, event_id="e1")
+    for twin in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(twin) is TurnlogError and twin.problem == error.problem
+        assert (twin.slug, twin.status, twin.event_id, str(twin)) == (
+            "session-closed", 409, "e1", str(error))
+    down = TurnlogConnectionError(httpx.ConnectError("refused"), url="http://x:1")
+    twin = pickle.loads(pickle.dumps(down))
+    assert type(twin) is TurnlogConnectionError and twin.url == "http://x:1"
+    assert str(twin) == str(down)
+
+
+async def test_paging_past_the_servers_largest_page_still_reads_everything() -> None:
+    # A helper's finding: iter_sessions(page_size=5000) against 1050 sessions yielded
+    # the first 1000 and stopped: the server answers at most 1000 a page, and a page
+    # shorter than page_size was taken for the last.
+    import httpx
+
+    from turnlog_client import TurnlogClient
+
+    names = [f"s{i:04d}" for i in range(1050)]
+    positions = list(range(1, 100_051))
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/sessions":
+            start = int(request.url.params.get("after") or 0)
+            take = min(int(request.url.params["limit"]), 1000)
+            page = names[start:start + take]
+            return httpx.Response(200, json={
+                "sessions": [{"session_id": n} for n in page], "next": str(start + len(page))})
+        after = int(request.url.params.get("after") or 0)
+        take = min(int(request.url.params["limit"]), 100_000)
+        return httpx.Response(200, json=[{"position": p} for p in positions
+                                         if p > after][:take])
+
+    async with TurnlogClient("http://turnlog", transport=httpx.MockTransport(answer)) as tl:
+        seen = [s["session_id"] async for s in tl.iter_sessions(page_size=5000)]
+        events = await tl.all_events("s0001", page_size=200_000)
+    assert seen == names
+    assert len(events) == len(positions)

@@ -246,6 +246,11 @@ def _encode_turn(body: Mapping[str, Any], wire: str) -> tuple[bytes, str]:
     return encode(body), JSON
 
 
+# The largest pages the server answers (docs/api.md): asked for more, it answers these.
+EVENTS_PAGE_MAX = 100_000
+SESSIONS_PAGE_MAX = 1000
+
+
 @dataclass(frozen=True)
 class FeedPage:
     """One page of the global feed and the cursor to continue after it."""
@@ -460,11 +465,14 @@ class TurnlogClient(ConsumerCalls):
         """Every event of a session, paging by position."""
         out: list[dict[str, Any]] = []
         after: int | None = None
+        # The server answers at most EVENTS_PAGE_MAX a page, whatever is asked: a page
+        # shorter than that (not than `page_size`) is the last.
+        full = min(page_size, EVENTS_PAGE_MAX)
         while True:
-            page = await self.events(session_id, after=after, limit=page_size,
+            page = await self.events(session_id, after=after, limit=full,
                                      include_r3=include_r3)
             out.extend(page)
-            if len(page) < page_size:
+            if len(page) < full:
                 return out
             after = page[-1]["position"]
 
@@ -492,12 +500,13 @@ class TurnlogClient(ConsumerCalls):
     ) -> AsyncIterator[dict[str, Any]]:
         """Every matching session summary, paging with the cursor."""
         after: str | None = None
+        full = min(page_size, SESSIONS_PAGE_MAX)  # as `all_events` (the server's bound)
         while True:
             page = await self.sessions(status=status, labels=labels, after=after,
-                                       limit=page_size)
+                                       limit=full)
             for summary in page["sessions"]:
                 yield summary
-            if len(page["sessions"]) < page_size:
+            if len(page["sessions"]) < full:
                 return
             after = page["next"]
 

@@ -67,6 +67,12 @@ class TurnlogError(Exception):
         self.event_id = event_id
         super().__init__(f"{self.status} {self.slug}: {self.detail}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the problem, not from `args` (the message): an error raised in a
+        # worker process (a ProcessPoolExecutor, multiprocessing, Ray) crosses intact.
+        return (_rebuild, (type(self), self.problem, self.retry_after, self.event_id,
+                           self.__dict__, self.args))
+
     @property
     def retryable(self) -> bool:
         # A write refused for its `X-Turnlog-Timeout` is not resent: the resend would be
@@ -140,3 +146,15 @@ def retrying(retries: int, deadline: float | None, wait: Backoff) -> AsyncRetryi
         retry=retry_if_exception(lambda exc: isinstance(exc, TurnlogError) and exc.retryable),
         reraise=True,
     )
+
+
+def _rebuild(cls: type[TurnlogError], problem: dict[str, Any], retry_after: float | None,
+             event_id: str | None, state: dict[str, Any],
+             args: tuple[Any, ...]) -> TurnlogError:
+    """A pickled `TurnlogError` (or subclass) as it was, without calling its own
+    constructor (a `TurnlogConnectionError`'s takes the httpx exception, gone by now)."""
+    error = cls.__new__(cls)
+    TurnlogError.__init__(error, problem, retry_after=retry_after, event_id=event_id)
+    error.__dict__.update(state)
+    error.args = args  # the message as the subclass made it
+    return error
