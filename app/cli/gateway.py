@@ -101,6 +101,12 @@ def gateway(
 
     if not upstream.startswith(("http://", "https://")):
         raise CliError(f"--upstream {upstream!r} must be an http:// or https:// URL")
+    if _is_own_address(upstream, host, port):
+        # Every request would be forwarded to the gateway itself, again and again
+        # (a newcomer's mistake: the router's usual port is the gateway's default).
+        raise CliError(f"--upstream {upstream} is this gateway's own address "
+                       f"({host}:{port}): point it at the SGLang router (or engine), and "
+                       "give the gateway another --port if the router uses this one")
     try:
         labels = parse_label_flags(label or ())
     except DomainError as exc:
@@ -119,6 +125,8 @@ def gateway(
         raise CliError(f"cannot use the spool directory {spool_dir}: {exc}") from None
     if migrate:
         _migrate(url)
+    else:
+        _migrated_or_down(url)
     defaults = GatewayDefaults(version=version.value,
                                pause_generation_mode=pause_generation_mode.value,
                                num_layers=num_layers, max_trim_tokens=max_trim_tokens,
@@ -129,8 +137,9 @@ def gateway(
                            store_timeout=store_timeout, defaults=defaults,
                            idle_close_seconds=idle_close_seconds, spool_dir=spool_dir,
                            spool_max_bytes=spool_max_bytes)
+    store = common.sqlite_path(url) or mask(url)  # a SQLite file by its absolute path
     err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
-                f"(store {mask(url)}, spool {spool_dir})")
+                f"(store {store}, spool {spool_dir})")
     settings = common.settings_for(url)
     from app.api.middleware.guards import is_loopback
 
@@ -166,6 +175,46 @@ def gateway(
                 # The caller's address is the peer's: an X-Forwarded-For it sends is
                 # passed on with that address added, never taken as the peer.
                 proxy_headers=False)
+
+
+def _is_own_address(upstream: str, host: str, port: int) -> bool:
+    """`upstream` names the address the gateway listens on (a loopback name for a
+    loopback or wildcard bind counts as the same host)."""
+    from urllib.parse import urlsplit
+
+    from app.api.middleware.guards import is_loopback
+
+    try:
+        target = urlsplit(upstream)
+        target_port = target.port or (443 if target.scheme == "https" else 80)
+    except ValueError:
+        return False
+    name = (target.hostname or "").lower()
+    if target_port != port:
+        return False
+    local = {"localhost", "0.0.0.0", "::"}
+    same = name == host.lower() or (is_loopback(name) or name in local) and (
+        is_loopback(host) or host in local)
+    return same
+
+
+def _migrated_or_down(url: str) -> None:
+    """`--no-migrate`: the store must already hold turnlog's schema (else every turn
+    would be spooled, refused, for ever); a store that cannot be reached is left to
+    the spool, as at any time."""
+    from app.cli.common import check_database
+
+    path = common.sqlite_path(url)
+    if path is not None and not path.exists():
+        raise CliError(f"no database at {path} (--no-migrate): run `turnlog migrate` "
+                       "there first, or point --database-url at the store")
+    try:
+        check_database(url)
+    except CliError:
+        raise
+    except Exception as exc:  # unreachable: the gateway spools until it is back
+        common.warn(f"cannot check the store {mask(url)} ({common.describe_failure(exc)}); "
+                    "starting anyway, turns go to the spool until the store answers")
 
 
 def _migrate(url: str) -> None:

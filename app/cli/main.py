@@ -74,7 +74,8 @@ def _global(
              "[env: TURNLOG_LOG_FORMAT]")] = None,
     log_level: Annotated[str | None, typer.Option(
         "--log-level", metavar="debug|info|warning|error",
-        help="Log level (env TURNLOG_LOG_LEVEL; default info for serve, warning otherwise)",
+        help="Log level (env TURNLOG_LOG_LEVEL; default info for serve and gateway, "
+             "warning otherwise)",
     )] = None,
 ) -> None:
     import app.logs

@@ -22,6 +22,31 @@ def test_bad_flags_are_one_line(flags, expected, tmp_path):
     assert expected in line
 
 
+@pytest.mark.parametrize(("upstream", "host"), [
+    ("http://127.0.0.1:{port}", "127.0.0.1"), ("http://localhost:{port}/", "127.0.0.1"),
+    ("http://127.0.0.1:{port}", "0.0.0.0"), ("http://[::1]:{port}", "::1"),
+])
+def test_its_own_address_as_upstream_is_refused(tmp_path, upstream, host):
+    # A newcomer's finding: `--upstream` the gateway's own address (the router's usual
+    # port is the gateway's default) started, then forwarded each request to itself
+    # until its file descriptors ran out.
+    port = free_port()
+    line = one_error_line(run("gateway", "--upstream", upstream.format(port=port), "--host",
+                              host, "--port", str(port),
+                              "--database-url", sqlite_file(tmp_path),
+                              "--spool-dir", str(tmp_path / "spool")))
+    assert "this gateway's own address" in line and "SGLang router" in line
+
+
+def test_no_migrate_without_a_store_is_refused_naming_migrate(tmp_path):
+    # It started and spooled every turn, "no such table: sessions", for ever.
+    line = one_error_line(run("gateway", "--upstream", "http://127.0.0.1:1", "--no-migrate",
+                              "--port", str(free_port()), "--database-url",
+                              sqlite_file(tmp_path), "--spool-dir", str(tmp_path / "spool")))
+    assert "--no-migrate" in line and "turnlog migrate" in line
+    assert not (tmp_path / "t.db").exists()
+
+
 def test_a_taken_port_is_one_line_before_anything_is_created(tmp_path):
     port = free_port()
     with socket.socket() as taken:
