@@ -199,19 +199,21 @@ def _is_own_address(upstream: str, host: str, port: int) -> bool:
 
 
 def _migrated_or_down(url: str) -> None:
-    """`--no-migrate`: the store must already hold turnlog's schema (else every turn
-    would be spooled, refused, for ever); a store that cannot be reached is left to
-    the spool, as at any time."""
+    """`--no-migrate`: a store without turnlog's schema (or no store file yet) is said
+    at start, loudly — every turn is spooled until someone migrates it — but not
+    refused: generation never stops for the log, and the operator may be about to
+    migrate (or the store's volume to appear)."""
     from app.cli.common import check_database
 
     path = common.sqlite_path(url)
     if path is not None and not path.exists():
-        raise CliError(f"no database at {path} (--no-migrate): run `turnlog migrate` "
-                       "there first, or point --database-url at the store")
+        common.warn(f"no database at {path} yet (--no-migrate): every turn is spooled "
+                    f"until `turnlog migrate --database-url {mask(url)}` creates it")
+        return
     try:
         check_database(url)
-    except CliError:
-        raise
+    except CliError as exc:
+        common.warn(f"{exc} (--no-migrate): every turn is spooled until it is done")
     except Exception as exc:  # unreachable: the gateway spools until it is back
         common.warn(f"cannot check the store {mask(url)} ({common.describe_failure(exc)}); "
                     "starting anyway, turns go to the spool until the store answers")

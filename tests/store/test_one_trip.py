@@ -167,15 +167,16 @@ async def test_the_function_refuses_a_stale_count_and_a_closed_session(client, s
 async def test_rows_carry_the_coordinators_transaction_id(client, settings, sid, backend):
     """The feed fence compares event xids with the coordinator's horizon (dialect.py):
     the functions run on the coordinator (not delegated to a worker) on Citus —
-    `turnlog_open`'s session row and event as well as `turnlog_append`'s event."""
+    `turnlog_open`'s session row and event as well as `turnlog_append`'s event. Ids
+    on the store's clock (migration 0012: the coordinator's id plus its offset)."""
     db = Database(settings.store.database_url, settings)
     pool = await db.driver_pool()
     try:
         async with pool.acquire() as conn:
-            before = int(await conn.fetchval("SELECT pg_current_xact_id()::text::bigint"))
+            before = int(await conn.fetchval("SELECT turnlog_xid()"))
         assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
         async with pool.acquire() as conn:
-            low = int(await conn.fetchval("SELECT pg_current_xact_id()::text::bigint"))
+            low = int(await conn.fetchval("SELECT turnlog_xid()"))
             opened = await conn.fetchval(
                 "SELECT xid FROM events WHERE session_id = $1 AND type = 'session_opened'", sid)
             row = await conn.fetchval("SELECT xid FROM sessions WHERE session_id = $1", sid)
@@ -183,7 +184,7 @@ async def test_rows_carry_the_coordinators_transaction_id(client, settings, sid,
         assert (await client.post(f"/v1/sessions/{sid}/turns",
                                   json=turn([1], [2]))).status_code == 201
         async with pool.acquire() as conn:
-            high = int(await conn.fetchval("SELECT pg_current_xact_id()::text::bigint"))
+            high = int(await conn.fetchval("SELECT turnlog_xid()"))
             xid = await conn.fetchval(
                 "SELECT xid FROM events WHERE session_id = $1 AND seq = 0", sid)
         assert low < xid < high

@@ -242,6 +242,22 @@ def lock_for_append(conn: AsyncConnection, query: sa.Select[Any]) -> sa.Select[A
 
 LOCK_SESSION = "SELECT id FROM sessions WHERE session_id = $1 FOR NO KEY UPDATE"
 
+# A session's writers queue here before they lock its row (migration 0012; the same
+# key in `turnlog_append`). PostgreSQL gives a transaction its id when it starts to
+# wait for a row lock, not when it gets it, and a newcomer may take the row before
+# a woken waiter: the waiter's id would be older than the write committed before its
+# own, and its events (the feed's order, their positions) would come first. An
+# advisory lock takes no transaction id, so a writer's id is only taken once the
+# session is its alone: ids — and positions — follow each session's commit order.
+SESSION_WRITERS = "SELECT pg_advisory_xact_lock(29804, hashtext(:session_id))"
+
+
+async def queue_for_session(conn: AsyncConnection, session_id: str) -> None:
+    """Wait for `session_id`'s writers before this one (PostgreSQL; SQLite's single
+    writer already orders them), held to the end of the transaction."""
+    if _is_postgres(conn):
+        await conn.execute(sa.text(SESSION_WRITERS), {"session_id": session_id})
+
 
 async def lock_sessions(conn: AsyncConnection, session_ids: Sequence[str]) -> None:
     """Lock several sessions' rows as an append locks one, in the order given.

@@ -35,7 +35,7 @@ from app.domain.log.tree import SessionState
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import Patch
 from app.domain.wire.validate import SESSION_ID
-from app.store.engine.dialect import lock_for_append
+from app.store.engine.dialect import lock_for_append, queue_for_session
 from app.store.engine.schema import events, patch_from_row, r3_patches, sessions
 
 
@@ -108,6 +108,7 @@ async def session_row(conn: AsyncConnection, session_id: str, *, lock: bool = Fa
                              actual=session_id[:80])
     query = sa.select(sessions).where(sessions.c.session_id == session_id)
     if lock:
+        await queue_for_session(conn, session_id)
         query = lock_for_append(conn, query)
     row = (await conn.execute(query)).mappings().first()
     if row is None:

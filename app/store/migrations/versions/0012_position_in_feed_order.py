@@ -26,6 +26,17 @@ counted in a transaction-local setting (`turnlog.events_written`, reset at
 every commit or rollback, and with a savepoint rolled back together with its
 rows).
 
+**Writers queue for a session before its row lock.** PostgreSQL gives a
+transaction its id once it is woken from a row lock; under READ COMMITTED it
+may then find the updated row locked by a newcomer and wait again, holding an
+id older than the newcomer's, whose turn commits first. Ordered by id, the
+session's turns would fall out of seq order (two writers on one session did
+it about once in 30 runs of 20 turns). So every writer of a session first
+takes a transaction-level advisory lock on it (`pg_advisory_xact_lock(29804,
+hashtext(session_id))`: in `turnlog_append`, re-created here, and before the
+general path's row lock), which takes no transaction id: writers reach the
+row lock one at a time, and a writer's id follows the session's commit order.
+
 **The store's transaction clock.** PostgreSQL's transaction ids belong to the
 server, not to the data: a database restored from `pg_dump` onto another
 server (or moved by logical replication) keeps rows stamped with the old
@@ -54,6 +65,7 @@ Revises: 0011
 Create Date: 2026-12-06
 """
 
+import importlib
 from collections.abc import Sequence
 
 import sqlalchemy as sa
@@ -124,6 +136,15 @@ $$
 """
 
 
+# The append function (0008) queues for the session before it locks its row, as the
+# general path does (`app/store/engine/dialect.py` SESSION_WRITERS: why).
+_APPEND = importlib.import_module("app.store.migrations.versions.0008_append_function")
+LOCK_ROW = "  SELECT num_nodes, status INTO v_num_nodes, v_status FROM sessions"
+QUEUED_APPEND_FN = _APPEND.PG_APPEND_FN.replace(
+    LOCK_ROW, "  PERFORM pg_advisory_xact_lock(29804, hashtext(p_session_id));\n" + LOCK_ROW, 1)
+assert QUEUED_APPEND_FN != _APPEND.PG_APPEND_FN
+
+
 def upgrade() -> None:
     bind = op.get_bind()
     op.create_table(
@@ -144,6 +165,7 @@ def upgrade() -> None:
     op.execute(XID_FN)
     op.execute(RECLOCK_FN)
     op.execute(POSITION_FN.format(width=RANK_WIDTH, p0=int(p0 or 1), x0=int(x0 or 0)))
+    op.execute(QUEUED_APPEND_FN)
     for table in XID_TABLES:
         op.execute(f"ALTER TABLE {table} ALTER COLUMN xid SET DEFAULT turnlog_xid()")
     op.execute("ALTER TABLE events ALTER COLUMN position SET DEFAULT turnlog_event_position()")
@@ -158,6 +180,7 @@ def downgrade() -> None:
         # The ALTERs below run on every shard; DROP FUNCTION (propagated to the
         # workers) then needs one connection per node for the whole transaction.
         op.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+    op.execute(_APPEND.PG_APPEND_FN)
     # Back to the sequence, past every position written meanwhile, and to the
     # server's own transaction ids.
     op.execute("SELECT setval('events_position_seq', "
