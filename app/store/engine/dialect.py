@@ -243,12 +243,12 @@ def lock_for_append(conn: AsyncConnection, query: sa.Select[Any]) -> sa.Select[A
 LOCK_SESSION = "SELECT id FROM sessions WHERE session_id = $1 FOR NO KEY UPDATE"
 
 # A session's writers queue here before they lock its row (migration 0012; the same
-# key in `turnlog_append`). PostgreSQL gives a transaction its id when it starts to
-# wait for a row lock, not when it gets it, and a newcomer may take the row before
-# a woken waiter: the waiter's id would be older than the write committed before its
-# own, and its events (the feed's order, their positions) would come first. An
-# advisory lock takes no transaction id, so a writer's id is only taken once the
-# session is its alone: ids — and positions — follow each session's commit order.
+# key in `turnlog_append`). A writer woken from the row lock takes its transaction id,
+# and under READ COMMITTED may then find the updated row locked by a newcomer and wait
+# again: its id is older than the newcomer's, whose write commits first, and its
+# events (the feed's order, their positions) would come first. An advisory lock takes
+# no transaction id, and queued writers reach the row one at a time: ids — and
+# positions — follow each session's commit order.
 SESSION_WRITERS = "SELECT pg_advisory_xact_lock(29804, hashtext(:session_id))"
 
 
