@@ -133,12 +133,34 @@ async def test_positions_increase_along_the_feed_with_concurrent_writers(client,
 
 
 @pytest.mark.postgres_only  # SQLite's rows carry no transaction id
-async def test_a_database_restored_onto_another_server_keeps_its_feed(client, db_url, sid):
+async def test_a_database_restored_onto_another_server_keeps_its_feed(fresh_database, backend,
+                                                                    sid):
     """A review's finding: PostgreSQL's transaction ids are the server's, not the data's.
     Rows restored (pg_dump) from a server whose ids were far ahead stayed behind the
     feed fence, and new rows' positions fell below theirs (negative, once made from the
     ids). `turnlog migrate` (run by serve and gateway at start) puts the store's clock
-    ahead of them."""
+    ahead of them. (A database of its own: the clock moves for good.)"""
+    import httpx
+
+    from app.main import create_app
+    from app.settings import Settings
+    from app.store.engine import migrate
+
+    db_url = fresh_database(backend)
+    await migrate.upgrade_async(db_url)
+    app = create_app(Settings.load(database_url=db_url, migrate_on_start=False, api_tokens=""))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as client:
+        try:
+            await _restored_rows_are_read_in_order(client, db_url, sid)
+        finally:
+            await app.state.services.db.dispose()
+    # Downgrading past 0012 would hide those rows again: refused, the clock kept.
+    with pytest.raises(RuntimeError, match="clock was moved"):
+        await asyncio.to_thread(migrate.downgrade, db_url, "0011")
+
+
+async def _restored_rows_are_read_in_order(client, db_url, sid):
     from app.store.engine import migrate
     from app.store.engine.schema import sessions
 
@@ -241,3 +263,36 @@ async def test_list_sessions_filters_by_labels_and_status(client, sid):
                                                        "after": first["next"]})).json()
     assert [s["session_id"] for s in second["sessions"]] == [f"{sid}-b"]
     assert (await client.get("/v1/sessions", params={"status": "weird"})).status_code == 422
+
+
+@pytest.mark.postgres_only
+async def test_the_clock_does_not_move_in_normal_operation(client, db_url, sid):
+    """A review's finding: the reclock took the server's id in one statement and the
+    rows' largest in another, so a writer committing in between moved the clock with no
+    restore at all (13 moves in 13,374 calls under 8 writers) — and a move while a
+    writer is in flight lets the feed skip its rows. One statement, one snapshot now."""
+    sids = [f"{sid}-{i}" for i in range(4)]
+    for s in sids:
+        await client.post("/v1/sessions", json=open_body(s))
+    engine = create_async_engine(db_url)
+    stop = asyncio.Event()
+
+    async def writer(s: str) -> None:
+        i = 0
+        while not stop.is_set():
+            r = await client.post(f"/v1/sessions/{s}/turns", json=turn([1, i], [2]))
+            assert r.status_code == 201, r.text
+            i += 1
+
+    try:
+        writers = [asyncio.create_task(writer(s)) for s in sids]
+        offsets = set()
+        async with engine.connect() as conn:
+            for _ in range(150):
+                offsets.add((await conn.execute(sa.text("SELECT turnlog_reclock()"))).scalar())
+                await conn.commit()
+        stop.set()
+        await asyncio.gather(*writers)
+    finally:
+        await engine.dispose()
+    assert offsets == {0}

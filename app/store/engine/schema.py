@@ -240,6 +240,7 @@ consumer_acks = sa.Table(
     sa.Column("acked_us", sa.BigInteger, nullable=False),
     sa.Column("xid", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     sa.Index("ix_consumer_acks_group_name_xid_position", "group_name", "xid", "position"),
+    sa.Index("ix_consumer_acks_xid", "xid"),  # the store's clock (migration 0012)
 )
 
 # CI metric history: one row per submission (idempotent on its fingerprint

@@ -46,11 +46,16 @@ positions made from the new ids would fall below the old ones. So every
 `xid` (events, sessions, consumer acks) and the fence's horizon are now the
 server's id plus an offset kept in the database (`turnlog_clock`), and
 `turnlog_reclock()` raises the offset past every stamped row whenever the
-server's ids are behind them. It runs with every migration run (`turnlog
-migrate`, and `serve` / `gateway` at start): after a restore, migrate before
-serving. A transaction whose id is still behind (one that began before the
-reclock, or before this migration) cannot write an event: its position would
-fall below those written, so it fails (retried like any failed write).
+server's ids are behind them (judged in one statement, so that normal
+operation never moves it; a move waits for every writer in flight, each of
+which holds the clock's table from its first stamp to its end). The reclock
+runs with every migration run (`turnlog migrate`, and `serve` / `gateway` at
+start): after a restore, migrate before serving. A transaction whose id is
+behind this migration's cannot write an event: its position would fall below
+those written, so it fails (retried like any failed write). Downgrading past
+this revision is refused once the clock was moved. (A group commit's members
+after its first already hold the group's id when they queue: their order is
+kept, as before, by the turn-count and status checks under the row lock.)
 
 The defaults are evaluated where the row's `xid` default always was: on Citus
 the coordinator, which holds `turnlog_clock` (a plain table of its own) and
@@ -91,22 +96,40 @@ $$
 """
 
 # Raises the offset past every stamped row when the server's ids are behind them
-# (a restore onto another server); returns the offset. The current id is this
-# transaction's own, newer than every committed row's on a server that stamped
-# them: in normal operation nothing changes.
+# (a restore onto another server); returns the offset. Detected in one statement, one
+# snapshot: every row it sees was stamped by a transaction whose server id is below
+# the snapshot's xmax, with an offset no larger than today's — so in normal operation
+# nothing moves (an id read before the rows' max, in another statement, could be
+# passed by a writer committing between the two, and moved the clock for nothing).
+# A move takes the clock's table exclusively first: every writer holds it (read by
+# `turnlog_xid()`) from its first stamp to its end, so none is in flight with the old
+# offset while readers' horizons take the new one (the feed would skip its rows).
+# Two reclocks never run at once: they run under the migrations' own lock.
 RECLOCK_FN = """
 CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
   v_offset bigint;
-  v_now bigint := pg_current_xact_id()::text::bigint;
+  v_next bigint;
   v_seen bigint;
 BEGIN
-  SELECT xid_offset INTO v_offset FROM turnlog_clock WHERE id = 1 FOR UPDATE;
-  SELECT greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
-                  (SELECT max(xid) FROM consumer_acks)) INTO v_seen;
-  IF v_seen IS NOT NULL AND v_seen >= v_now + v_offset THEN
-    v_offset := v_seen - v_now + 1;
+  SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
+         pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
+         greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
+                  (SELECT max(xid) FROM consumer_acks))
+    INTO v_offset, v_next, v_seen;
+  IF v_seen IS NULL OR v_seen < v_next + v_offset THEN
+    RETURN v_offset;
+  END IF;
+  PERFORM set_config('lock_timeout', '30s', true);
+  LOCK TABLE turnlog_clock IN ACCESS EXCLUSIVE MODE;
+  SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
+         pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
+         greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
+                  (SELECT max(xid) FROM consumer_acks))
+    INTO v_offset, v_next, v_seen;
+  IF v_seen >= v_next + v_offset THEN
+    v_offset := v_seen - v_next + 1;
     UPDATE turnlog_clock SET xid_offset = v_offset WHERE id = 1;
   END IF;
   RETURN v_offset;
@@ -153,6 +176,8 @@ def upgrade() -> None:
                   primary_key=True, autoincrement=False),
         sa.Column("xid_offset", sa.BigInteger, nullable=False))
     op.execute("INSERT INTO turnlog_clock (id, xid_offset) VALUES (1, 0)")
+    # The reclock reads max(xid) of the acks at every migration run.
+    op.create_index("ix_consumer_acks_xid", "consumer_acks", ["xid"])
     if bind.dialect.name != "postgresql":
         return
     # Past every position the sequence handed out (all of them came from it). Read
@@ -174,8 +199,17 @@ def upgrade() -> None:
 def downgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
+        op.drop_index("ix_consumer_acks_xid", "consumer_acks")
         op.drop_table("turnlog_clock")
         return
+    offset = bind.exec_driver_sql("SELECT xid_offset FROM turnlog_clock WHERE id = 1").scalar()
+    if offset:
+        # Rows stamped on the moved clock would sort after (and hide behind the fence
+        # from) every row the server's own ids stamp from now on.
+        raise RuntimeError(
+            f"the store's transaction clock was moved ({offset}: a restore onto another "
+            "server): its rows are stamped ahead of this server's ids, which revisions "
+            "before 0012 use as they are; downgrading would hide them from the feed")
     if has_citus(bind):
         # The ALTERs below run on every shard; DROP FUNCTION (propagated to the
         # workers) then needs one connection per node for the whole transaction.
@@ -197,3 +231,4 @@ def downgrade() -> None:
     for function in ("turnlog_event_position", "turnlog_reclock", "turnlog_xid"):
         op.execute(f"DROP FUNCTION {function}(){cascade}")
     op.execute("DROP TABLE turnlog_clock")
+    op.drop_index("ix_consumer_acks_xid", "consumer_acks")
