@@ -8,6 +8,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from tests.factory import open_body, turn
 
+# An event a test's own transaction writes, to hold it open against the API's writers.
+SLOW_OPEN = ("INSERT INTO events (session_id, type, payload, recorded_us) "
+             "VALUES (:s, 'session_opened', '{\"session\": {}}', 0)")
+
 
 async def tail_cursor(client):
     nxt = None
@@ -71,9 +75,7 @@ async def test_feed_never_skips_a_slow_transaction(client, db_url, sid):
     try:
         async with engine.connect() as slow:
             await slow.begin()
-            await slow.execute(sa.text(
-                "INSERT INTO events (session_id, type, payload, recorded_us) "
-                "VALUES (:s, 'session_opened', '{\"session\": {}}', 0)"), {"s": sid})
+            await slow.execute(sa.text(SLOW_OPEN), {"s": sid})
             # a later, faster writer commits while the slow one is still open
             fast = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
             assert fast.status_code == 201
@@ -101,10 +103,8 @@ async def test_positions_increase_along_the_feed(client, db_url, sid):
             await slow.execute(sa.text("SELECT pg_current_xact_id()"))  # its id, taken first
             fast = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
             assert fast.status_code == 201
-            slow_position = (await slow.execute(sa.text(
-                "INSERT INTO events (session_id, type, payload, recorded_us) "
-                "VALUES (:s, 'session_opened', '{\"session\": {}}', 0) RETURNING position"),
-                {"s": sid})).scalar_one()
+            slow_position = (await slow.execute(sa.text(SLOW_OPEN + " RETURNING position"),
+                                                {"s": sid})).scalar_one()
             await slow.commit()
     finally:
         await engine.dispose()
@@ -229,9 +229,7 @@ async def test_feed_never_skips_a_slow_transaction_on_another_worker(client, db_
         cur = await tail_cursor(client)
         async with engine.connect() as slow:
             await slow.begin()
-            await slow.execute(sa.text(
-                "INSERT INTO events (session_id, type, payload, recorded_us) "
-                "VALUES (:s, 'session_opened', '{\"session\": {}}', 0)"), {"s": slow_sid})
+            await slow.execute(sa.text(SLOW_OPEN), {"s": slow_sid})
             for i in range(3):
                 fast = await client.post(f"/v1/sessions/{fast_sid}/turns",
                                          json=turn([1, 2 + i], [3]))
