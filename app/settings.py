@@ -95,7 +95,9 @@ class StoreSettings(_Group):
     # while a commit is in flight share the next one, collected for at most this many
     # microseconds (0 = off: one transaction per append), appends and argument bytes.
     group_commit_window_us: int = Field(default=1000, ge=0, le=100_000)
-    group_commit_max_appends: int = Field(default=32, ge=1)
+    # At most 1024: a transaction id spans 1024 event positions (migration 0012), and
+    # a group is one transaction writing one event per append.
+    group_commit_max_appends: int = Field(default=32, ge=1, le=1024)
     group_commit_max_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
     # An append waits for a group only while this many of the process's appends (or
     # groups) are in flight; with fewer it runs alone, in parallel (docs/ingest.md).

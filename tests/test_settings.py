@@ -60,7 +60,7 @@ def sample(annotation: typing.Any) -> tuple[str, typing.Any]:
     if annotation is bool:
         return "false", False
     if annotation is int:
-        return "4096", 4096
+        return "1024", 1024
     if annotation is float:
         return "2.5", 2.5
     if annotation is str:
@@ -87,7 +87,7 @@ def test_every_variable_reaches_its_group(monkeypatch: pytest.MonkeyPatch) -> No
     assert {name: (group, getattr(getattr(settings, group), name))
             for name, (group, _) in expected.items()} == expected
     assert settings.store.database_url == "value-x"
-    assert settings.limits.max_body_bytes == 4096
+    assert settings.limits.max_body_bytes == 1024
 
 
 @pytest.mark.parametrize(("text", "hosts", "keys"), [
@@ -171,3 +171,15 @@ def test_secrets_stay_out_of_the_repr() -> None:
     settings = Settings.load(database_url="postgresql://u:pw-secret@h/db",
                              api_tokens=f"{TOKEN}:write")
     assert "pw-secret" not in repr(settings) and TOKEN not in repr(settings)
+
+
+def test_a_group_commit_fits_the_positions_of_one_transaction(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Migration 0012 gives a transaction 1024 event positions; a group of more appends
+    # would fail every one of them at its 1025th event.
+    assert Settings.load(group_commit_max_appends=1024).store.group_commit_max_appends == 1024
+    monkeypatch.setenv("TURNLOG_GROUP_COMMIT_MAX_APPENDS", "1025")
+    with pytest.raises(ValidationError) as info:
+        Settings.load()
+    assert describe_failure(info.value).startswith(
+        "invalid setting TURNLOG_GROUP_COMMIT_MAX_APPENDS:")
