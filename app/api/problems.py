@@ -135,6 +135,17 @@ def install(app: FastAPI) -> None:
             return unavailable_response(
                 "the database's disk is full: nothing of this request was stored; free "
                 "space on the database's disk, then retry it unchanged")
+        if clock_behind(exc):
+            # Not transient either: the store was restored onto another server and not
+            # migrated since; no retry succeeds until `turnlog migrate` moves its clock.
+            return unavailable_response(
+                "the store's transaction clock is behind this database server's ids (a "
+                "restore onto another server): nothing of this request was stored; run "
+                "`turnlog migrate` on the database, then retry it unchanged")
+        if rolled_back(exc):
+            return unavailable_response(
+                "the database rolled this request back (a conflict with a concurrent "
+                "write); retry it unchanged (appends are idempotent by event_id)")
         return unavailable_response(
             "the database connection failed during this request; "
             "retry it unchanged (appends are idempotent by event_id)")
@@ -241,6 +252,24 @@ def disk_full(exc: BaseException) -> bool:
     return any(isinstance(current, asyncpg.exceptions.DiskFullError)
                or (isinstance(current, sqlite3.OperationalError)
                    and "database or disk is full" in str(current))
+               for current in _chain(exc))
+
+
+# What migration 0012's position function raises for a writer behind the store's clock.
+CLOCK_BEHIND = "is behind the store's clock"
+
+
+def clock_behind(exc: BaseException) -> bool:
+    """A write refused because the store's clock is behind the server's ids (a restore
+    not migrated since), anywhere in the chain."""
+    return any(isinstance(current, asyncpg.exceptions.SerializationError)
+               and CLOCK_BEHIND in str(current) for current in _chain(exc))
+
+
+def rolled_back(exc: BaseException) -> bool:
+    """Rolled back by the database for a conflict (a deadlock, a serialization
+    failure), anywhere in the chain."""
+    return any(isinstance(current, asyncpg.exceptions.TransactionRollbackError)
                for current in _chain(exc))
 
 

@@ -201,6 +201,51 @@ async def _restored_rows_are_read_in_order(client, db_url, sid):
     assert [e["type"] for e in events] == ["session_opened", "turn_recorded"]
 
 
+@pytest.mark.postgres_only  # SQLite's rows carry no transaction id
+@pytest.mark.parametrize("migrated_to", ["0014", "0013"])
+async def test_a_store_restored_with_no_row_since_0012_takes_writes_after_migrate(
+        fresh_database, backend, sid, migrated_to):
+    """A helper's finding: a store restored onto a server with lower transaction ids,
+    with no row written since migration 0012 ran (an empty store, or the documented
+    upgrade before a move), kept its clock below 0012's floor: `migrate` moved
+    nothing (the reclock looked at the rows' ids only) and every write was a 503 that
+    blamed the connection. Both ways in: a database restored at head, and one migrated
+    before 0014 (which reads the floor from the position function)."""
+    import httpx
+
+    from app.main import create_app
+    from app.settings import Settings
+    from app.store.engine import migrate
+
+    db_url = fresh_database(backend)
+    await migrate.upgrade_async(db_url, migrated_to)
+    # The restore: this server's ids 10^7 behind those the store was migrated under
+    # (the same as the store's clock 10^7 behind).
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("UPDATE turnlog_clock SET xid_offset = -10000000"))
+    finally:
+        await engine.dispose()
+    app = create_app(Settings.load(database_url=db_url, migrate_on_start=False, api_tokens=""))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as client:
+        try:
+            refused = await client.post("/v1/sessions", json=open_body(sid))
+            assert refused.status_code == 503
+            assert "turnlog migrate" in refused.json()["detail"]
+            await migrate.upgrade_async(db_url)  # the clock moves (0014 first, if due)
+            opened = await client.post("/v1/sessions", json=open_body(sid))
+            assert opened.status_code == 201, opened.text
+            reply = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+            assert reply.status_code == 201, reply.text
+            events = (await client.get("/v1/events")).json()["events"]
+            positions = [e["position"] for e in events]
+            assert len(positions) == 2 and positions == sorted(set(positions))
+        finally:
+            await app.state.services.db.dispose()
+
+
 async def worker_of(conn, session_id):
     return (await conn.execute(sa.text(
         "SELECT nodeport FROM citus_shards WHERE table_name = 'events'::regclass "

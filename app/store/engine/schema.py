@@ -296,12 +296,14 @@ gate_baselines = sa.Table(
 
 # The store's transaction clock (migration 0012): the offset added to PostgreSQL's
 # transaction ids in every `xid` column and the feed fence, raised past the rows a
-# database restored onto another server carries (`turnlog_reclock()`). One row; unused
-# on SQLite, whose `xid` is 0.
+# database restored onto another server carries (`turnlog_reclock()`), and past its
+# floor (migration 0014: the id migration 0012 ran under, which every writer's must
+# pass). One row; unused on SQLite, whose `xid` is 0.
 turnlog_clock = sa.Table(
     "turnlog_clock",
     metadata,
     sa.Column("id", sa.Integer, sa.CheckConstraint("id = 1", name="ck_turnlog_clock_one_row"),
               primary_key=True, autoincrement=False),
     sa.Column("xid_offset", sa.BigInteger, nullable=False),
+    sa.Column("xid_floor", sa.BigInteger, nullable=False, server_default="0"),
 )

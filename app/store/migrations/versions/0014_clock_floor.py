@@ -1,0 +1,106 @@
+"""The store's clock knows its floor: a restore onto a server with lower transaction
+ids moves it past the first id that may write an event (PostgreSQL and Citus).
+
+Migration 0012 makes an event's position from its writer's transaction id and
+refuses a writer whose id (on the store's clock) is not above `X0`, the id
+0012 itself ran under: its position would fall below those already written.
+After a restore onto another server, `turnlog_reclock()` raised the clock only
+past the ids stamped on rows. A database restored with no row written since
+0012 ran (an empty store; or the documented upgrade — back up, upgrade, move —
+on a server whose ids had advanced since the last write) kept a clock below
+`X0`: every write was refused, `migrate` changed nothing, and the server
+answered 503 to every open and turn until the new server had used up the gap
+(millions of ids on a busy shared server).
+
+The clock now keeps `X0` as its floor (`turnlog_clock.xid_floor`, read here from
+the position function 0012 wrote it into), and the reclock raises the clock
+past the greater of the rows' ids and the floor. In normal operation the
+floor is an id of the past, below every writer's, so nothing moves. SQLite
+gets the column too (0: the schema is one; its `xid` is always 0).
+
+Revision ID: 0014
+Revises: 0013
+Create Date: 2026-12-06
+"""
+
+import importlib
+import re
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0014"
+down_revision: str | None = "0013"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+# 0012's guard, `IF v_xid <= {x0} THEN`: the floor as that migration wrote it.
+FLOOR_IN_GUARD = re.compile(r"v_xid\s*<=\s*(\d+)")
+
+# 0012's reclock (why it judges in one statement, why it moves under the clock's
+# lock: there), with the floor among the ids to pass.
+RECLOCK_FN = """
+CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+  v_offset bigint;
+  v_next bigint;
+  v_seen bigint;
+BEGIN
+  SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
+         pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
+         greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
+                  (SELECT max(xid) FROM consumer_acks),
+                  (SELECT xid_floor FROM turnlog_clock WHERE id = 1))
+    INTO v_offset, v_next, v_seen;
+  IF v_seen IS NULL OR v_seen < v_next + v_offset THEN
+    RETURN v_offset;
+  END IF;
+  PERFORM set_config('lock_timeout', '30s', true);
+  LOCK TABLE turnlog_clock IN ACCESS EXCLUSIVE MODE;
+  SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
+         pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
+         greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
+                  (SELECT max(xid) FROM consumer_acks),
+                  (SELECT xid_floor FROM turnlog_clock WHERE id = 1))
+    INTO v_offset, v_next, v_seen;
+  IF v_seen >= v_next + v_offset THEN
+    v_offset := v_seen - v_next + 1;
+    UPDATE turnlog_clock SET xid_offset = v_offset WHERE id = 1;
+  END IF;
+  RETURN v_offset;
+END
+$$
+"""
+
+
+def floor_of(position_function: str) -> int:
+    """`X0` from the text of 0012's `turnlog_event_position()`."""
+    found = FLOOR_IN_GUARD.search(position_function)
+    if found is None:
+        raise RuntimeError("turnlog_event_position() does not read as migration 0012 wrote "
+                           "it (no `v_xid <= X0` guard): this database's functions were "
+                           "changed by hand")
+    return int(found.group(1))
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    op.add_column("turnlog_clock", sa.Column("xid_floor", sa.BigInteger, nullable=False,
+                                             server_default="0"))
+    if bind.dialect.name != "postgresql":
+        return
+    definition = bind.exec_driver_sql(
+        "SELECT pg_get_functiondef('turnlog_event_position()'::regprocedure)").scalar_one()
+    op.execute(sa.text("UPDATE turnlog_clock SET xid_floor = :floor WHERE id = 1")
+               .bindparams(floor=floor_of(definition)))
+    op.execute(RECLOCK_FN)
+
+
+def downgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        previous = importlib.import_module(
+            "app.store.migrations.versions.0012_position_in_feed_order")
+        op.execute(previous.RECLOCK_FN)
+    op.drop_column("turnlog_clock", "xid_floor")
