@@ -6,7 +6,7 @@ wire's `_samples_meta` (docs/trainers.md): identifiers, `labels`
 (map<string, string>, each value in its text form as label filters see it),
 `response` (string), `tokens` (list<int64>), `loss_mask` (list<uint8>),
 `rollout_log_probs` (list<float64>), `status`, `weight_versions`
-(list<string>, text form, null for a turn without one), `prefix_cache_info`
+(list<string>, text form, null for a turn that sent null), `prefix_cache_info`
 (struct), `reward` (float64; the exact JSON value in `reward_json`),
 `reward_source` (string, null when the sample names none), the SpecInfo
 struct, `metadata` (JSON text: free JSON has no fixed Arrow type), and R3 in

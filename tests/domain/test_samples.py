@@ -112,6 +112,19 @@ def test_weight_versions_are_each_kept_turns_version() -> None:
     assert sample.weight_versions == ["7", "8"]
 
 
+def test_a_turn_that_sent_null_reports_null_and_one_without_the_key_reports_nothing() -> None:
+    """A helper's finding: an explicit `"weight_version": null` was left out of the
+    list. miles appends the value whenever `meta_info` has the key, null included."""
+    sim = session()
+    bodies = two_turns(sim)
+    bodies[0]["record"]["response"]["choices"][0]["meta_info"]["weight_version"] = None
+    (sample,) = samples(sim, bodies).samples
+    assert sample.weight_versions == [None, "8"]
+    del bodies[0]["record"]["response"]["choices"][0]["meta_info"]["weight_version"]
+    (sample,) = samples(sim, bodies).samples
+    assert sample.weight_versions == ["8"]
+
+
 def test_a_trim_up_to_max_trim_tokens_on_a_non_final_turn_is_cut_from_the_sample() -> None:
     sim = session(trim=1)
     bodies = [

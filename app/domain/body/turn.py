@@ -74,6 +74,9 @@ class TurnFacts:
     prompt_tokens: int = 0
     # `response.id` when it is a string: how a reward recorded later names a leaf.
     response_id: str | None = None
+    # `meta_info` has the key `weight_version` (null included): a sample lists the
+    # versions of the turns that have it, as miles appends them.
+    sends_weight_version: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -527,6 +530,7 @@ def _facts(definition: SessionDefinition, envelope: _Envelope, prompt: np.ndarra
         prompt_tokens=_lenient_counter(meta, "prompt_tokens"),
         response_id=response_id if isinstance(response_id := envelope.response.get("id"), str)
         else None,
+        sends_weight_version="weight_version" in meta,
     )
 
 

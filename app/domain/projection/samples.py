@@ -210,9 +210,10 @@ def _sample(state: SessionState, close: SessionClose, index: int, item: MergedPa
         loss_mask=item.loss_mask(owned).tolist(),
         rollout_log_probs=item.logprobs.tolist(),
         status=item.status,
-        # A turn that sent no weight_version has none to report (as in miles).
+        # A turn whose meta_info has no weight_version has none to report; one that
+        # sent null reports null (miles appends the value whenever the key is there).
         weight_versions=[node.facts.weight_version for node in item.turns
-                         if node.facts.weight_version is not None],
+                         if node.facts.sends_weight_version],
         spec_info=sum_turns(node.facts.spec_info for node in item.turns).as_dict(),
         reward=close.reward,
         metadata=metadata,
