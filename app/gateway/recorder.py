@@ -165,8 +165,9 @@ class Recorder:
         # Sessions with turns sent upstream and not yet recorded → how many.
         self.in_flight: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
-        # The drainer's attempt: (entry, its store call, monotonic time it began).
-        self._attempt: tuple[Any, asyncio.Future[None], float] | None = None
+        # The drainer's attempt: (entry, its store call — for a turn, whether it was
+        # created —, monotonic time it began).
+        self._attempt: tuple[Any, asyncio.Future[Any], float] | None = None
         metrics.watch_spool(lambda: spool.turns, lambda: len(spool), lambda: spool.bytes,
                             spool.oldest_age)
 
@@ -207,7 +208,7 @@ class Recorder:
             return await self._spool(TURN, session_id, body, open_body)
         write = asyncio.ensure_future(self._store(session_id, body, open_body, size, prompt))
         try:
-            await within(write, self.store_timeout)
+            created = await within(write, self.store_timeout)
         except Exception as exc:  # noqa: BLE001 - sorted below
             if self._is_verdict(exc):
                 return self._verdict(session_id, exc)
@@ -216,7 +217,8 @@ class Recorder:
             if outcome == SPOOL_FULL and not write.done():
                 return await self._outcome_of(session_id, write)
             return outcome
-        self.metrics.recorded.inc()
+        if created:
+            self.metrics.recorded.inc()
         return RECORDED
 
     @staticmethod
@@ -226,14 +228,14 @@ class Recorder:
             return exc.http_status < 500
         return recurs(exc)
 
-    async def _outcome_of(self, session_id: str, write: asyncio.Future[None]) -> str:
+    async def _outcome_of(self, session_id: str, write: asyncio.Future[bool]) -> str:
         """A turn neither stored in time nor spooled (the spool is full), its write
         still running: its answer is that write's outcome, not a 503 that a later
         commit would make false (the caller's retry would be a second copy)."""
         log.warning("spool full; waiting for the store's answer to this turn",
                     session_id=session_id)
         try:
-            await asyncio.shield(write)
+            created = await asyncio.shield(write)
         except Exception as exc:  # noqa: BLE001 - sorted below
             if self._is_verdict(exc):
                 return self._verdict(session_id, exc)
@@ -242,11 +244,15 @@ class Recorder:
             return SPOOL_FULL
         log.info("the turn's late store write committed: answered with the reply",
                  session_id=session_id)
-        self.metrics.recorded.inc()
+        if created:
+            self.metrics.recorded.inc()
         return RECORDED
 
     async def _store(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any],
-                     size: int = 0, prompt: np.ndarray | None = None) -> None:
+                     size: int = 0, prompt: np.ndarray | None = None) -> bool:
+        """Store the turn (opening its session first if need be); False when the store
+        held it already (a repeat: e.g. drained again after a crash between its commit
+        and the spool's cleanup), which `recorded` does not count twice."""
         writer = self.services.writer
         offload = size > OFFLOAD_BYTES
         first: tuple[SessionDefinition, TurnBody] | None = None
@@ -260,16 +266,20 @@ class Recorder:
             if first is not None and await self._open_and_append(session_id, open_body,
                                                                  *first, offload):
                 await self._touch(session_id)
-                return
+                return True
         try:
-            await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
+            created = (await writer.append_turn(session_id, body, offload=offload,
+                                                prompt=prompt)).created
         except UnknownSession:
             # No session is opened for a turn the store would refuse (raised here).
             definition, turn = first or self._first_turn(body, open_body, prompt)
-            if not await self._open_and_append(session_id, open_body, definition, turn,
-                                               offload):
-                await writer.append_turn(session_id, body, offload=offload, prompt=prompt)
+            created = await self._open_and_append(session_id, open_body, definition, turn,
+                                                  offload)
+            if not created:
+                created = (await writer.append_turn(session_id, body, offload=offload,
+                                                    prompt=prompt)).created
         await self._touch(session_id)
+        return created
 
     def _first_turn(self, body: dict[str, Any], open_body: dict[str, Any],
                     prompt: np.ndarray | None) -> tuple[SessionDefinition, TurnBody]:
@@ -502,7 +512,7 @@ class Recorder:
         self._attempt = None
         exc = task.exception()
         if exc is None:
-            if entry.kind == TURN:
+            if entry.kind == TURN and task.result():
                 self.metrics.recorded.inc()
         elif self._is_verdict(exc) and entry.kind != TURN:
             # The caller was answered 202 long ago: said here, for the operator.

@@ -315,6 +315,8 @@ async def test_a_turn_committed_before_the_crash_is_not_stored_twice(tmp_path, g
     await gateway.wait_ready()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
         await wait_for(lambda: drained(http), what="the spool to drain")
+        # Nor counted twice (a helper's finding: the repeat was counted as recorded).
+        assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 0
     async with api(url) as http:
         reply = await http.get(f"/v1/sessions/{session}/events")
         turns = [e for e in reply.json() if e["type"] == "turn_recorded"]
