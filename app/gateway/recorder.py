@@ -216,10 +216,18 @@ class Recorder:
             outcome = await self._no_verdict(session_id, body, open_body, exc)
             if outcome == SPOOL_FULL and not write.done():
                 return await self._outcome_of(session_id, write)
+            if outcome == SPOOLED:
+                # The abandoned write may still commit (a lock released late): the turn
+                # is recorded then, and its drain is a repeat, not counted.
+                write.add_done_callback(self._count_late_write)
             return outcome
         if created:
             self.metrics.recorded.inc()
         return RECORDED
+
+    def _count_late_write(self, write: asyncio.Future[bool]) -> None:
+        if not write.cancelled() and write.exception() is None and write.result():
+            self.metrics.recorded.inc()
 
     @staticmethod
     def _is_verdict(exc: BaseException) -> bool:
