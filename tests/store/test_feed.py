@@ -201,40 +201,51 @@ async def _restored_rows_are_read_in_order(client, db_url, sid):
     assert [e["type"] for e in events] == ["session_opened", "turn_recorded"]
 
 
-@pytest.mark.postgres_only  # SQLite's rows carry no transaction id
-@pytest.mark.parametrize("migrated_to", ["0014", "0013"])
-async def test_a_store_restored_with_no_row_since_0012_takes_writes_after_migrate(
-        fresh_database, backend, sid, migrated_to):
-    """A helper's finding: a store restored onto a server with lower transaction ids,
-    with no row written since migration 0012 ran (an empty store, or the documented
-    upgrade before a move), kept its clock below 0012's floor: `migrate` moved
-    nothing (the reclock looked at the rows' ids only) and every write was a 503 that
-    blamed the connection. Both ways in: a database restored at head, and one migrated
-    before 0014 (which reads the floor from the position function)."""
+async def _set_offset(db_url: str, offset: int) -> None:
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("UPDATE turnlog_clock SET xid_offset = :o"), {"o": offset})
+    finally:
+        await engine.dispose()
+
+
+def _own_app(db_url: str):
     import httpx
 
     from app.main import create_app
     from app.settings import Settings
+
+    app = create_app(Settings.load(database_url=db_url, migrate_on_start=False, api_tokens=""))
+    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                  base_url="http://localhost")
+
+
+@pytest.mark.postgres_only  # SQLite's rows carry no transaction id
+@pytest.mark.parametrize("migrated_to", ["head", "0013"])
+async def test_a_store_restored_with_no_row_since_0012_takes_writes(fresh_database, backend,
+                                                                    sid, migrated_to):
+    """A helper's finding: a store restored onto a server with lower transaction ids,
+    with no row written since migration 0012 ran (an empty store, or the documented
+    upgrade before a move), kept its clock below 0012's floor: `migrate` moved
+    nothing (the reclock looked at the rows' ids only) and every write was a 503 that
+    blamed the connection. At head a new connection moves the clock; a store
+    restored before 0014 takes writes once `turnlog migrate` has run."""
     from app.store.engine import migrate
 
     db_url = fresh_database(backend)
     await migrate.upgrade_async(db_url, migrated_to)
     # The restore: this server's ids 10^7 behind those the store was migrated under
     # (the same as the store's clock 10^7 behind).
-    engine = create_async_engine(db_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.execute(sa.text("UPDATE turnlog_clock SET xid_offset = -10000000"))
-    finally:
-        await engine.dispose()
-    app = create_app(Settings.load(database_url=db_url, migrate_on_start=False, api_tokens=""))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://localhost") as client:
+    await _set_offset(db_url, -10**7)
+    app, client = _own_app(db_url)
+    async with client:
         try:
-            refused = await client.post("/v1/sessions", json=open_body(sid))
-            assert refused.status_code == 503
-            assert "turnlog migrate" in refused.json()["detail"]
-            await migrate.upgrade_async(db_url)  # the clock moves (0014 first, if due)
+            if migrated_to != "head":
+                refused = await client.post("/v1/sessions", json=open_body(sid))
+                assert refused.status_code == 503
+                assert "turnlog migrate" in refused.json()["detail"]
+                await migrate.upgrade_async(db_url)  # 0014, then the clock moves
             opened = await client.post("/v1/sessions", json=open_body(sid))
             assert opened.status_code == 201, opened.text
             reply = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
@@ -242,6 +253,41 @@ async def test_a_store_restored_with_no_row_since_0012_takes_writes_after_migrat
             events = (await client.get("/v1/events")).json()["events"]
             positions = [e["position"] for e in events]
             assert len(positions) == 2 and positions == sorted(set(positions))
+        finally:
+            await app.state.services.db.dispose()
+
+
+@pytest.mark.postgres_only  # SQLite's rows carry no transaction id
+async def test_ids_handed_out_again_after_a_crash_move_the_clock_on_reconnect(
+        fresh_database, backend, sid):
+    """A helper's finding: a Citus coordinator killed (`pg_ctl stop -m immediate`)
+    handed out again the transaction ids of its last unflushed commits — its own
+    transaction writes no WAL, so its commit is not flushed — while the worker rows
+    stamped with them were durable: positions repeated, fell within a session (its
+    reads and appends then failed with 500 for good) and the feed skipped events.
+    Every connection is new after such a crash, and a new connection moves the clock
+    past every stamped row first. Simulated by moving the clock back by 10^7 ids
+    under a running server."""
+    from app.store.engine import migrate
+
+    db_url = fresh_database(backend)
+    await migrate.upgrade_async(db_url)
+    app, client = _own_app(db_url)
+    async with client:
+        try:
+            assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+            first = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+            assert first.status_code == 201, first.text
+            await _set_offset(db_url, -10**7)
+            behind = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 3], [4]))
+            assert behind.status_code == 503  # a connection from before: refused, not stored
+            await app.state.services.db.dispose()  # the crash: every connection is gone
+            second = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 3], [4]))
+            assert second.status_code == 201, second.text
+            events = (await client.get(f"/v1/sessions/{sid}/events")).json()
+            assert [e["seq"] for e in events if e["type"] == "turn_recorded"] == [0, 1]
+            positions = [e["position"] for e in (await client.get("/v1/events")).json()["events"]]
+            assert len(positions) == 3 and positions == sorted(set(positions))
         finally:
             await app.state.services.db.dispose()
 

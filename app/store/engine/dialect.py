@@ -60,6 +60,11 @@ from app.store.engine.schema import events, sessions
 PG_XMIN = ("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint "
            "+ (SELECT xid_offset FROM turnlog_clock WHERE id = 1)")
 CITUS_DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
+# The store's clock ahead of every stamped row (`turnlog_reclock()`, migrations 0012 and
+# 0014): run on every new connection and by every migration run. A revision before 0012
+# (a downgrade's target, a store not migrated yet) has no clock: nothing to do.
+RECLOCK = ("DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL THEN "
+           "PERFORM turnlog_reclock(); END IF; END $$")
 
 
 def _is_postgres(conn: AsyncConnection) -> bool:
@@ -119,9 +124,25 @@ def _server_settings(settings: Settings) -> dict[str, str]:
     return server_settings
 
 
+async def reclock(conn: asyncpg.Connection) -> None:
+    """Move the store's clock past every stamped row if the server's ids are behind
+    them; in normal operation it reads and moves nothing (judged in one statement).
+
+    Run on every new connection, before its first write, and not only by `turnlog
+    migrate`: the server's ids can fall behind the rows while turnlog runs. On
+    Citus a writer's id is the coordinator's, whose own transaction writes no WAL
+    of its own, so its commit is not flushed: a coordinator that crashes hands out
+    again the ids of its last ~200 ms of commits, already stamped on durable
+    worker rows — and positions would repeat and fall within a session. Every
+    connection of a process is new after such a crash (as after a restore onto
+    another server), so no write is stamped before the clock has moved.
+    """
+    await conn.execute(RECLOCK)
+
+
 def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
     server_settings = _server_settings(settings)
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         pool_size=settings.store.pool_size,
         max_overflow=settings.store.max_overflow,
@@ -130,6 +151,12 @@ def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
         isolation_level="READ COMMITTED",
         connect_args={"server_settings": server_settings, "command_timeout": 120},
     )
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.run_async(reclock)
+
+    return engine
 
 
 def backend(url: str) -> str:
@@ -181,7 +208,7 @@ async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | Non
         max_inactive_connection_lifetime=IDLE_LIFETIME_S,
         server_settings={**_server_settings(settings),
                          "default_transaction_isolation": "read committed"},
-        reset=_nothing_to_reset)
+        init=reclock, reset=_nothing_to_reset)
 
 
 async def _nothing_to_reset(_conn: asyncpg.Connection) -> None:

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
 from app.settings import get_settings
+from app.store.engine.dialect import RECLOCK
 from app.store.engine.schema import metadata
 
 config = context.config
@@ -48,10 +49,7 @@ def _reclock(connection: Connection) -> None:
     `gateway`) puts it right before anything is written."""
     if connection.dialect.name != "postgresql":
         return
-    # A revision before 0012 (a downgrade's target) has no clock: nothing to do.
-    connection.exec_driver_sql(
-        "DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL THEN "
-        "PERFORM turnlog_reclock(); END IF; END $$")
+    connection.exec_driver_sql(RECLOCK)
     connection.commit()
 
 

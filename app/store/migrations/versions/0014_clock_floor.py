@@ -15,7 +15,13 @@ answered 503 to every open and turn until the new server had used up the gap
 The clock now keeps `X0` as its floor (`turnlog_clock.xid_floor`, read here from
 the position function 0012 wrote it into), and the reclock raises the clock
 past the greater of the rows' ids and the floor. In normal operation the
-floor is an id of the past, below every writer's, so nothing moves. SQLite
+floor is an id of the past, below every writer's, so nothing moves.
+
+The reclock also runs on every new connection now (`app/store/engine/dialect.py`
+`reclock`: a Citus coordinator that crashes hands out again the ids of its last
+unflushed commits, already stamped on durable worker rows), and it reads the
+rows before the server's next id (below: 0012's order moved the clock on Citus
+with no restore at all). SQLite
 gets the column too (0: the schema is one; its `xid` is always 0).
 
 Revision ID: 0014
@@ -38,33 +44,36 @@ depends_on: str | Sequence[str] | None = None
 # 0012's guard, `IF v_xid <= {x0} THEN`: the floor as that migration wrote it.
 FLOOR_IN_GUARD = re.compile(r"v_xid\s*<=\s*(\d+)")
 
-# 0012's reclock (why it judges in one statement, why it moves under the clock's
-# lock: there), with the floor among the ids to pass.
-RECLOCK_FN = """
+# 0012's reclock (why it moves under the clock's lock: there), with the floor among the
+# ids to pass, and judged in two statements, the rows' ids first. 0012 read the server's
+# next id and the rows' ids in one statement, taken as one snapshot — but on Citus the
+# rows are read on the workers, after the coordinator's snapshot was taken: a writer
+# that took its id meanwhile and committed there looked like a row ahead of the server,
+# and the clock moved in normal operation (every time, once the reclock ran on each new
+# connection under concurrent writers). Read first, every row seen was stamped by a
+# transaction whose id the later snapshot's xmax is past, on an offset no larger than
+# today's: nothing moves unless the server's ids really are behind.
+SEEN = """
+  SELECT greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
+                  (SELECT max(xid) FROM consumer_acks),
+                  (SELECT xid_floor FROM turnlog_clock WHERE id = 1))
+    INTO v_seen;
+  SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
+         pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+    INTO v_offset, v_next;"""
+RECLOCK_FN = f"""
 CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
   v_offset bigint;
   v_next bigint;
   v_seen bigint;
-BEGIN
-  SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
-         pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
-         greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
-                  (SELECT max(xid) FROM consumer_acks),
-                  (SELECT xid_floor FROM turnlog_clock WHERE id = 1))
-    INTO v_offset, v_next, v_seen;
+BEGIN{SEEN}
   IF v_seen IS NULL OR v_seen < v_next + v_offset THEN
     RETURN v_offset;
   END IF;
   PERFORM set_config('lock_timeout', '30s', true);
-  LOCK TABLE turnlog_clock IN ACCESS EXCLUSIVE MODE;
-  SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
-         pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
-         greatest((SELECT max(xid) FROM events), (SELECT max(xid) FROM sessions),
-                  (SELECT max(xid) FROM consumer_acks),
-                  (SELECT xid_floor FROM turnlog_clock WHERE id = 1))
-    INTO v_offset, v_next, v_seen;
+  LOCK TABLE turnlog_clock IN ACCESS EXCLUSIVE MODE;{SEEN}
   IF v_seen >= v_next + v_offset THEN
     v_offset := v_seen - v_next + 1;
     UPDATE turnlog_clock SET xid_offset = v_offset WHERE id = 1;
