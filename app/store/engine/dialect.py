@@ -65,6 +65,13 @@ CITUS_DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 # (a downgrade's target, a store not migrated yet) has no clock: nothing to do.
 RECLOCK = ("DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL THEN "
            "PERFORM turnlog_reclock(); END IF; END $$")
+# On a new connection, only 0014's reclock (which reads the rows before the server's
+# next id): 0012's, on a store not migrated since, moved the clock with no cause on
+# Citus under concurrent writers (its one statement is not one snapshot there).
+RECLOCK_ON_CONNECT = (
+    "DO $$ BEGIN IF EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = "
+    "to_regclass('turnlog_clock') AND attname = 'xid_floor' AND NOT attisdropped) THEN "
+    "PERFORM turnlog_reclock(); END IF; END $$")
 
 
 def _is_postgres(conn: AsyncConnection) -> bool:
@@ -137,7 +144,7 @@ async def reclock(conn: asyncpg.Connection) -> None:
     connection of a process is new after such a crash (as after a restore onto
     another server), so no write is stamped before the clock has moved.
     """
-    await conn.execute(RECLOCK)
+    await conn.execute(RECLOCK_ON_CONNECT)
 
 
 def _postgres_engine(url: str, settings: Settings) -> AsyncEngine:
