@@ -45,11 +45,13 @@ SQLITE_DAMAGE = ("malformed", "not a database", "corrupt")
 BROKEN_PROTOCOL = ("cannot switch to state", "protocol is in an unexpected state",
                    "unknown error in protocol implementation")
 # What Citus's coordinator says (SQLSTATE XX000, "internal error") when a worker node it
-# needs went away mid-statement or at commit: the node is lost, not the statement bad.
-# Retrying is safe (every write is idempotent), and the outcome may be that it landed.
+# needs went away mid-statement or at commit, or its own postmaster died under a
+# statement: the node is lost, not the statement bad. Retrying is safe (every write is
+# idempotent), and the outcome may be that it landed.
 CITUS_NODE_LOST = ("at least one active node", "connection to the remote node",
                    "could not establish any connections to the node",
-                   "failed to commit transaction on", "remote transaction")
+                   "failed to commit transaction on", "remote transaction",
+                   "postmaster was shut down")
 # Failures that mean "the database cannot answer now": each gets the 503 handler,
 # which still answers 500 for anything `database_unavailable` does not recognize.
 UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (

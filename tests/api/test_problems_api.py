@@ -143,6 +143,8 @@ async def test_an_unreachable_database_is_still_503(tmp_path):
     # these were 500s, though the write may have landed and a retry is safe).
     ("could not commit transaction for shard 102008 on at least one active node", 503),
     ("connection to the remote node localhost:19711 failed with the following error", 503),
+    # The coordinator's postmaster killed under a statement (a helper's finding: 500).
+    ("postmaster was shut down, exiting", 503),
     # Rolled back whole: a write behind the store's clock (migration 0012), a deadlock.
     ("serialization_failure", 503),
     # Any other internal error is a bug, not the database gone.
