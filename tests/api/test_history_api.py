@@ -168,6 +168,11 @@ async def test_a_rollouts_metrics_are_recorded_as_one_step(client):
     assert reply["metrics"] == (await client.get("/v1/metrics/rollout", params={
         "run_id": label, "rollout_id": "3"})).json()
     assert reply["series"] == {V2_TEXT: [[3, 0.5]]}
+    # The computed metrics not whitelisted are named (a helper's finding: `[]`).
+    assert reply["kept"] == 1 and reply["dropped"] == sorted(
+        k for k, v in reply["metrics"].items()
+        if k != V2_TEXT and isinstance(v, int | float) and not isinstance(v, bool))
+    assert "sessions" in reply["dropped"]
     assert (await client.post("/v1/metric-history/rollout", json=body)).status_code == 200
     r = await client.post("/v1/metric-history/rollout", json={**body, "step": -1})
     assert r.status_code == 422 and r.json()["field"] == "step"

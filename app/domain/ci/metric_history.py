@@ -279,6 +279,10 @@ def merge_attempts(attempts: Iterable[Mapping[str, Sequence[SeriesPoint]]]) -> d
     return {metric: sorted(joined[metric], key=_step_order) for metric in sorted(joined)}
 
 
+def _numeric(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def rollout_points(
     metrics: Mapping[str, Any], step: Step, keys: Iterable[str] = DEFAULT_METRIC_KEYS
 ) -> tuple[MetricPoint, ...]:
@@ -288,8 +292,15 @@ def rollout_points(
     """
     parse_step(step, "step")
     allowed = frozenset(keys)
-    return tuple(
-        MetricPoint(metric=key, step=step, value=float(value))
-        for key, value in sorted(metrics.items())
-        if key in allowed and isinstance(value, int | float) and not isinstance(value, bool)
-    )
+    return tuple(MetricPoint(metric=key, step=step, value=float(value))
+                 for key, value in sorted(metrics.items())
+                 if key in allowed and _numeric(value))
+
+
+def rollout_dropped(metrics: Mapping[str, Any],
+                    keys: Iterable[str] = DEFAULT_METRIC_KEYS) -> list[str]:
+    """The rollout's numeric metrics not whitelisted, sorted: the `dropped` of
+    `POST /v1/metric-history/rollout`, as `POST /v1/metric-history` names the metrics
+    it did not keep."""
+    allowed = frozenset(keys)
+    return sorted(key for key, value in metrics.items() if key not in allowed and _numeric(value))

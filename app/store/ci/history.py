@@ -35,6 +35,7 @@ from app.domain.ci.metric_history import (
     encode_value,
     keep_whitelisted,
     merge_attempts,
+    rollout_dropped,
 )
 from app.domain.wire import jsonio
 from app.store.engine.db import Database, now_us
@@ -179,4 +180,6 @@ class History:
         one step."""
         metrics = await analytics.rollout(record.labels)
         reply, created = await self.submit(record.submission(metrics, self.keys))
-        return {**reply, "metrics": metrics}, created
+        # The submission holds the whitelisted metrics only: the rest is named here.
+        return {**reply, "dropped": rollout_dropped(metrics, self.keys),
+                "metrics": metrics}, created
