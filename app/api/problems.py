@@ -29,6 +29,7 @@ from app.api.http_errors import Overloaded, RequestTimeout, Unavailable
 from app.api.middleware.methods import allowed_methods
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
+from app.store.engine.sqlite_files import DatabaseFileReplaced
 
 PROBLEM = "application/problem+json"
 # Seconds a client should wait after a lost database connection (the pool
@@ -132,6 +133,11 @@ def install(app: FastAPI) -> None:
         # Transient: the transaction was rolled back (or its commit is unknown);
         # a retry with the same body is safe because every write is idempotent.
         warn_unavailable(request.url.path, exc)
+        replaced = next((c for c in _chain(exc) if isinstance(c, DatabaseFileReplaced)),
+                        None)
+        if replaced is not None:
+            # Not transient: every write of this process would be lost; said as it is.
+            return unavailable_response(str(replaced))
         if disk_full(exc):
             # Said as it is: no retry succeeds until someone frees space.
             return unavailable_response(

@@ -2,7 +2,8 @@
 
 `/readyz` answers 503 problem+json when the database cannot be reached (or does
 not answer within `READY_TIMEOUT_S`), its
-schema is not at head, or (SQLite) the file failed its integrity check; the
+schema is not at head, or (SQLite) the file failed its integrity check or was
+removed or replaced under the running server; the
 problem names the reason but never carries the driver's error text, which
 may hold host names, paths or credentials (that text goes to the log).
 """
@@ -18,6 +19,7 @@ from fastapi import APIRouter
 from app.api.deps import ServicesDep
 from app.api.problems import JSONText, damaged_sqlite, problem_response
 from app.store.engine.migrate import current_revision, head_revision
+from app.store.engine.sqlite_files import DatabaseFileReplaced
 
 router = APIRouter(tags=["service"])
 # How long `/readyz` waits for the database's answer before it says "not ready".
@@ -41,6 +43,7 @@ async def readyz(svc: ServicesDep) -> JSONText:
     try:
         # The integrity check first: damage can also break the reads below.
         damage = await svc.integrity.problems()
+        await svc.db.files_intact()
         if not damage:
             # Bounded: a database that stops answering without closing its connections
             # (a frozen host, a partition without resets) would hold the probe as long
@@ -52,6 +55,12 @@ async def readyz(svc: ServicesDep) -> JSONText:
         log.warning("not ready: the database did not answer", timeout_s=READY_TIMEOUT_S)
         return not_ready(f"the database did not answer within {READY_TIMEOUT_S:g} s",
                          "database-unreachable")
+    except DatabaseFileReplaced:
+        # The path names other files than this server writes: its writes would be lost.
+        log.error("not ready: the SQLite file or its -wal was removed or replaced under "
+                  "this server; restart it")
+        return not_ready("the SQLite file or its -wal file was removed or replaced while "
+                         "this server had it open: restart the server", "database-replaced")
     except Exception as exc:  # any failure to reach the database means "not ready"
         if damaged_sqlite(exc):
             damage = [str(exc)[:200]]

@@ -26,12 +26,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.domain.body.deadline import TIMEOUT_HEADER
 from app.domain.errors import DeadlineExceeded
 from app.settings import Settings
+from app.store.engine import sqlite_files
 from app.store.engine.dialect import (
     backend,
     create_driver_pool,
     create_engines,
     normalize_url,
     single_writer,
+    sqlite_path,
 )
 
 log = structlog.get_logger("turnlog.store")
@@ -96,6 +98,7 @@ class Database:
         self.settings = settings
         self.writer, self.reader = create_engines(self.url, settings)
         self._write_lock = asyncio.Lock() if single_writer(self.url) else None
+        self._sqlite_path = sqlite_path(self.url) if self.dialect == "sqlite" else None
         self._driver_pool: asyncpg.Pool | None = None
         self._driver_pool_lock = asyncio.Lock()
 
@@ -173,6 +176,7 @@ class Database:
         try:
             if self._write_lock is not None:
                 async with self._write_lock, self.writer.begin() as conn:
+                    await self._same_files(conn)
                     yield conn
                     _before_commit()
             else:
@@ -195,7 +199,21 @@ class Database:
         runs its own `BEGIN IMMEDIATE` … `COMMIT` on it."""
         assert self._write_lock is not None, "only SQLite has a single writer"
         async with self._write_lock, self.writer.connect() as conn:
+            await self._same_files(conn)
             yield (await conn.get_raw_connection()).driver_connection
+
+    async def _same_files(self, conn: AsyncConnection) -> None:
+        """SQLite: this writer connection's files are still the ones at the path
+        (`sqlite_files`); `DatabaseFileReplaced` if not."""
+        if self._sqlite_path is not None:
+            sqlite_files.check((await conn.get_raw_connection()).info, self._sqlite_path)
+
+    async def files_intact(self) -> None:
+        """`/readyz`: raise `DatabaseFileReplaced` if a writer connection's files are no
+        longer the ones at the path (SQLite; nothing to check elsewhere)."""
+        if self._write_lock is not None:
+            async with self._write_lock, self.writer.connect() as conn:
+                await self._same_files(conn)
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:

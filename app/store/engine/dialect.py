@@ -53,6 +53,7 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.elements import ColumnElement
 
 from app.settings import Settings
+from app.store.engine import sqlite_files
 from app.store.engine.schema import events, sessions
 
 # On the store's transaction clock (migration 0012): the server's ids plus the offset
@@ -96,18 +97,27 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+def sqlite_path(url: str) -> str | None:
+    """The database file of a SQLite URL (None: in memory)."""
+    database = make_url(url).database
+    return None if database in (None, "", ":memory:") else database
+
+
 def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
     engine = create_async_engine(url, connect_args={"timeout": 60}, poolclass=NullPool
                                  if ":memory:" in url else None)
+    path = sqlite_path(url)
 
     @event.listens_for(engine.sync_engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+    def _on_connect(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL",
                        "busy_timeout=60000"):
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
+        if immediate and path is not None:
+            sqlite_files.remember(record.info, path)
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:

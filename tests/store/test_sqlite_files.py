@@ -1,0 +1,52 @@
+"""SQLite: a server whose database file or `-wal` was removed or replaced under it
+refuses writes (503) and is not ready, rather than acknowledging writes that the next
+start cannot see (a helper's finding: 95 turns answered 201 after `rm t.db-wal`, all
+gone after a restart)."""
+
+import os
+import shutil
+
+import httpx
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from app.store.engine import migrate
+from tests.factory import open_body, turn
+
+
+@pytest.mark.parametrize("fault", ["wal-removed", "file-replaced"])
+async def test_a_replaced_sqlite_file_is_503_and_not_ready(tmp_path, fault):
+    path = tmp_path / "t.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    await migrate.upgrade_async(url)
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        try:
+            assert (await http.post("/v1/sessions", json=open_body("a"))).status_code == 201
+            assert (await http.post("/v1/sessions/a/turns",
+                                    json=turn([1], [2]))).status_code == 201
+            assert (await http.get("/readyz")).status_code == 200
+            if fault == "wal-removed":
+                os.unlink(f"{path}-wal")
+            else:  # a copy put in its place, as `mv backup.db t.db` does
+                shutil.copy(path, tmp_path / "copy.db")
+                os.replace(tmp_path / "copy.db", path)
+            refused = await http.post("/v1/sessions", json=open_body("b"))
+            assert refused.status_code == 503, refused.text
+            assert str(path) in refused.json()["detail"]
+            again = await http.post("/v1/sessions/a/turns", json=turn([1, 2, 3], [4]))
+            assert again.status_code == 503, again.text
+            ready = await http.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["reason"] == "database-replaced"
+        finally:
+            await app.state.services.db.dispose()
+    # What a restarted server sees holds nothing the refused writes would have claimed.
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        try:
+            assert (await http.get("/v1/sessions/b")).status_code == 404
+        finally:
+            await app.state.services.db.dispose()
