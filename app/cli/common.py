@@ -377,6 +377,11 @@ def describe_failure(exc: BaseException) -> str:
         reason = _first_line(exc.orig or exc)
         if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
             return f"not migrated: run `turnlog migrate` (database {where}: {reason})"
+        if reason in ("disk I/O error", "database disk image is malformed"):
+            # Besides a failing disk: a -wal removed (or a file replaced) under a server.
+            return (f"cannot use {where}: {reason} (SQLite: check the disk; a -wal or -shm "
+                    "file removed, or a database file replaced, while a server had it open "
+                    "also does this: restore the file from a backup)")
         return f"cannot use {where}: {reason}"
     if isinstance(exc, OSError) and exc.filename is not None:
         # A file's error (a full disk under an export, a read-only checkpoint folder):

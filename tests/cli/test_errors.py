@@ -70,6 +70,19 @@ def test_an_unmigrated_sqlite_file_says_run_migrate(tmp_path):
     assert line.startswith("error: not migrated: run `turnlog migrate`")
 
 
+def test_a_malformed_sqlite_file_says_what_may_have_done_it(tmp_path):
+    """A helper's finding: a file a server's -wal was merged into after a replace said
+    only "database disk image is malformed"."""
+    url = sqlite_file(tmp_path, "broken.db")
+    run("migrate", "--database-url", url)
+    size = (tmp_path / "broken.db").stat().st_size
+    with open(tmp_path / "broken.db", "r+b") as file:  # every page past the schema's
+        file.seek(4096)
+        file.write(b"\x07" * (size - 4096))
+    line = one_error_line(run("sessions", "--database-url", url))
+    assert "malformed" in line and "-wal" in line and "backup" in line
+
+
 def test_an_unmigrated_postgres_database_says_run_migrate(fresh_database):
     url = fresh_database("postgres")
     line = one_error_line(run("replay", "abc", "--database-url", url))
