@@ -113,6 +113,24 @@ async def test_collapsing_a_node_hides_its_subtree(page: Page, api: httpx.Client
         assert await page.page.locator(f'[data-seq="{seq}"]').is_visible()
 
 
+async def test_enter_on_a_triangle_toggles_without_selecting_its_row(
+        page: Page, api: httpx.Client, run_id: str) -> None:
+    """A helper's finding: Enter on a collapse triangle also selected the triangle's row
+    (the key reached the row's own Enter handler)."""
+    told = story(api, f"{run_id}-keys", {"run_id": run_id}, close=False)
+    await page.goto(f"/ui/sessions/{told.session_id}")
+    await page.page.click('[data-seq="3"]')
+    await page.page.focus('[data-seq="2"] .toggle')
+    await page.page.keyboard.press("Enter")
+    assert await page.page.get_attribute('[data-seq="2"] .toggle', "aria-expanded") == "false"
+    assert "selected" in ((await page.page.get_attribute('[data-seq="3"]', "class")) or "")
+    assert "selected" not in ((await page.page.get_attribute('[data-seq="2"]', "class")) or "")
+    await page.page.focus('[data-seq="1"]')
+    await page.page.keyboard.press("Enter")
+    assert "selected" in ((await page.page.get_attribute('[data-seq="1"]', "class")) or "")
+    assert page.errors == []
+
+
 def _under(told: Any, seq: int, ancestor: int) -> bool:
     parent = told.nodes[seq].parent
     while parent is not None:

@@ -155,6 +155,8 @@
     if (tr) select(tr.dataset.seq);
   });
   tree.addEventListener("keydown", (event) => {
+    // Enter on a collapse triangle only toggles (its button clicks itself).
+    if (event.target.closest(".toggle")) return;
     const tr = event.target.closest(".row[data-seq]");
     if (tr && event.key === "Enter") select(tr.dataset.seq);
   });
