@@ -239,7 +239,10 @@ def database_unavailable(exc: BaseException) -> bool:
                       | OperatorInterventionError | InsufficientResourcesError
                       # rolled back whole (a deadlock, or a transaction behind the
                       # store's clock just after a restore): the retry is safe
-                      | asyncpg.exceptions.TransactionRollbackError):
+                      | asyncpg.exceptions.TransactionRollbackError
+                      # a lock not granted in time (the store's clock moving at a new
+                      # connection waits for writers in flight, at most 30 s)
+                      | asyncpg.exceptions.LockNotAvailableError):
             return True
         if isinstance(current, OSError) and raised_by_database(current):
             return True

@@ -147,6 +147,9 @@ async def test_an_unreachable_database_is_still_503(tmp_path):
     ("postmaster was shut down, exiting", 503),
     # Rolled back whole: a write behind the store's clock (migration 0012), a deadlock.
     ("serialization_failure", 503),
+    # A lock not granted in time: the store's clock moving at a new connection waited
+    # for writers in flight (a review's finding: 500).
+    ("lock_not_available", 503),
     # Any other internal error is a bug, not the database gone.
     ("cache lookup failed for relation 12345", 500),
 ])
@@ -163,6 +166,9 @@ async def test_a_citus_node_lost_is_503_unavailable_other_internal_errors_500(
     async def internal() -> None:
         if message == "serialization_failure":
             raise asyncpg.exceptions.SerializationError("transaction id is behind the clock")
+        if message == "lock_not_available":
+            raise asyncpg.exceptions.LockNotAvailableError("canceling statement due to lock "
+                                                           "timeout")
         raise asyncpg.exceptions.InternalServerError(message)
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(

@@ -202,12 +202,23 @@ async def _restored_rows_are_read_in_order(client, db_url, sid):
 
 
 async def _set_offset(db_url: str, offset: int) -> None:
+    """The store's clock at `offset`, as the server found it at its last start (a
+    restore or a crash: the clock not checked since the server started)."""
     engine = create_async_engine(db_url)
     try:
         async with engine.begin() as conn:
-            await conn.execute(sa.text("UPDATE turnlog_clock SET xid_offset = :o"), {"o": offset})
+            started = ", checked_start = NULL" if await _has_column(conn, "checked_start") \
+                else ""
+            await conn.execute(sa.text(f"UPDATE turnlog_clock SET xid_offset = :o{started}"),
+                               {"o": offset})
     finally:
         await engine.dispose()
+
+
+async def _has_column(conn, column: str) -> bool:
+    return (await conn.execute(sa.text(
+        "SELECT count(*) FROM information_schema.columns WHERE table_name = 'turnlog_clock' "
+        "AND column_name = :c"), {"c": column})).scalar_one() > 0
 
 
 def _own_app(db_url: str):
@@ -288,6 +299,43 @@ async def test_ids_handed_out_again_after_a_crash_move_the_clock_on_reconnect(
             assert [e["seq"] for e in events if e["type"] == "turn_recorded"] == [0, 1]
             positions = [e["position"] for e in (await client.get("/v1/events")).json()["events"]]
             assert len(positions) == 3 and positions == sorted(set(positions))
+        finally:
+            await app.state.services.db.dispose()
+
+
+@pytest.mark.postgres_only  # SQLite's rows carry no transaction id
+async def test_only_the_first_connection_after_a_server_start_runs_the_full_reclock(
+        fresh_database, backend, sid):
+    """A review's finding: the reclock on every new connection read every shard, so
+    with one Citus worker down no new connection could be made — sessions on the
+    healthy workers failed too as connections turned over. The full reclock runs once
+    per server start; other connections read one row of the coordinator's."""
+    from app.store.engine import migrate
+
+    db_url = fresh_database(backend)
+    await migrate.upgrade_async(db_url)
+    app, client = _own_app(db_url)
+    async with client:
+        try:
+            assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+            # The full reclock unusable from now on (as with a worker down on Citus).
+            engine = create_async_engine(db_url)
+            try:
+                async with engine.begin() as conn:
+                    await conn.execute(sa.text(
+                        "CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint "
+                        "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no worker'; END $$"))
+                await app.state.services.db.dispose()  # every connection new
+                reply = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+                assert reply.status_code == 201, reply.text
+                # As after a restart: the first connection must check, and cannot.
+                async with engine.begin() as conn:
+                    await conn.execute(sa.text("UPDATE turnlog_clock SET checked_start = NULL"))
+                await app.state.services.db.dispose()
+                failed = await client.get(f"/v1/sessions/{sid}")
+                assert failed.status_code >= 500
+            finally:
+                await engine.dispose()
         finally:
             await app.state.services.db.dispose()
 

@@ -3,6 +3,7 @@ refuses writes (503) and is not ready, rather than acknowledging writes that the
 start cannot see (a helper's finding: 95 turns answered 201 after `rm t.db-wal`, all
 gone after a restart)."""
 
+import asyncio
 import os
 import shutil
 
@@ -48,5 +49,22 @@ async def test_a_replaced_sqlite_file_is_503_and_not_ready(tmp_path, fault):
                                  base_url="http://localhost") as http:
         try:
             assert (await http.get("/v1/sessions/b")).status_code == 404
+        finally:
+            await app.state.services.db.dispose()
+
+
+async def test_readyz_is_not_queued_behind_the_writes(tmp_path):
+    """A review's finding: the file check waited for the process's write lock, which a
+    write holds while it waits up to a minute for another process's SQLite lock, so
+    `/readyz` was no longer bounded by its 5 s."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 't.db'}"
+    await migrate.upgrade_async(url)
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        try:
+            assert (await http.get("/readyz")).status_code == 200
+            async with app.state.services.db._write_lock, asyncio.timeout(3):  # a write
+                assert (await http.get("/readyz")).status_code == 200
         finally:
             await app.state.services.db.dispose()

@@ -43,14 +43,15 @@ async def readyz(svc: ServicesDep) -> JSONText:
     try:
         # The integrity check first: damage can also break the reads below.
         damage = await svc.integrity.problems()
-        await svc.db.files_intact()
         if not damage:
             # Bounded: a database that stops answering without closing its connections
             # (a frozen host, a partition without resets) would hold the probe as long
             # as the driver's command timeout, and the balancer would keep routing here.
-            async with asyncio.timeout(READY_TIMEOUT_S), svc.db.read() as conn:
-                await conn.execute(sa.text("SELECT 1"))
-                current = await conn.run_sync(current_revision)
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await svc.db.files_intact()
+                async with svc.db.read() as conn:
+                    await conn.execute(sa.text("SELECT 1"))
+                    current = await conn.run_sync(current_revision)
     except TimeoutError:
         log.warning("not ready: the database did not answer", timeout_s=READY_TIMEOUT_S)
         return not_ready(f"the database did not answer within {READY_TIMEOUT_S:g} s",

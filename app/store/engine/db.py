@@ -210,9 +210,11 @@ class Database:
 
     async def files_intact(self) -> None:
         """`/readyz`: raise `DatabaseFileReplaced` if a writer connection's files are no
-        longer the ones at the path (SQLite; nothing to check elsewhere)."""
-        if self._write_lock is not None:
-            async with self._write_lock, self.writer.connect() as conn:
+        longer the ones at the path (SQLite; nothing to check elsewhere). Not queued
+        behind the writes (one may wait a minute for another process's lock): it only
+        compares files."""
+        if self._sqlite_path is not None:
+            async with self.writer.connect() as conn:
                 await self._same_files(conn)
 
     @asynccontextmanager

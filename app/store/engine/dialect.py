@@ -66,13 +66,13 @@ CITUS_DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 # (a downgrade's target, a store not migrated yet) has no clock: nothing to do.
 RECLOCK = ("DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL THEN "
            "PERFORM turnlog_reclock(); END IF; END $$")
-# On a new connection, only 0014's reclock (which reads the rows before the server's
-# next id): 0012's, on a store not migrated since, moved the clock with no cause on
-# Citus under concurrent writers (its one statement is not one snapshot there).
+# On a new connection: 0014's reclock, once per server start (the first connection
+# after it reads every row's shard; the others one local row). Nothing on a store not
+# migrated to 0014: 0012's reclock moved the clock with no cause on Citus under
+# concurrent writers (its one statement is not one snapshot there).
 RECLOCK_ON_CONNECT = (
-    "DO $$ BEGIN IF EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = "
-    "to_regclass('turnlog_clock') AND attname = 'xid_floor' AND NOT attisdropped) THEN "
-    "PERFORM turnlog_reclock(); END IF; END $$")
+    "DO $$ BEGIN IF to_regproc('turnlog_reclock_after_start') IS NOT NULL THEN "
+    "PERFORM turnlog_reclock_after_start(); END IF; END $$")
 
 
 def _is_postgres(conn: AsyncConnection) -> bool:
@@ -153,6 +153,11 @@ async def reclock(conn: asyncpg.Connection) -> None:
     worker rows — and positions would repeat and fall within a session. Every
     connection of a process is new after such a crash (as after a restore onto
     another server), so no write is stamped before the clock has moved.
+
+    Only the first connection after the server (re)started does the full check,
+    which on Citus reads every shard (so it needs every worker up, ~40 ms); the
+    others read one row of the coordinator's, so a worker down keeps failing only
+    the sessions it holds.
     """
     await conn.execute(RECLOCK_ON_CONNECT)
 

@@ -306,4 +306,7 @@ turnlog_clock = sa.Table(
               primary_key=True, autoincrement=False),
     sa.Column("xid_offset", sa.BigInteger, nullable=False),
     sa.Column("xid_floor", sa.BigInteger, nullable=False, server_default="0"),
+    # The server start (PostgreSQL's postmaster start time) the clock was last checked
+    # under: a new connection reclocks when the server started since (migration 0014).
+    sa.Column("checked_start", sa.DateTime(timezone=True), nullable=True),
 )

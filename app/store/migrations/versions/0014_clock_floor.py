@@ -17,11 +17,12 @@ the position function 0012 wrote it into), and the reclock raises the clock
 past the greater of the rows' ids and the floor. In normal operation the
 floor is an id of the past, below every writer's, so nothing moves.
 
-The reclock also runs on every new connection now (`app/store/engine/dialect.py`
-`reclock`: a Citus coordinator that crashes hands out again the ids of its last
-unflushed commits, already stamped on durable worker rows), and it reads the
-rows before the server's next id (below: 0012's order moved the clock on Citus
-with no restore at all). SQLite
+The reclock also runs on the first new connection after the server starts
+(`turnlog_reclock_after_start()`, below, on every new connection; `app/store/
+engine/dialect.py` `reclock`: a Citus coordinator that crashes hands out again
+the ids of its last unflushed commits, already stamped on durable worker rows),
+and it reads the rows before the server's next id (below: 0012's order moved
+the clock on Citus with no restore at all). SQLite
 gets the column too (0: the schema is one; its `xid` is always 0).
 
 Revision ID: 0014
@@ -84,6 +85,28 @@ $$
 """
 
 
+# What every new connection runs (`app/store/engine/dialect.py` `reclock`): the full
+# reclock — which reads every shard on Citus, so it needs every worker up — only on the
+# first connection after the server (re)started, restored or failed over (its postmaster
+# start time differs from the one the clock was last checked under): the only times
+# its ids can be behind the rows. Other connections read one local row. Concurrent first
+# connections each reclock; a second one re-reads under the clock's lock and moves
+# nothing more (0012's "two reclocks never run at once" no longer holds, and need not).
+RECLOCK_AFTER_START_FN = """
+CREATE OR REPLACE FUNCTION turnlog_reclock_after_start() RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+  IF (SELECT checked_start FROM turnlog_clock WHERE id = 1)
+     IS DISTINCT FROM pg_postmaster_start_time() THEN
+    PERFORM turnlog_reclock();
+    UPDATE turnlog_clock SET checked_start = pg_postmaster_start_time() WHERE id = 1;
+  END IF;
+  RETURN (SELECT xid_offset FROM turnlog_clock WHERE id = 1);
+END
+$$
+"""
+
+
 def floor_of(position_function: str) -> int:
     """`X0` from the text of 0012's `turnlog_event_position()`."""
     found = FLOOR_IN_GUARD.search(position_function)
@@ -98,6 +121,8 @@ def upgrade() -> None:
     bind = op.get_bind()
     op.add_column("turnlog_clock", sa.Column("xid_floor", sa.BigInteger, nullable=False,
                                              server_default="0"))
+    op.add_column("turnlog_clock", sa.Column("checked_start", sa.DateTime(timezone=True),
+                                             nullable=True))
     if bind.dialect.name != "postgresql":
         return
     definition = bind.exec_driver_sql(
@@ -105,11 +130,14 @@ def upgrade() -> None:
     op.execute(sa.text("UPDATE turnlog_clock SET xid_floor = :floor WHERE id = 1")
                .bindparams(floor=floor_of(definition)))
     op.execute(RECLOCK_FN)
+    op.execute(RECLOCK_AFTER_START_FN)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         previous = importlib.import_module(
             "app.store.migrations.versions.0012_position_in_feed_order")
+        op.execute("DROP FUNCTION turnlog_reclock_after_start()")
         op.execute(previous.RECLOCK_FN)
+    op.drop_column("turnlog_clock", "checked_start")
     op.drop_column("turnlog_clock", "xid_floor")
