@@ -7,6 +7,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from tests.factory import open_body, turn
+from tests.inprocess import served
 
 # An event a test's own transaction writes, to hold it open against the API's writers.
 SLOW_OPEN = ("INSERT INTO events (session_id, type, payload, recorded_us) "
@@ -221,17 +222,6 @@ async def _has_column(conn, column: str) -> bool:
         "AND column_name = :c"), {"c": column})).scalar_one() > 0
 
 
-def _own_app(db_url: str):
-    import httpx
-
-    from app.main import create_app
-    from app.settings import Settings
-
-    app = create_app(Settings.load(database_url=db_url, migrate_on_start=False, api_tokens=""))
-    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                  base_url="http://localhost")
-
-
 @pytest.mark.postgres_only  # SQLite's rows carry no transaction id
 @pytest.mark.parametrize("migrated_to", ["head", "0013"])
 async def test_a_store_restored_with_no_row_since_0012_takes_writes(fresh_database, backend,
@@ -249,23 +239,19 @@ async def test_a_store_restored_with_no_row_since_0012_takes_writes(fresh_databa
     # The restore: this server's ids 10^7 behind those the store was migrated under
     # (the same as the store's clock 10^7 behind).
     await _set_offset(db_url, -10**7)
-    app, client = _own_app(db_url)
-    async with client:
-        try:
-            if migrated_to != "head":
-                refused = await client.post("/v1/sessions", json=open_body(sid))
-                assert refused.status_code == 503
-                assert "turnlog migrate" in refused.json()["detail"]
-                await migrate.upgrade_async(db_url)  # 0014, then the clock moves
-            opened = await client.post("/v1/sessions", json=open_body(sid))
-            assert opened.status_code == 201, opened.text
-            reply = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
-            assert reply.status_code == 201, reply.text
-            events = (await client.get("/v1/events")).json()["events"]
-            positions = [e["position"] for e in events]
-            assert len(positions) == 2 and positions == sorted(set(positions))
-        finally:
-            await app.state.services.db.dispose()
+    async with served(db_url) as (app, client):
+        if migrated_to != "head":
+            refused = await client.post("/v1/sessions", json=open_body(sid))
+            assert refused.status_code == 503
+            assert "turnlog migrate" in refused.json()["detail"]
+            await migrate.upgrade_async(db_url)  # 0014, then the clock moves
+        opened = await client.post("/v1/sessions", json=open_body(sid))
+        assert opened.status_code == 201, opened.text
+        reply = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+        assert reply.status_code == 201, reply.text
+        events = (await client.get("/v1/events")).json()["events"]
+        positions = [e["position"] for e in events]
+        assert len(positions) == 2 and positions == sorted(set(positions))
 
 
 @pytest.mark.postgres_only  # SQLite's rows carry no transaction id
@@ -283,24 +269,20 @@ async def test_ids_handed_out_again_after_a_crash_move_the_clock_on_reconnect(
 
     db_url = fresh_database(backend)
     await migrate.upgrade_async(db_url)
-    app, client = _own_app(db_url)
-    async with client:
-        try:
-            assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
-            first = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
-            assert first.status_code == 201, first.text
-            await _set_offset(db_url, -10**7)
-            behind = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 3], [4]))
-            assert behind.status_code == 503  # a connection from before: refused, not stored
-            await app.state.services.db.dispose()  # the crash: every connection is gone
-            second = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 3], [4]))
-            assert second.status_code == 201, second.text
-            events = (await client.get(f"/v1/sessions/{sid}/events")).json()
-            assert [e["seq"] for e in events if e["type"] == "turn_recorded"] == [0, 1]
-            positions = [e["position"] for e in (await client.get("/v1/events")).json()["events"]]
-            assert len(positions) == 3 and positions == sorted(set(positions))
-        finally:
-            await app.state.services.db.dispose()
+    async with served(db_url) as (app, client):
+        assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        first = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+        assert first.status_code == 201, first.text
+        await _set_offset(db_url, -10**7)
+        behind = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 3], [4]))
+        assert behind.status_code == 503  # a connection from before: refused, not stored
+        await app.state.services.db.dispose()  # the crash: every connection is gone
+        second = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1, 2, 3], [4]))
+        assert second.status_code == 201, second.text
+        events = (await client.get(f"/v1/sessions/{sid}/events")).json()
+        assert [e["seq"] for e in events if e["type"] == "turn_recorded"] == [0, 1]
+        positions = [e["position"] for e in (await client.get("/v1/events")).json()["events"]]
+        assert len(positions) == 3 and positions == sorted(set(positions))
 
 
 @pytest.mark.postgres_only  # SQLite's rows carry no transaction id
@@ -314,30 +296,26 @@ async def test_only_the_first_connection_after_a_server_start_runs_the_full_recl
 
     db_url = fresh_database(backend)
     await migrate.upgrade_async(db_url)
-    app, client = _own_app(db_url)
-    async with client:
+    async with served(db_url) as (app, client):
+        assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
+        # The full reclock unusable from now on (as with a worker down on Citus).
+        engine = create_async_engine(db_url)
         try:
-            assert (await client.post("/v1/sessions", json=open_body(sid))).status_code == 201
-            # The full reclock unusable from now on (as with a worker down on Citus).
-            engine = create_async_engine(db_url)
-            try:
-                async with engine.begin() as conn:
-                    await conn.execute(sa.text(
-                        "CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint "
-                        "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no worker'; END $$"))
-                await app.state.services.db.dispose()  # every connection new
-                reply = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
-                assert reply.status_code == 201, reply.text
-                # As after a restart: the first connection must check, and cannot.
-                async with engine.begin() as conn:
-                    await conn.execute(sa.text("UPDATE turnlog_clock SET checked_start = NULL"))
-                await app.state.services.db.dispose()
-                failed = await client.get(f"/v1/sessions/{sid}")
-                assert failed.status_code >= 500
-            finally:
-                await engine.dispose()
-        finally:
+            async with engine.begin() as conn:
+                await conn.execute(sa.text(
+                    "CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint "
+                    "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no worker'; END $$"))
+            await app.state.services.db.dispose()  # every connection new
+            reply = await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2]))
+            assert reply.status_code == 201, reply.text
+            # As after a restart: the first connection must check, and cannot.
+            async with engine.begin() as conn:
+                await conn.execute(sa.text("UPDATE turnlog_clock SET checked_start = NULL"))
             await app.state.services.db.dispose()
+            failed = await client.get(f"/v1/sessions/{sid}")
+            assert failed.status_code >= 500
+        finally:
+            await engine.dispose()
 
 
 async def worker_of(conn, session_id):

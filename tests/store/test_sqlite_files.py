@@ -7,13 +7,11 @@ import asyncio
 import os
 import shutil
 
-import httpx
 import pytest
 
-from app.main import create_app
-from app.settings import Settings
 from app.store.engine import migrate
 from tests.factory import open_body, turn
+from tests.inprocess import served
 
 
 @pytest.mark.parametrize("fault", ["wal-removed", "file-replaced"])
@@ -21,36 +19,26 @@ async def test_a_replaced_sqlite_file_is_503_and_not_ready(tmp_path, fault):
     path = tmp_path / "t.db"
     url = f"sqlite+aiosqlite:///{path}"
     await migrate.upgrade_async(url)
-    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://localhost") as http:
-        try:
-            assert (await http.post("/v1/sessions", json=open_body("a"))).status_code == 201
-            assert (await http.post("/v1/sessions/a/turns",
-                                    json=turn([1], [2]))).status_code == 201
-            assert (await http.get("/readyz")).status_code == 200
-            if fault == "wal-removed":
-                os.unlink(f"{path}-wal")
-            else:  # a copy put in its place, as `mv backup.db t.db` does
-                shutil.copy(path, tmp_path / "copy.db")
-                os.replace(tmp_path / "copy.db", path)
-            refused = await http.post("/v1/sessions", json=open_body("b"))
-            assert refused.status_code == 503, refused.text
-            assert str(path) in refused.json()["detail"]
-            again = await http.post("/v1/sessions/a/turns", json=turn([1, 2, 3], [4]))
-            assert again.status_code == 503, again.text
-            ready = await http.get("/readyz")
-            assert ready.status_code == 503 and ready.json()["reason"] == "database-replaced"
-        finally:
-            await app.state.services.db.dispose()
+    async with served(url) as (_app, http):
+        assert (await http.post("/v1/sessions", json=open_body("a"))).status_code == 201
+        assert (await http.post("/v1/sessions/a/turns",
+                                json=turn([1], [2]))).status_code == 201
+        assert (await http.get("/readyz")).status_code == 200
+        if fault == "wal-removed":
+            os.unlink(f"{path}-wal")
+        else:  # a copy put in its place, as `mv backup.db t.db` does
+            shutil.copy(path, tmp_path / "copy.db")
+            os.replace(tmp_path / "copy.db", path)
+        refused = await http.post("/v1/sessions", json=open_body("b"))
+        assert refused.status_code == 503, refused.text
+        assert str(path) in refused.json()["detail"]
+        again = await http.post("/v1/sessions/a/turns", json=turn([1, 2, 3], [4]))
+        assert again.status_code == 503, again.text
+        ready = await http.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["reason"] == "database-replaced"
     # What a restarted server sees holds nothing the refused writes would have claimed.
-    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://localhost") as http:
-        try:
-            assert (await http.get("/v1/sessions/b")).status_code == 404
-        finally:
-            await app.state.services.db.dispose()
+    async with served(url) as (_app, http):
+        assert (await http.get("/v1/sessions/b")).status_code == 404
 
 
 async def test_readyz_is_not_queued_behind_the_writes(tmp_path):
@@ -59,12 +47,7 @@ async def test_readyz_is_not_queued_behind_the_writes(tmp_path):
     `/readyz` was no longer bounded by its 5 s."""
     url = f"sqlite+aiosqlite:///{tmp_path / 't.db'}"
     await migrate.upgrade_async(url)
-    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://localhost") as http:
-        try:
+    async with served(url) as (app, http):
+        assert (await http.get("/readyz")).status_code == 200
+        async with app.state.services.db._write_lock, asyncio.timeout(3):  # a write
             assert (await http.get("/readyz")).status_code == 200
-            async with app.state.services.db._write_lock, asyncio.timeout(3):  # a write
-                assert (await http.get("/readyz")).status_code == 200
-        finally:
-            await app.state.services.db.dispose()
