@@ -10,7 +10,9 @@ writer never upgrades a read lock mid-transaction; it has a single writer
 spinning on the busy timeout. PostgreSQL (asyncpg): READ COMMITTED,
 pre-ping, statement and idle-in-transaction timeouts so no append can hold
 the feed fence for long; plus a plain asyncpg pool with the same settings for
-the append's one-round-trip call (`app/store/append/fastpath.py`).
+the append's one-round-trip call (`app/store/append/fastpath.py`). Every new
+PostgreSQL connection of either first checks the store's clock (`reclock`);
+every SQLite writer connection remembers the files it opened (`sqlite_files`).
 
 SQL. PostgreSQL's feed fence: a reader takes only events whose writing
 transaction id is below the oldest transaction still running in its snapshot
@@ -62,8 +64,8 @@ PG_XMIN = ("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint "
            "+ (SELECT xid_offset FROM turnlog_clock WHERE id = 1)")
 CITUS_DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 # The store's clock ahead of every stamped row (`turnlog_reclock()`, migrations 0012 and
-# 0014): run on every new connection and by every migration run. A revision before 0012
-# (a downgrade's target, a store not migrated yet) has no clock: nothing to do.
+# 0014): run by every migration run. A revision before 0012 (a downgrade's target, a
+# store not migrated yet) has no clock: nothing to do.
 RECLOCK = ("DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL THEN "
            "PERFORM turnlog_reclock(); END IF; END $$")
 # On a new connection: 0014's reclock, once per server start (the first connection
@@ -143,7 +145,8 @@ def _server_settings(settings: Settings) -> dict[str, str]:
 
 async def reclock(conn: asyncpg.Connection) -> None:
     """Move the store's clock past every stamped row if the server's ids are behind
-    them; in normal operation it reads and moves nothing (judged in one statement).
+    them; in normal operation it moves nothing (the rows' ids are read before the
+    server's next id: every id seen is below it).
 
     Run on every new connection, before its first write, and not only by `turnlog
     migrate`: the server's ids can fall behind the rows while turnlog runs. On
