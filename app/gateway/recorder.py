@@ -85,7 +85,7 @@ from app.gateway.errors import SpoolFull, StoreUnavailable
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.spool import CLOSE, REWARD, TURN, Spool, Spooled
 from app.services import Services
-from app.store.append.writes import Opened
+from app.store.append.writes import Opened, Written
 from app.store.read.gateway import last_event_us, open_sessions_opened_by
 
 log = structlog.get_logger("turnlog.gateway")
@@ -271,23 +271,24 @@ class Recorder:
             # path: an existing session's state may take it.
             with contextlib.suppress(DomainError):
                 first = self._first_turn(body, open_body, prompt)
-            if first is not None and await self._open_and_append(session_id, open_body,
-                                                                 *first, offload):
+            written = None if first is None else await self._open_and_append(
+                session_id, open_body, *first, offload)
+            if written is not None:
                 await self._touch(session_id)
-                return True
+                return written.created
         try:
-            created = (await writer.append_turn(session_id, body, offload=offload,
-                                                prompt=prompt)).created
+            written = await writer.append_turn(session_id, body, offload=offload,
+                                               prompt=prompt)
         except UnknownSession:
             # No session is opened for a turn the store would refuse (raised here).
             definition, turn = first or self._first_turn(body, open_body, prompt)
-            created = await self._open_and_append(session_id, open_body, definition, turn,
+            written = await self._open_and_append(session_id, open_body, definition, turn,
                                                   offload)
-            if not created:
-                created = (await writer.append_turn(session_id, body, offload=offload,
-                                                    prompt=prompt)).created
+            if written is None:
+                written = await writer.append_turn(session_id, body, offload=offload,
+                                                   prompt=prompt)
         await self._touch(session_id)
-        return created
+        return written.created
 
     def _first_turn(self, body: dict[str, Any], open_body: dict[str, Any],
                     prompt: np.ndarray | None) -> tuple[SessionDefinition, TurnBody]:
@@ -300,13 +301,15 @@ class Recorder:
 
     async def _open_and_append(self, session_id: str, open_body: dict[str, Any],
                                definition: SessionDefinition, turn: TurnBody,
-                               offload: bool) -> bool:
+                               offload: bool) -> Written | None:
         """Open the session and append its first turn (a large one encoded on a worker
-        thread); False when the open wrote nothing: the session existed."""
+        thread); None when the open wrote nothing: the session existed. The append may
+        still be a repeat (`created` False): another writer of the same turn (a drain
+        of its spooled copy) stored it between the open and this append."""
         if not (await self._open(session_id, open_body)).created:
-            return False
-        await self.services.writer.append_parsed(session_id, definition, turn, offload)
-        return True
+            return None
+        return await self.services.writer.append_parsed(session_id, definition, turn,
+                                                        offload)
 
     async def _open(self, session_id: str, open_body: dict[str, Any]) -> Opened:
         """Open with the gateway's definition; a session that has the id already (with

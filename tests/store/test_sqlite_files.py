@@ -51,3 +51,23 @@ async def test_readyz_is_not_queued_behind_the_writes(tmp_path):
         assert (await http.get("/readyz")).status_code == 200
         async with app.state.services.db._write_lock, asyncio.timeout(3):  # a write
             assert (await http.get("/readyz")).status_code == 200
+
+
+async def test_a_connection_opened_after_the_replace_refuses_too(tmp_path):
+    """A review's finding: with the writer's pooled connection busy, `/readyz` opened a
+    new one, which took the replacing file for its own and passed; the pool then held
+    a connection to each file and writes alternated 201 / 503. Every connection of the
+    process now compares the path with the file its first connection opened."""
+    path = tmp_path / "t.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    await migrate.upgrade_async(url)
+    async with served(url) as (app, http):
+        assert (await http.post("/v1/sessions", json=open_body("a"))).status_code == 201
+        shutil.copy(path, tmp_path / "copy.db")
+        os.replace(tmp_path / "copy.db", path)
+        async with app.state.services.db.writer.connect():  # the pooled one, busy
+            ready = await http.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["reason"] == "database-replaced"
+        for sid in ("b", "c", "d"):
+            refused = await http.post("/v1/sessions", json=open_body(sid))
+            assert refused.status_code == 503, refused.text

@@ -31,3 +31,18 @@ async def test_the_list_with_a_trailing_slash_redirects_to_the_list(client):
     assert r.status_code == 308
     assert r.headers["location"] == "/ui?status=open&run_id=x"
     assert (await client.get("/ui/")).headers["location"] == "/ui"
+
+
+async def test_a_null_weight_version_reads_null_in_the_sample_table(client, sid):
+    """A review's finding: the sample table printed Python's "None" for a turn that
+    sent `"weight_version": null` (listed since this round, as miles lists it)."""
+    from tests.factory import open_body, turn
+
+    await client.post("/v1/sessions", json=open_body(sid))
+    await client.post(f"/v1/sessions/{sid}/turns", json=turn([1], [2], weight_version=None))
+    await client.post(f"/v1/sessions/{sid}/close", json={})
+    page = await client.get(f"/ui/sessions/{sid}")
+    assert page.status_code == 200
+    row = page.text[page.text.index('data-testid="sample-row"'):]
+    row = row[:row.index("</tr>")]
+    assert "None" not in row and "null" in row

@@ -63,15 +63,16 @@ from app.store.engine.schema import events, sessions
 PG_XMIN = ("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint "
            "+ (SELECT xid_offset FROM turnlog_clock WHERE id = 1)")
 CITUS_DETECT = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
-# The store's clock ahead of every stamped row (`turnlog_reclock()`, migrations 0012 and
-# 0014): run by every migration run. A revision before 0012 (a downgrade's target, a
-# store not migrated yet) has no clock: nothing to do.
-RECLOCK = ("DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL THEN "
+# The store's clock ahead of every stamped row (`turnlog_reclock()`, migration 0012): run
+# by every migration run that ends before 0014 (a downgrade's target; from 0014 on,
+# RECLOCK_ON_CONNECT). A revision before 0012 has no clock: nothing to do.
+RECLOCK = ("DO $$ BEGIN IF to_regproc('turnlog_reclock') IS NOT NULL AND "
+           "to_regproc('turnlog_reclock_after_start') IS NULL THEN "
            "PERFORM turnlog_reclock(); END IF; END $$")
-# On a new connection: 0014's reclock, once per server start (the first connection
-# after it reads every row's shard; the others one local row). Nothing on a store not
-# migrated to 0014: 0012's reclock moved the clock with no cause on Citus under
-# concurrent writers (its one statement is not one snapshot there).
+# On a new connection: 0014's reclock, once after each crash or start of the server (the
+# first connection then reads every row's shard; the others one local row). Nothing on a
+# store not migrated to 0014: 0012's reclock moved the clock with no cause on Citus
+# under concurrent writers (its one statement is not one snapshot there).
 RECLOCK_ON_CONNECT = (
     "DO $$ BEGIN IF to_regproc('turnlog_reclock_after_start') IS NOT NULL THEN "
     "PERFORM turnlog_reclock_after_start(); END IF; END $$")
@@ -109,6 +110,7 @@ def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
     engine = create_async_engine(url, connect_args={"timeout": 60}, poolclass=NullPool
                                  if ":memory:" in url else None)
     path = sqlite_path(url)
+    first: dict[str, Any] = {}  # the file the engine's first connection opened
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, record: Any) -> None:
@@ -119,7 +121,7 @@ def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
         if immediate and path is not None:
-            sqlite_files.remember(record.info, path)
+            sqlite_files.remember(record.info, path, first)
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
@@ -157,10 +159,10 @@ async def reclock(conn: asyncpg.Connection) -> None:
     connection of a process is new after such a crash (as after a restore onto
     another server), so no write is stamped before the clock has moved.
 
-    Only the first connection after the server (re)started does the full check,
-    which on Citus reads every shard (so it needs every worker up, ~40 ms); the
-    others read one row of the coordinator's, so a worker down keeps failing only
-    the sessions it holds.
+    Only the first connection after the server crashed or (re)started does the
+    full check, which on Citus reads every shard (so it needs every worker up,
+    ~40 ms); the others read one row of the coordinator's, so a worker down keeps
+    failing only the sessions it holds.
     """
     await conn.execute(RECLOCK_ON_CONNECT)
 

@@ -306,7 +306,16 @@ turnlog_clock = sa.Table(
               primary_key=True, autoincrement=False),
     sa.Column("xid_offset", sa.BigInteger, nullable=False),
     sa.Column("xid_floor", sa.BigInteger, nullable=False, server_default="0"),
-    # The server start (PostgreSQL's postmaster start time) the clock was last checked
-    # under: a new connection reclocks when the server started since (migration 0014).
-    sa.Column("checked_start", sa.DateTime(timezone=True), nullable=True),
+)
+
+# The server start (PostgreSQL's postmaster start time) the clock was last checked under
+# (migration 0014): UNLOGGED on PostgreSQL, so crash recovery empties it. A new
+# connection runs the full reclock when it is empty or names another start.
+turnlog_clock_checked = sa.Table(
+    "turnlog_clock_checked",
+    metadata,
+    sa.Column("id", sa.Integer,
+              sa.CheckConstraint("id = 1", name="ck_turnlog_clock_checked_one_row"),
+              primary_key=True, autoincrement=False),
+    sa.Column("started", sa.DateTime(timezone=True), nullable=False),
 )

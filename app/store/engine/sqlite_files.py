@@ -45,9 +45,13 @@ def file_id(path: str) -> FileId | None:
     return (st.st_dev, st.st_ino)
 
 
-def remember(info: dict[str, Any], path: str) -> None:
-    """On connect: the database file this connection opened."""
-    info[INFO_KEY] = (file_id(path), file_id(path + "-wal"))
+def remember(info: dict[str, Any], path: str, first: dict[str, Any]) -> None:
+    """On connect: the database file this connection opened — the one the engine's
+    first connection opened (`first`, shared by the engine's connections): a
+    connection opened after the file was replaced would otherwise take the new file
+    for its own, and the pool would mix writes into the two."""
+    database = first.setdefault("database", file_id(path))
+    info[INFO_KEY] = (database, file_id(path + "-wal"))
 
 
 def check(info: dict[str, Any], path: str) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
 from app.settings import get_settings
-from app.store.engine.dialect import RECLOCK
+from app.store.engine.dialect import RECLOCK, RECLOCK_ON_CONNECT
 from app.store.engine.schema import metadata
 
 config = context.config
@@ -49,7 +49,10 @@ def _reclock(connection: Connection) -> None:
     `gateway`) puts it right before anything is written."""
     if connection.dialect.name != "postgresql":
         return
-    connection.exec_driver_sql(RECLOCK)
+    # From 0014 on, the full reclock only when the server may be behind (after a crash,
+    # a restart, a restore): a migrate at head then needs no Citus worker up.
+    connection.exec_driver_sql(RECLOCK_ON_CONNECT)
+    connection.exec_driver_sql(RECLOCK)  # before 0014 (a downgrade's target): 0012's
     connection.commit()
 
 

@@ -17,13 +17,14 @@ the position function 0012 wrote it into), and the reclock raises the clock
 past the greater of the rows' ids and the floor. In normal operation the
 floor is an id of the past, below every writer's, so nothing moves.
 
-The reclock also runs on the first new connection after the server starts
-(`turnlog_reclock_after_start()`, below, on every new connection; `app/store/
-engine/dialect.py` `reclock`: a Citus coordinator that crashes hands out again
-the ids of its last unflushed commits, already stamped on durable worker rows),
-and it reads the rows before the server's next id (below: 0012's order moved
-the clock on Citus with no restore at all). SQLite
-gets the column too (0: the schema is one; its `xid` is always 0).
+The reclock also runs on the first new connection after the server crashed or
+started (`turnlog_reclock_after_start()`, below, on every new connection and
+every migration run; `app/store/engine/dialect.py` `reclock`: a Citus
+coordinator that crashes hands out again the ids of its last unflushed
+commits, already stamped on durable worker rows), and it reads the rows before
+the server's next id (below: 0012's order moved the clock on Citus with no
+restore at all). SQLite gets the column and the table too (unused: the schema
+is one; its `xid` is always 0).
 
 Revision ID: 0014
 Revises: 0013
@@ -62,6 +63,7 @@ SEEN = """
   SELECT (SELECT xid_offset FROM turnlog_clock WHERE id = 1),
          pg_snapshot_xmax(pg_current_snapshot())::text::bigint
     INTO v_offset, v_next;"""
+RECLOCK_LOCK = "29805, 0"  # (29804, hashtext(session_id)) is a session's writers' queue
 RECLOCK_FN = f"""
 CREATE OR REPLACE FUNCTION turnlog_reclock() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
@@ -69,7 +71,8 @@ DECLARE
   v_offset bigint;
   v_next bigint;
   v_seen bigint;
-BEGIN{SEEN}
+BEGIN
+  PERFORM pg_advisory_xact_lock({RECLOCK_LOCK});{SEEN}
   IF v_seen IS NULL OR v_seen < v_next + v_offset THEN
     RETURN v_offset;
   END IF;
@@ -85,26 +88,46 @@ $$
 """
 
 
-# What every new connection runs (`app/store/engine/dialect.py` `reclock`): the full
-# reclock — which reads every shard on Citus, so it needs every worker up — only on the
-# first connection after the server (re)started, restored or failed over (its postmaster
-# start time differs from the one the clock was last checked under): the only times
-# its ids can be behind the rows. Other connections read one local row. Concurrent first
-# connections each reclock; a second one re-reads under the clock's lock and moves
-# nothing more (0012's "two reclocks never run at once" no longer holds, and need not).
-RECLOCK_AFTER_START_FN = """
-CREATE OR REPLACE FUNCTION turnlog_reclock_after_start() RETURNS bigint
+# What every new connection runs (`app/store/engine/dialect.py` `reclock`), and every
+# migration run: the full reclock — which reads every shard on Citus, so it needs every
+# worker up — only when the server may hand out ids already stamped on rows: after a
+# crash (PostgreSQL's recovery empties the UNLOGGED `turnlog_clock_checked`, also when
+# the postmaster only reinitialized after one backend died, keeping its start time), a
+# restart, a restore onto another server or a failover (the start time kept in it
+# differs: a replica's copy of an unlogged table is empty too). Other connections read
+# that one local row. Reclocks queue on an advisory lock (0012's ran under the
+# migrations' lock only): two that both read the clock and then asked for its lock
+# deadlocked; the second one now finds the first one's check done.
+CHECKED = """
+  SELECT EXISTS (SELECT 1 FROM turnlog_clock_checked WHERE id = 1
+                 AND started = pg_postmaster_start_time())"""
+RECLOCK_AFTER_START_FN = f"""
+CREATE OR REPLACE FUNCTION turnlog_reclock_after_start() RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-  IF (SELECT checked_start FROM turnlog_clock WHERE id = 1)
-     IS DISTINCT FROM pg_postmaster_start_time() THEN
-    PERFORM turnlog_reclock();
-    UPDATE turnlog_clock SET checked_start = pg_postmaster_start_time() WHERE id = 1;
+  IF ({CHECKED}) THEN
+    RETURN;
   END IF;
-  RETURN (SELECT xid_offset FROM turnlog_clock WHERE id = 1);
+  PERFORM pg_advisory_xact_lock({RECLOCK_LOCK});
+  IF ({CHECKED}) THEN
+    RETURN;
+  END IF;
+  PERFORM turnlog_reclock();
+  INSERT INTO turnlog_clock_checked (id, started) VALUES (1, pg_postmaster_start_time())
+    ON CONFLICT (id) DO UPDATE SET started = EXCLUDED.started;
 END
 $$
 """
+
+
+CHECKED_TABLE = "turnlog_clock_checked"
+
+
+def checked_columns() -> list[sa.Column[object]]:
+    return [sa.Column("id", sa.Integer,
+                      sa.CheckConstraint("id = 1", name="ck_turnlog_clock_checked_one_row"),
+                      primary_key=True, autoincrement=False),
+            sa.Column("started", sa.DateTime(timezone=True), nullable=False)]
 
 
 def floor_of(position_function: str) -> int:
@@ -121,10 +144,12 @@ def upgrade() -> None:
     bind = op.get_bind()
     op.add_column("turnlog_clock", sa.Column("xid_floor", sa.BigInteger, nullable=False,
                                              server_default="0"))
-    op.add_column("turnlog_clock", sa.Column("checked_start", sa.DateTime(timezone=True),
-                                             nullable=True))
     if bind.dialect.name != "postgresql":
+        op.create_table(CHECKED_TABLE, *checked_columns())  # unused: the schema is one
         return
+    op.execute("CREATE UNLOGGED TABLE turnlog_clock_checked (id integer PRIMARY KEY "
+               "CONSTRAINT ck_turnlog_clock_checked_one_row CHECK (id = 1), "
+               "started timestamptz NOT NULL)")
     definition = bind.exec_driver_sql(
         "SELECT pg_get_functiondef('turnlog_event_position()'::regprocedure)").scalar_one()
     op.execute(sa.text("UPDATE turnlog_clock SET xid_floor = :floor WHERE id = 1")
@@ -139,5 +164,5 @@ def downgrade() -> None:
             "app.store.migrations.versions.0012_position_in_feed_order")
         op.execute("DROP FUNCTION turnlog_reclock_after_start()")
         op.execute(previous.RECLOCK_FN)
-    op.drop_column("turnlog_clock", "checked_start")
+    op.drop_table(CHECKED_TABLE)
     op.drop_column("turnlog_clock", "xid_floor")
