@@ -126,6 +126,22 @@ async def fake_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     return {"reward": metadata.get("reward", 1.0), "turns": 2, "note": ("a", float("nan"))}
 
 
+async def fail_closed_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                            metadata: dict[str, Any], **kwargs: Any) -> Any:
+    """`fake_agent` marked fail-closed, as miles' sandboxed adapters mark theirs: its None
+    means "no trustworthy outcome", and miles aborts the sample."""
+    return await fake_agent(base_url, prompt, request_kwargs, metadata, **kwargs)
+
+
+fail_closed_agent._miles_fail_closed_result = True  # type: ignore[attr-defined]
+
+
+async def returning_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                          metadata: dict[str, Any], **kwargs: Any) -> Any:
+    """An agent that records nothing and returns `metadata["returns"]`."""
+    return metadata.get("returns")
+
+
 def _score(sample: Any) -> Any:
     metadata = sample["metadata"] if isinstance(sample, dict) else sample.metadata
     return metadata.get("score", 0.5)

@@ -143,6 +143,43 @@ async def test_a_none_result_closes_with_nulls_and_returns_the_session_id(
         "reward": None, "agent": None, "agent_error": None}
 
 
+async def miles_generate(sid: str, metadata: dict[str, Any]) -> Any:
+    """miles' agentic generate around the hook (miles/rollout/generate_hub/
+    agentic_tool_call.py): the agent's result, or the failure that aborts the sample."""
+    result = await run_agent(sid, metadata)
+    if result is None and getattr(agent, "_miles_fail_closed_result", False) is True:
+        raise RuntimeError("fail-closed custom agent returned null without a trustworthy outcome")
+    if result is not None and not isinstance(result, dict):
+        raise TypeError("custom agent result must be an object or null")
+    return result
+
+
+async def test_a_fail_closed_agents_none_still_aborts_the_sample(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    env.setenv("TURNLOG_MILES_AGENT", "support.fail_closed_agent")
+    sid = new_sid()
+    with pytest.raises(RuntimeError, match="fail-closed"):
+        await miles_generate(sid, {"behaviour": "none"})
+    closed = close_of(await events_of(server_url, sid))
+    assert closed["reward"] is None and closed["agent"] is None
+    assert closed["agent_error"].startswith("FailClosedNone: the agent returned None")
+    # Its dicts go through as any agent's, with the session id.
+    other = new_sid()
+    assert (await miles_generate(other, {"behaviour": "dict"}))["turnlog_session_id"] == other
+
+
+async def test_an_agent_that_does_not_fail_closed_is_never_aborted_by_the_hooks_mark(
+        env: pytest.MonkeyPatch, server_url: str) -> None:
+    sid = new_sid()
+    assert await miles_generate(sid, {"behaviour": "none"}) == {"turnlog_session_id": sid}
+    # Without a session id in base_url (nothing recorded) a None still is no failure.
+    env.setenv("TURNLOG_MILES_AGENT", "support.returning_agent")
+    call = {"prompt": "2+2?", "request_kwargs": {}}
+    assert await agent(base_url="http://127.0.0.1:30000/", metadata={}, **call) == {}
+    assert await agent(base_url="http://127.0.0.1:30000/", metadata={"returns": {"a": 1}},
+                       **call) == {"a": 1}
+
+
 async def test_a_non_numeric_reward_is_closed_as_null(
         env: pytest.MonkeyPatch, server_url: str) -> None:
     sid = new_sid()

@@ -6,7 +6,8 @@ session `<sid>` (the last path segment of miles' `base_url`, or the one after
 `/sessions/`) with labels
 before the agent runs, closes it with the agent's result after, and returns
 the agent's dict with `turnlog_session_id` added so miles carries the id into
-every sample's metadata (and records the per-branch rewards the dict carries
+every sample's metadata (a None stays None for an agent marked fail-closed, whose None
+miles reads as a failure; and records the per-branch rewards the dict carries
 as `"rewards": {response_id: reward}`, which miles v2 gives its samples
 without calling the reward model); `rm` wraps the user's reward function (named by
 `TURNLOG_MILES_RM`) and records each reward it returns for that session (by
@@ -898,6 +899,26 @@ def with_session_id(result: Any, sid: str) -> Any:
 
 _NOT_GIVEN: Any = object()
 
+# miles' agent contract: an agent function marked with this attribute (True) "fails
+# closed": miles aborts the sample when it returns None, rather than training on turns
+# whose outcome nobody vouched for. `agent` carries the mark and returns None only for an
+# inner agent that carries it too; any other inner None becomes a dict, as before.
+FAIL_CLOSED_MARK = "_miles_fail_closed_result"
+
+
+class FailClosedNone(RuntimeError):
+    """A fail-closed agent returned None: what the close records as `agent_error`
+    (miles aborts the sample; nothing was raised)."""
+
+    def __init__(self) -> None:
+        super().__init__(f"the agent returned None and is marked fail-closed "
+                         f"({FAIL_CLOSED_MARK}): miles aborts this sample")
+
+
+def fails_closed(function: Any) -> bool:
+    """Whether miles treats `function`'s None as a failure (it checks `is True`)."""
+    return getattr(function, FAIL_CLOSED_MARK, False) is True
+
 
 async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
                 metadata: Any = _NOT_GIVEN, **kwargs: Any) -> Any:
@@ -912,12 +933,15 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
         raise RuntimeError("TURNLOG_MILES_AGENT is not set: name your agent function "
                            "(package.module.function) for turnlog_client.miles.agent to run")
     inner = load(settings.agent, "TURNLOG_MILES_AGENT")
+    fail_closed = fails_closed(inner)
     try:
         sid = session_id_of(base_url)
     except ValueError as exc:  # an odd base_url: no session to record
         log.warning("turnlog cannot record this rollout (it goes on): %s", exc)
-        return await inner(base_url=base_url, prompt=prompt, request_kwargs=request_kwargs,
-                           **kwargs)
+        alone = await inner(base_url=base_url, prompt=prompt,
+                            request_kwargs=request_kwargs, **kwargs)
+        # This hook is marked fail-closed: a None from an agent that is not would abort.
+        return {} if alone is None and not fail_closed else alone
     metadata = kwargs.get("metadata")
     problems: list[str] = []
     try:
@@ -944,9 +968,11 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
             # A cancelled rollout (miles' timeout, a shutdown) still closes its session,
             # then the cancellation goes on.
             error = exc
+        refused = error is None and result is None and fail_closed
         source = settings.agent[:SOURCE_MAX]
         try:
-            problems += await _close_session(settings, sid, result, error, source)
+            problems += await _close_session(settings, sid, result,
+                                             FailClosedNone() if refused else error, source)
         except Exception as exc:
             problems.append(_problem("close", exc))
     if problems:
@@ -954,7 +980,10 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
                     settings.url, sid, "; ".join(problems))
     if error is not None:
         raise error
-    return with_session_id(result, sid)
+    return None if refused else with_session_id(result, sid)
+
+
+setattr(agent, FAIL_CLOSED_MARK, True)
 
 
 async def _close_session(settings: Settings, sid: str, result: Any,
