@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -29,6 +28,8 @@ from app.api.http_errors import Overloaded, RequestTimeout, Unavailable
 from app.api.middleware.methods import allowed_methods
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
+from app.store.engine.disk import chain as _chain
+from app.store.engine.disk import disk_full
 from app.store.engine.sqlite_files import DatabaseFileReplaced
 
 PROBLEM = "application/problem+json"
@@ -212,19 +213,6 @@ def raised_by_database(exc: BaseException) -> bool:
     return False
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """`exc` and what it wraps: SQLAlchemy's driver error in `.orig`, else the cause or
-    the context."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        orig = getattr(current, "orig", None)
-        current = orig if isinstance(orig, BaseException) else (
-            current.__cause__ or current.__context__)
-
-
 def database_unavailable(exc: BaseException) -> bool:
     """A lost, refused or damaged database (retryable later), not a bad statement.
 
@@ -255,15 +243,6 @@ def database_unavailable(exc: BaseException) -> bool:
                 sign in str(current) for sign in CITUS_NODE_LOST):
             return True
     return False
-
-
-def disk_full(exc: BaseException) -> bool:
-    """The database's disk is full (SQLite's SQLITE_FULL, PostgreSQL's 53100), anywhere
-    in the chain."""
-    return any(isinstance(current, asyncpg.exceptions.DiskFullError)
-               or (isinstance(current, sqlite3.OperationalError)
-                   and "database or disk is full" in str(current))
-               for current in _chain(exc))
 
 
 # What migration 0012's position function raises for a writer behind the store's clock.

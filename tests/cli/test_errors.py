@@ -83,6 +83,26 @@ def test_a_malformed_sqlite_file_says_what_may_have_done_it(tmp_path):
     assert "malformed" in line and "-wal" in line and "backup" in line
 
 
+def test_a_full_sqlite_disk_says_to_make_room_first(tmp_path):
+    """A helper's finding: `turnlog retention r3` on a full disk said only "database or
+    disk is full", though freeing R3 writes too and cannot run until there is room.
+    The file cannot grow here (`max_page_count`): SQLite's answer on a full disk."""
+    import sqlalchemy as sa
+
+    def no_room(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.cursor().execute("PRAGMA max_page_count = 2")
+
+    sa.event.listen(sa.engine.Engine, "connect", no_room)
+    try:
+        result = run("migrate", "--database-url", sqlite_file(tmp_path))
+    finally:
+        sa.event.remove(sa.engine.Engine, "connect", no_room)
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]  # after "creating a new SQLite database"
+    assert "disk is full" in line and "free space on it first" in line
+    assert "turnlog retention r3" in line
+
+
 def test_an_unmigrated_postgres_database_says_run_migrate(fresh_database):
     url = fresh_database("postgres")
     line = one_error_line(run("replay", "abc", "--database-url", url))

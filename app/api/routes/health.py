@@ -2,8 +2,8 @@
 
 `/readyz` answers 503 problem+json when the database cannot be reached (or does
 not answer within `READY_TIMEOUT_S`), its
-schema is not at head, or (SQLite) the file failed its integrity check or was
-removed or replaced under the running server; the
+schema is not at head, or (SQLite) the file failed its integrity check, was
+removed or replaced under the running server, or its disk is full (`DiskWatch`); the
 problem names the reason but never carries the driver's error text, which
 may hold host names, paths or credentials (that text goes to the log).
 """
@@ -18,6 +18,7 @@ from fastapi import APIRouter
 
 from app.api.deps import ServicesDep
 from app.api.problems import JSONText, damaged_sqlite, problem_response
+from app.store.engine.disk import ROOM_AFTER_FULL
 from app.store.engine.migrate import current_revision, head_revision
 from app.store.engine.sqlite_files import DatabaseFileReplaced
 
@@ -74,6 +75,13 @@ async def readyz(svc: ServicesDep) -> JSONText:
         return not_ready(f"the SQLite file failed its integrity check ({len(damage)} "
                          "problem(s); see the server log): restore it from a backup",
                          "database-damaged")
+    free = svc.db.disk.still_full() if svc.db.disk is not None else None
+    if free is not None:
+        return not_ready(
+            f"the database's disk is full ({free / 2**20:.1f} MiB free): every write answers "
+            "503 and stores nothing; free space on it (R3 retention needs a few MB itself, "
+            f"see docs/operations.md); ready again at {ROOM_AFTER_FULL // 2**20} MiB free or "
+            "after a write succeeds", "disk-full")
     head = head_revision()
     if current != head:
         return not_ready(f"schema at {current}, expected head {head}", "schema-not-at-head")

@@ -35,6 +35,7 @@ from app.store.engine.dialect import (
     single_writer,
     sqlite_path,
 )
+from app.store.engine.disk import DiskWatch
 
 log = structlog.get_logger("turnlog.store")
 # Seconds a warmed connection waits for the others before going back to the pool.
@@ -99,6 +100,8 @@ class Database:
         self.writer, self.reader = create_engines(self.url, settings)
         self._write_lock = asyncio.Lock() if single_writer(self.url) else None
         self._sqlite_path = sqlite_path(self.url) if self.dialect == "sqlite" else None
+        # SQLite: whether its disk is full, as the writes found it (`/readyz` reports it).
+        self.disk = DiskWatch(self._sqlite_path) if self._sqlite_path is not None else None
         self._driver_pool: asyncpg.Pool | None = None
         self._driver_pool_lock = asyncio.Lock()
 
@@ -175,7 +178,7 @@ class Database:
         token = _unwritten.set(False)
         try:
             if self._write_lock is not None:
-                async with self._write_lock, self.writer.begin() as conn:
+                async with self._write_lock, self._watched(), self.writer.begin() as conn:
                     await self._same_files(conn)
                     yield conn
                     _before_commit()
@@ -198,9 +201,22 @@ class Database:
         `write()`; for the one-call append (`app/store/append/sqlite_path.py`), which
         runs its own `BEGIN IMMEDIATE` … `COMMIT` on it."""
         assert self._write_lock is not None, "only SQLite has a single writer"
-        async with self._write_lock, self.writer.connect() as conn:
+        async with self._write_lock, self._watched(), self.writer.connect() as conn:
             await self._same_files(conn)
             yield (await conn.get_raw_connection()).driver_connection
+
+    @asynccontextmanager
+    async def _watched(self) -> AsyncIterator[None]:
+        """SQLite: a write that failed for a full disk marks it full, one that ended
+        otherwise unmarks it (`DiskWatch`)."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.disk is not None:
+                self.disk.failed(exc)
+            raise
+        if self.disk is not None and not _unwritten.get():  # a repeat proves no room
+            self.disk.wrote()
 
     async def _same_files(self, conn: AsyncConnection) -> None:
         """SQLite: this writer connection's files are still the ones at the path
