@@ -358,7 +358,7 @@ def describe_failure(exc: BaseException) -> str:
     from app.domain.errors import DomainError
 
     where = mask(_last_url[0]) if _last_url else "the database"
-    from app.store.engine.disk import SQLITE_FULL
+    from app.store.engine.disk import disk_full
     from app.store.engine.migrate import NotTurnlogDatabase
 
     if isinstance(exc, CliError | NotTurnlogDatabase):
@@ -383,11 +383,11 @@ def describe_failure(exc: BaseException) -> str:
             return (f"cannot use {where}: {reason} (SQLite: check the disk; a -wal or -shm "
                     "file removed, or a database file replaced, while a server had it open "
                     "also does this: restore the file from a backup)")
-        if reason == SQLITE_FULL:
+        if disk_full(exc):
             # Freeing R3 writes too (its records, SQLite's write-ahead log): room first.
             return (f"cannot use {where}: the database's disk is full; free space on it "
-                    "first (`turnlog retention r3` needs a few MB itself to free R3), "
-                    "then run this again")
+                    "first (`turnlog retention r3` needs a few MB itself; the sessions it "
+                    "freed before it stopped stay freed), then run this again")
         return f"cannot use {where}: {reason}"
     if isinstance(exc, OSError) and exc.filename is not None:
         # A file's error (a full disk under an export, a read-only checkpoint folder):

@@ -142,6 +142,16 @@ async def returning_agent(base_url: str, prompt: Any, request_kwargs: dict[str, 
     return metadata.get("returns")
 
 
+async def fail_closed_returning_agent(base_url: str, prompt: Any,
+                                      request_kwargs: dict[str, Any],
+                                      metadata: dict[str, Any], **kwargs: Any) -> Any:
+    """`returning_agent`, marked fail-closed."""
+    return metadata.get("returns")
+
+
+fail_closed_returning_agent._miles_fail_closed_result = True  # type: ignore[attr-defined]
+
+
 def _score(sample: Any) -> Any:
     metadata = sample["metadata"] if isinstance(sample, dict) else sample.metadata
     return metadata.get("score", 0.5)

@@ -166,6 +166,16 @@ async def test_a_fail_closed_agents_none_still_aborts_the_sample(
     # Its dicts go through as any agent's, with the session id.
     other = new_sid()
     assert (await miles_generate(other, {"behaviour": "dict"}))["turnlog_session_id"] == other
+    # Its error is its own: recorded and raised as any agent's.
+    failing = new_sid()
+    with pytest.raises(ValueError, match="the environment broke"):
+        await miles_generate(failing, {"behaviour": "raise"})
+    assert close_of(await events_of(server_url, failing))["agent_error"] == \
+        "ValueError: the environment broke"
+    # Without a session id in base_url (nothing recorded), its None still aborts.
+    env.setenv("TURNLOG_MILES_AGENT", "support.fail_closed_returning_agent")
+    assert await agent(base_url="http://127.0.0.1:30000/", prompt="2+2?", request_kwargs={},
+                       metadata={}) is None
 
 
 async def test_an_agent_that_does_not_fail_closed_is_never_aborted_by_the_hooks_mark(

@@ -6,12 +6,12 @@ session `<sid>` (the last path segment of miles' `base_url`, or the one after
 `/sessions/`) with labels
 before the agent runs, closes it with the agent's result after, and returns
 the agent's dict with `turnlog_session_id` added so miles carries the id into
-every sample's metadata (a None stays None for an agent marked fail-closed, whose None
-miles reads as a failure; and records the per-branch rewards the dict carries
+every sample's metadata (and records the per-branch rewards the dict carries
 as `"rewards": {response_id: reward}`, which miles v2 gives its samples
-without calling the reward model); `rm` wraps the user's reward function (named by
-`TURNLOG_MILES_RM`) and records each reward it returns for that session (by
-the sample's leaf `response_id` when its metadata names one, else
+without calling the reward model; an agent marked fail-closed, whose None
+miles reads as a failure, gets its None back as None); `rm` wraps the user's
+reward function (named by `TURNLOG_MILES_RM`) and records each reward it returns
+for that session (by the sample's leaf `response_id` when its metadata names one, else
 session-wide), returning the rewards unchanged. Every setting is read from
 the environment at each call (the table in client/README.md).
 

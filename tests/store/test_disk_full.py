@@ -1,13 +1,15 @@
-"""SQLite on a full disk: each write is 503 `disk-full` and stores nothing, and `/readyz`
-says so until there is room again (a helper's finding: `/readyz` answered 200 while a
-full disk failed every append and close, so neither a balancer nor the suggested
-alert noticed).
+"""SQLite on a full disk: each write is 503 ("the database's disk is full") and stores
+nothing, and `/readyz` says `disk-full` until there is room again (a helper's
+finding: `/readyz` answered 200 while a full disk failed every append and close,
+so neither a balancer nor the suggested alert noticed).
 
 The disk fills for real as far as SQLite can tell: `PRAGMA max_page_count` makes the
 file unable to grow, and SQLite answers SQLITE_FULL exactly as on a full
 filesystem. What `/readyz` reads of the filesystem's free space is the one thing
 set here (`disk.free_bytes`): a test cannot fill the machine's disk.
 """
+
+import sqlite3
 
 import pytest
 import sqlalchemy as sa
@@ -17,6 +19,7 @@ from tests.factory import open_body, turn
 from tests.inprocess import served
 
 LONG = list(range(1, 30_001))  # ~200 KB of JSON: many more pages than the room left
+MIB = 1 << 20
 
 
 async def room_for(app, pages: int | None) -> None:
@@ -35,52 +38,96 @@ async def room_for(app, pages: int | None) -> None:
     await writer.dispose()  # the next connection is bounded
 
 
-async def test_a_full_disk_is_not_ready_until_there_is_room(tmp_path, monkeypatch):
+@pytest.fixture
+def filesystem_free(monkeypatch):
+    free = {"bytes": MIB}
+    monkeypatch.setattr(disk, "free_bytes", lambda _path: free["bytes"])
+    return free
+
+
+async def is_full(http) -> bool:
+    ready = await http.get("/readyz")
+    if ready.status_code == 200:
+        return False
+    assert ready.status_code == 503 and ready.json()["reason"] == "disk-full", ready.text
+    return True
+
+
+async def test_a_full_disk_is_not_ready_until_there_is_room(tmp_path, filesystem_free):
     url = f"sqlite+aiosqlite:///{tmp_path / 't.db'}"
     await migrate.upgrade_async(url)
-    free = {"bytes": 1 << 20}
-    monkeypatch.setattr(disk, "free_bytes", lambda _path: free["bytes"])
     async with served(url) as (app, http):
         assert (await http.post("/v1/sessions", json=open_body("a"))).status_code == 201
-        assert (await http.get("/readyz")).status_code == 200
+        assert not await is_full(http)
         await room_for(app, 1)
         refused = await http.post("/v1/sessions/a/turns", json=turn(LONG, [2]))
         assert refused.status_code == 503 and "disk is full" in refused.json()["detail"]
-        ready = await http.get("/readyz")
-        assert ready.status_code == 503, ready.text
-        assert ready.json()["reason"] == "disk-full" and "1.0 MiB free" in ready.json()["detail"]
+        assert await is_full(http)
+        assert "MiB of room" in (await http.get("/readyz")).json()["detail"]
         # Room made outside (a backup moved away): ready again without a write.
-        free["bytes"] = disk.ROOM_AFTER_FULL
-        assert (await http.get("/readyz")).status_code == 200
+        filesystem_free["bytes"] = disk.ROOM_AFTER_FULL
+        assert not await is_full(http)
         # Full again; then a write that fits, although the filesystem looks as full as
-        # before (the file had free pages of its own): a commit unmarks it.
-        free["bytes"] = 1 << 20
+        # before: its commit unmarks it.
+        filesystem_free["bytes"] = MIB
         assert (await http.post("/v1/sessions/a/turns",
                                 json=turn(LONG, [2]))).status_code == 503
-        assert (await http.get("/readyz")).json()["reason"] == "disk-full"
+        assert await is_full(http)
         await room_for(app, None)
         assert (await http.post("/v1/sessions/a/turns",
                                 json=turn(LONG, [2]))).status_code == 201
-        assert (await http.get("/readyz")).status_code == 200
+        assert not await is_full(http)
         # Only the one that fit was stored.
         events = (await http.get("/v1/sessions/a/events")).json()
         assert [e["type"] for e in events] == ["session_opened", "turn_recorded"]
 
 
-async def test_a_write_refused_for_another_reason_leaves_readiness_alone(tmp_path):
+async def test_only_a_committed_change_unmarks_a_full_disk(tmp_path, filesystem_free):
+    """A review's finding: a write that changed nothing (a repeated ack, a dry run) made
+    `/readyz` 200 again while every real write still failed. The failure here is a
+    close's, on `Database.write()` (the append above is the one-call path's)."""
     url = f"sqlite+aiosqlite:///{tmp_path / 't.db'}"
     await migrate.upgrade_async(url)
-    async with served(url) as (_app, http):
-        assert (await http.post("/v1/sessions/none/turns",
-                                json=turn([1], [2]))).status_code == 404
-        assert (await http.get("/readyz")).status_code == 200
+    async with served(url) as (app, http):
+        assert (await http.post("/v1/sessions", json=open_body("a"))).status_code == 201
+        # A trainer's session, acked before the disk filled.
+        assert (await http.post("/v1/sessions", json=open_body("b"))).status_code == 201
+        assert (await http.post("/v1/sessions/b/close", json={})).status_code == 200
+        assert (await http.put("/v1/consumers/g", json={"from": "beginning"})).status_code == 201
+        claimed = await http.post("/v1/consumers/g/claims", json={"claim_id": "c1"})
+        assert claimed.json()["sessions"] == ["b"], claimed.text
+        ack = "/v1/consumers/g/claims/c1/ack"
+        assert (await http.post(ack, json={"step": 1})).status_code == 200
+        await room_for(app, 0)
+        refused = await http.post("/v1/sessions/a/close",
+                                  json={"metadata": {"note": "x" * 200_000}})
+        assert refused.status_code == 503, refused.text
+        assert await is_full(http)
+        # A trainer repeating its ack (200, nothing new): the disk still counts as full.
+        assert (await http.post(ack, json={"step": 1})).status_code == 200
+        assert await is_full(http)
+        # A dry run of R3 retention (reads in a write transaction).
+        dry = await http.post("/v1/retention/r3", json={
+            "consumer": "g", "acked_before": "2100-01-01T00:00:00", "dry_run": True})
+        assert dry.status_code == 200, dry.text
+        assert await is_full(http)
+        # An identical repeat of the open (200, nothing written), a conflicting one
+        # (409, refused inside the transaction): the disk still counts as full.
+        assert (await http.post("/v1/sessions", json=open_body("a"))).status_code == 200
+        assert await is_full(http)
+        conflict = await http.post("/v1/sessions", json=open_body("a", version="v1"))
+        assert conflict.status_code == 409, conflict.text
+        assert await is_full(http)
 
 
-@pytest.mark.parametrize("raised", [True, False])
-def test_the_watch_marks_only_a_full_disk(tmp_path, raised):
-    import sqlite3
-
+def test_the_watch_marks_only_a_full_disk(tmp_path, filesystem_free):
     watch = disk.DiskWatch(str(tmp_path / "t.db"))
-    watch.failed(sqlite3.OperationalError("database or disk is full" if raised
-                                          else "database is locked"))
-    assert (watch.full_since is not None) is raised
+    watch.failed(sqlite3.OperationalError("database is locked"))
+    assert watch.still_full(0) is None
+    watch.failed(sqlite3.OperationalError("database or disk is full"))
+    assert watch.still_full(0) == MIB
+    # Room in the file (pages freed inside it) and on the filesystem add up.
+    assert watch.still_full(disk.ROOM_AFTER_FULL - MIB) is None
+    memory = disk.DiskWatch(None)  # a database in memory has no disk to watch
+    memory.failed(sqlite3.OperationalError("database or disk is full"))
+    assert memory.still_full(0) is None

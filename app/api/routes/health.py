@@ -41,6 +41,7 @@ async def healthz() -> JSONText:
 
 @router.get("/readyz")
 async def readyz(svc: ServicesDep) -> JSONText:
+    room: int | None = None
     try:
         # The integrity check first: damage can also break the reads below.
         damage = await svc.integrity.problems()
@@ -53,6 +54,7 @@ async def readyz(svc: ServicesDep) -> JSONText:
                 async with svc.db.read() as conn:
                     await conn.execute(sa.text("SELECT 1"))
                     current = await conn.run_sync(current_revision)
+                room = await svc.db.disk_room()
     except TimeoutError:
         log.warning("not ready: the database did not answer", timeout_s=READY_TIMEOUT_S)
         return not_ready(f"the database did not answer within {READY_TIMEOUT_S:g} s",
@@ -75,13 +77,12 @@ async def readyz(svc: ServicesDep) -> JSONText:
         return not_ready(f"the SQLite file failed its integrity check ({len(damage)} "
                          "problem(s); see the server log): restore it from a backup",
                          "database-damaged")
-    free = svc.db.disk.still_full() if svc.db.disk is not None else None
-    if free is not None:
+    if room is not None:
         return not_ready(
-            f"the database's disk is full ({free / 2**20:.1f} MiB free): every write answers "
-            "503 and stores nothing; free space on it (R3 retention needs a few MB itself, "
-            f"see docs/operations.md); ready again at {ROOM_AFTER_FULL // 2**20} MiB free or "
-            "after a write succeeds", "disk-full")
+            f"the database's disk is full ({room / 2**20:.1f} MiB of room): writes answer 503 "
+            "and store nothing; free space on it (R3 retention needs a few MB itself, see "
+            f"docs/operations.md); ready again at {ROOM_AFTER_FULL // 2**20} MiB of room or "
+            "once a write commits", "disk-full")
     head = head_revision()
     if current != head:
         return not_ready(f"schema at {current}, expected head {head}", "schema-not-at-head")

@@ -20,6 +20,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import asyncpg
+import sqlalchemy as sa
 import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -101,7 +102,7 @@ class Database:
         self._write_lock = asyncio.Lock() if single_writer(self.url) else None
         self._sqlite_path = sqlite_path(self.url) if self.dialect == "sqlite" else None
         # SQLite: whether its disk is full, as the writes found it (`/readyz` reports it).
-        self.disk = DiskWatch(self._sqlite_path) if self._sqlite_path is not None else None
+        self.disk = DiskWatch(self._sqlite_path) if self.dialect == "sqlite" else None
         self._driver_pool: asyncpg.Pool | None = None
         self._driver_pool_lock = asyncio.Lock()
 
@@ -178,8 +179,10 @@ class Database:
         token = _unwritten.set(False)
         try:
             if self._write_lock is not None:
-                async with self._write_lock, self._watched(), self.writer.begin() as conn:
-                    await self._same_files(conn)
+                assert self.disk is not None
+                async with self._write_lock, self.disk.watching() as changes, \
+                        self.writer.begin() as conn:
+                    changes.counted_on(await self._same_files(conn))
                     yield conn
                     _before_commit()
             else:
@@ -200,29 +203,31 @@ class Database:
         """SQLite: the writer's aiosqlite connection, in no transaction, queued like
         `write()`; for the one-call append (`app/store/append/sqlite_path.py`), which
         runs its own `BEGIN IMMEDIATE` … `COMMIT` on it."""
-        assert self._write_lock is not None, "only SQLite has a single writer"
-        async with self._write_lock, self._watched(), self.writer.connect() as conn:
-            await self._same_files(conn)
-            yield (await conn.get_raw_connection()).driver_connection
+        assert self._write_lock is not None and self.disk is not None, \
+            "only SQLite has a single writer"
+        async with self._write_lock, self.disk.watching() as changes, \
+                self.writer.connect() as conn:
+            driver = await self._same_files(conn)
+            changes.counted_on(driver)
+            yield driver
 
-    @asynccontextmanager
-    async def _watched(self) -> AsyncIterator[None]:
-        """SQLite: a write that failed for a full disk marks it full, one that ended
-        otherwise unmarks it (`DiskWatch`)."""
-        try:
-            yield
-        except BaseException as exc:
-            if self.disk is not None:
-                self.disk.failed(exc)
-            raise
-        if self.disk is not None and not _unwritten.get():  # a repeat proves no room
-            self.disk.wrote()
-
-    async def _same_files(self, conn: AsyncConnection) -> None:
+    async def _same_files(self, conn: AsyncConnection) -> Any:
         """SQLite: this writer connection's files are still the ones at the path
-        (`sqlite_files`); `DatabaseFileReplaced` if not."""
+        (`sqlite_files`); `DatabaseFileReplaced` if not. Its driver connection."""
+        raw = await conn.get_raw_connection()
         if self._sqlite_path is not None:
-            sqlite_files.check((await conn.get_raw_connection()).info, self._sqlite_path)
+            sqlite_files.check(raw.info, self._sqlite_path)
+        return raw.driver_connection
+
+    async def disk_room(self) -> int | None:
+        """SQLite, for `/readyz`: the room there is (bytes) while a write found its disk
+        full and none has committed a change since (`DiskWatch`), else None."""
+        if self.disk is None or self.disk.full_since is None:
+            return None
+        async with self.read() as conn:  # the file's own free pages count as room
+            pages = (await conn.execute(sa.text("PRAGMA freelist_count"))).scalar_one()
+            size = (await conn.execute(sa.text("PRAGMA page_size"))).scalar_one()
+        return self.disk.still_full(int(pages) * int(size))
 
     async def files_intact(self) -> None:
         """`/readyz`: raise `DatabaseFileReplaced` if a writer connection's files are no

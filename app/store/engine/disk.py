@@ -2,32 +2,36 @@
 database's disk is still full (for `/readyz`).
 
 Every SQLite write goes through `Database.write()` or `Database.sqlite_writer()`,
-which tell `DiskWatch` how it went: a write that failed for a full disk marks the
-disk full, one that committed unmarks it. While marked, `/readyz` asks how much
-room the file's filesystem has: at least `ROOM_AFTER_FULL` free (someone freed
-space; writes will tell) unmarks it without a write, so a balancer that took the
-server out on the 503 lets it back in. Less is still full: 503 `disk-full`.
+inside `DiskWatch.watching()`: a write that failed for a full disk marks the disk
+full, one that committed a change (sqlite3's `total_changes` grew: a repeat, a
+dry run or a refusal proves nothing) unmarks it. While marked, `/readyz` asks
+how much room there is, the free space of the file's filesystem plus the file's
+own free pages (what R3 retention freed): `ROOM_AFTER_FULL` unmarks it without
+a write, so a balancer that took the server out on the 503 lets it back in.
+Each process keeps its own mark (`serve --workers N`: one per worker).
 
-PostgreSQL's disk is not this process's to measure: a full disk there answers each
-write 503 `disk-full`, and a full WAL disk stops the server (`/readyz` then says
-the database is unreachable).
+PostgreSQL's disk is not this process's to measure: a full disk there fails each
+write (503 `unavailable`, "the database's disk is full"), and a full WAL disk
+stops the server (`/readyz` then says the database is unreachable).
 
 Refuses: deciding what is answered (the API maps errors to HTTP, once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import asyncpg
 
-# Free bytes on the SQLite file's filesystem after which a disk marked full by a failed
-# write counts as not full any more (a 2k-token turn with R3 is ~1-4 MB; R3 retention
-# needs a few MB itself to write its records).
-ROOM_AFTER_FULL = 64 * 2**20
+# Free bytes (the filesystem's and the file's own free pages) after which a disk marked
+# full by a failed write counts as not full any more: room for a few 2k-token turns
+# with R3 (~1-4 MB each; R3 retention needs a few MB itself to write its records).
+ROOM_AFTER_FULL = 16 * 2**20
 SQLITE_FULL = "database or disk is full"
 
 
@@ -59,29 +63,55 @@ def free_bytes(path: str) -> int:
     return found.f_bavail * found.f_frsize
 
 
+class Changes:
+    """The rows one write changed, as its sqlite3 connection counts them."""
+
+    def __init__(self) -> None:
+        self.driver: Any = None
+        self.before = 0
+
+    def counted_on(self, driver: Any) -> None:
+        """Count on this connection (an aiosqlite or sqlite3 one) from now."""
+        self.driver, self.before = driver, driver.total_changes
+
+    def made(self) -> bool:
+        return self.driver is not None and self.driver.total_changes > self.before
+
+
 class DiskWatch:
     """Whether the SQLite file's disk is full, as its writes and its free space say."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str | None) -> None:
+        self.path = path  # None: a database in memory, which has no disk to watch
         self.full_since: float | None = None  # time.monotonic() of the first failure
 
     def failed(self, exc: BaseException) -> None:
-        if self.full_since is None and disk_full(exc):
+        if self.path is not None and self.full_since is None and disk_full(exc):
             self.full_since = time.monotonic()
 
-    def wrote(self) -> None:
-        self.full_since = None
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[Changes]:
+        """Around one write (its commit included): a failure for a full disk marks it,
+        a committed change unmarks it."""
+        changes = Changes()
+        try:
+            yield changes
+        except BaseException as exc:
+            self.failed(exc)
+            raise
+        if changes.made():
+            self.full_since = None
 
-    def still_full(self) -> int | None:
-        """The free bytes while the disk counts as full, else None."""
-        if self.full_since is None:
+    def still_full(self, file_free: int) -> int | None:
+        """The room there is (bytes) while the disk counts as full, else None;
+        `file_free`: the file's own free pages, in bytes."""
+        if self.full_since is None or self.path is None:
             return None
         try:
-            free = free_bytes(self.path)
+            room = free_bytes(self.path) + file_free
         except OSError:
-            return 0  # its folder gone: no write will succeed either
-        if free >= ROOM_AFTER_FULL:
+            return file_free  # its folder gone: the filesystem has no room for it
+        if room >= ROOM_AFTER_FULL:
             self.full_since = None
             return None
-        return free
+        return room
