@@ -185,6 +185,7 @@ class Database:
                     changes.counted_on(await self._same_files(conn))
                     yield conn
                     _before_commit()
+                    changes.ended()  # the commit's failure still marks the disk
             else:
                 async with self.writer.begin() as conn:
                     yield conn
@@ -210,6 +211,7 @@ class Database:
             driver = await self._same_files(conn)
             changes.counted_on(driver)
             yield driver
+            changes.ended()
 
     async def _same_files(self, conn: AsyncConnection) -> Any:
         """SQLite: this writer connection's files are still the ones at the path

@@ -68,14 +68,21 @@ class Changes:
 
     def __init__(self) -> None:
         self.driver: Any = None
-        self.before = 0
+        self.before = self.after = 0
 
     def counted_on(self, driver: Any) -> None:
         """Count on this connection (an aiosqlite or sqlite3 one) from now."""
         self.driver, self.before = driver, driver.total_changes
+        self.after = self.before
+
+    def ended(self) -> None:
+        """The write's statements ran (read while its connection is surely open: the
+        pool may close it once it is back)."""
+        if self.driver is not None:
+            self.after = self.driver.total_changes
 
     def made(self) -> bool:
-        return self.driver is not None and self.driver.total_changes > self.before
+        return self.after > self.before
 
 
 class DiskWatch:
