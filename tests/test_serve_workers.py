@@ -3,13 +3,18 @@ reaches the workers in uvicorn's configuration: no TURNLOG_DATABASE_URL anywhere
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import sqlite3
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
 from app.store.engine import migrate
 from tests.factory import open_body
@@ -55,3 +60,63 @@ def test_two_workers_serve_the_database_of_the_command_line(tmp_path: Path) -> N
     with sqlite3.connect(db) as con:
         stored = {row[0] for row in con.execute("SELECT session_id FROM sessions")}
     assert set(sids) <= stored
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                # The fields after the command's closing parenthesis: state, ppid, ...
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet, re-parented to a PID 1 that does not reap,
+    counts as gone)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] \
+            != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the death signal is Linux's")
+def test_workers_end_with_a_killed_supervisor_and_the_port_is_free_again(tmp_path: Path) -> None:
+    """A tester's finding: SIGKILL of `serve --workers 2` left both workers serving,
+    unsupervised, and a restarted server could not bind the port."""
+    db = tmp_path / "workers.db"
+    migrate.upgrade(f"sqlite:///{db}")
+    port = free_port()
+    argv = [sys.executable, "-m", "app", "serve", "--port", str(port),
+            "--database-url", f"sqlite:///{db}", "--workers", "2", "--no-migrate"]
+    server = ServerProcess(argv, tmp_path / "serve.log", port=port, ready_path="/healthz",
+                           env=server_env())
+    server.start()
+    workers: list[int] = []
+    try:
+        server.wait_ready_sync()
+        assert server.proc is not None
+        deadline = time.monotonic() + 30
+        while len(workers) < 2 and time.monotonic() < deadline:  # the two and a tracker
+            workers = [pid for pid in _children(server.proc.pid)
+                       if "multiprocessing" in Path(f"/proc/{pid}/cmdline").read_text()]
+            time.sleep(0.1)
+        assert len(workers) >= 2, (workers, server.log_tail())
+        server.kill()
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), server.log_tail()
+        again = ServerProcess(argv, tmp_path / "again.log", port=port, ready_path="/healthz",
+                              env=server_env())
+        with again:
+            again.wait_ready_sync()
+    finally:
+        server.stop()
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
