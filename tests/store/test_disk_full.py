@@ -123,11 +123,30 @@ async def test_only_a_committed_change_unmarks_a_full_disk(tmp_path, filesystem_
 def test_the_watch_marks_only_a_full_disk(tmp_path, filesystem_free):
     watch = disk.DiskWatch(str(tmp_path / "t.db"))
     watch.failed(sqlite3.OperationalError("database is locked"))
-    assert watch.still_full(0) is None
+    assert watch.filesystem_room() == MIB and watch.still_full(MIB) is None
     watch.failed(sqlite3.OperationalError("database or disk is full"))
-    assert watch.still_full(0) == MIB
-    # Room in the file (pages freed inside it) and on the filesystem add up.
-    assert watch.still_full(disk.ROOM_AFTER_FULL - MIB) is None
+    assert watch.still_full(MIB) == MIB
+    # Room in the file (pages freed inside it) counts with the filesystem's.
+    assert watch.still_full(disk.ROOM_AFTER_FULL) is None and watch.full_since is None
+    # Plenty on the filesystem ends a mark without asking the file.
+    watch.failed(sqlite3.OperationalError("database or disk is full"))
+    filesystem_free["bytes"] = disk.ROOM_AFTER_FULL
+    assert watch.filesystem_room() is None and watch.full_since is None
+    # Next to nothing is full, whether this process met it or not.
+    assert watch.still_full(disk.ROOM_MIN - 1) == disk.ROOM_MIN - 1
     memory = disk.DiskWatch(None)  # a database in memory has no disk to watch
     memory.failed(sqlite3.OperationalError("database or disk is full"))
-    assert memory.still_full(0) is None
+    assert memory.filesystem_room() is None and memory.still_full(0) is None
+
+
+async def test_a_disk_another_process_filled_is_not_ready_either(tmp_path, filesystem_free):
+    """A tester's finding: with `serve --workers 2` the worker whose write had not failed
+    answered 200 on a disk with 0 bytes free (and `serve` did while only the gateway
+    on the same file met the full disk)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 't.db'}"
+    await migrate.upgrade_async(url)
+    async with served(url) as (_app, http):
+        filesystem_free["bytes"] = 0
+        assert await is_full(http)
+        filesystem_free["bytes"] = 2 * disk.ROOM_MIN  # short, but no write failed here
+        assert not await is_full(http)

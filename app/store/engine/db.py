@@ -222,14 +222,15 @@ class Database:
         return raw.driver_connection
 
     async def disk_room(self) -> int | None:
-        """SQLite, for `/readyz`: the room there is (bytes) while a write found its disk
-        full and none has committed a change since (`DiskWatch`), else None."""
-        if self.disk is None or self.disk.full_since is None:
+        """SQLite, for `/readyz`: the room there is (bytes) while its disk counts as full
+        (`DiskWatch`), else None. The file is asked only when the filesystem is short."""
+        free = self.disk.filesystem_room() if self.disk is not None else None
+        if self.disk is None or free is None:
             return None
         async with self.read() as conn:  # the file's own free pages count as room
             pages = (await conn.execute(sa.text("PRAGMA freelist_count"))).scalar_one()
             size = (await conn.execute(sa.text("PRAGMA page_size"))).scalar_one()
-        return self.disk.still_full(int(pages) * int(size))
+        return self.disk.still_full(free + int(pages) * int(size))
 
     async def files_intact(self) -> None:
         """`/readyz`: raise `DatabaseFileReplaced` if a writer connection's files are no

@@ -8,7 +8,9 @@ dry run or a refusal proves nothing) unmarks it. While marked, `/readyz` asks
 how much room there is, the free space of the file's filesystem plus the file's
 own free pages (what R3 retention freed): `ROOM_AFTER_FULL` unmarks it without
 a write, so a balancer that took the server out on the 503 lets it back in.
-Each process keeps its own mark (`serve --workers N`: one per worker).
+Each process keeps its own mark (`serve --workers N`: one per worker); less
+than `ROOM_MIN` of room counts as full in every process, marked or not (the
+gateway, or another worker, met the full disk first).
 
 PostgreSQL's disk is not this process's to measure: a full disk there fails each
 write (503 `unavailable`, "the database's disk is full"), and a full WAL disk
@@ -32,6 +34,8 @@ import asyncpg
 # full by a failed write counts as not full any more: room for a few 2k-token turns
 # with R3 (~1-4 MB each; R3 retention needs a few MB itself to write its records).
 ROOM_AFTER_FULL = 16 * 2**20
+# Less room than this is a full disk whoever met it (no write of this process failed).
+ROOM_MIN = 2**20
 SQLITE_FULL = "database or disk is full"
 
 
@@ -109,16 +113,27 @@ class DiskWatch:
         if changes.made():
             self.full_since = None
 
-    def still_full(self, file_free: int) -> int | None:
-        """The room there is (bytes) while the disk counts as full, else None;
-        `file_free`: the file's own free pages, in bytes."""
-        if self.full_since is None or self.path is None:
+    def filesystem_room(self) -> int | None:
+        """The filesystem's free bytes when they could leave the disk full (less than
+        `ROOM_AFTER_FULL`); None when there is plenty, which also ends a mark."""
+        if self.path is None:
             return None
         try:
-            room = free_bytes(self.path) + file_free
+            free = free_bytes(self.path)
         except OSError:
-            return file_free  # its folder gone: the filesystem has no room for it
-        if room >= ROOM_AFTER_FULL:
+            free = 0  # its folder gone: the filesystem has no room for it
+        if free >= ROOM_AFTER_FULL:
             self.full_since = None
             return None
-        return room
+        return free
+
+    def still_full(self, room: int) -> int | None:
+        """`room` (the filesystem's free bytes plus the file's free pages) when the disk
+        counts as full, else None: marked by a failed write and less than
+        `ROOM_AFTER_FULL`, or, marked or not, less than `ROOM_MIN` (another process,
+        or another worker, met the full disk first)."""
+        if self.path is None:
+            return None
+        if self.full_since is not None and room >= ROOM_AFTER_FULL:
+            self.full_since = None
+        return room if self.full_since is not None or room < ROOM_MIN else None
