@@ -237,6 +237,21 @@ async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_proces
                       b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"application/problem+json" in head, head
     assert problem["field"] == "request"
+    # A tester's finding: a body after an Upgrade head (`curl --http2` on plain http) was
+    # never parsed; the gateway relayed the head and waited for the body for its
+    # upstream timeout (600 s). Refused at once; without a body it is served.
+    started = asyncio.get_running_loop().time()
+    head, problem, rest = await _exchange(
+        gateway.port, b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: Upgrade, "
+                      b"HTTP2-Settings\r\nUpgrade: h2c\r\nContent-Length: 5\r\n\r\nhello")
+    assert head.startswith(b"HTTP/1.1 400") and rest == b"", head
+    assert problem["field"] == "Upgrade" and problem["actual"] == "h2c"
+    assert asyncio.get_running_loop().time() - started < 5
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: g\r\nConnection: Upgrade\r\n"
+                 b"Upgrade: h2c\r\n\r\n")
+    assert (await asyncio.wait_for(reader.readline(), 20)).startswith(b"HTTP/1.1 200")
+    writer.close()
     async with httpx.AsyncClient(base_url=gateway.url) as http:  # and it still serves
         assert (await http.get("/turnlog/healthz")).status_code == 200
     assert "Traceback" not in gateway.log_tail(200)

@@ -175,6 +175,26 @@ class GuardedHttpTools(HttpToolsProtocol):
         refusal, self._refusal = self._refusal, None
         self._refuse(refusal)
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn calls this when the parser stopped at an Upgrade it does not serve (any
+        # but WebSocket; `curl --http2` sends `Upgrade: h2c` on plain http). A request
+        # without a body went to the app whole and is answered over HTTP/1.1 (RFC 9110
+        # §7.8: a server may ignore Upgrade). The parser takes what follows such a head
+        # for the new protocol's: a body there never reaches the app, which got an empty
+        # one and would forward or store that (the gateway relayed the declared length
+        # and hung for its upstream timeout: a tester's finding). Refused, 400.
+        declared = any((name == b"content-length" and value.strip() not in (b"", b"0"))
+                       or name == b"transfer-encoding" for name, value in self.headers)
+        if self.cycle is None or self.cycle.response_complete or not declared:
+            self.logger.debug("Upgrade header ignored: served over HTTP/1.1")
+            return
+        upgrade = next((v for k, v in self.headers if k == b"upgrade"), b"")
+        self._refuse(InvalidRequest(
+            "a request with a body cannot ask to change protocols (Upgrade) here: send it "
+            "without the Upgrade header (curl: --http1.1)", field="Upgrade",
+            expected="no Upgrade header on a request with a body (HTTP/1.1 only)",
+            actual=upgrade.decode("latin-1")[:64], status=400))
+
     def _refuse(self, error: DomainError) -> None:
         """Answer `error` as problem+json and close, without involving the app."""
         self._disarm_header_timer()
