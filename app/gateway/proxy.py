@@ -475,7 +475,7 @@ class Gateway:
             return
         status, raw_headers = response.status, response.raw_headers
         timestamp = time.time()
-        headers = _buffered_headers(raw_headers, len(raw))
+        headers = _buffered_headers(raw_headers, len(raw), scope.get("http_version") == "1.0")
         text = await _decoded(raw_headers, raw, self.max_turn_bytes - len(body))
         if text is None:
             self._too_large(session_id, "decompressed reply", len(body),
@@ -559,7 +559,7 @@ class Gateway:
                         head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
                     response = await self.client.request(
                         scope["method"], url, data=payload,
-                        headers=[(name.decode("latin-1"), value.decode("latin-1"))
+                        headers=[(name.decode("latin-1"), _as_sent(value))
                                  for name, value in headers],
                         allow_redirects=False)
                 finally:
@@ -961,14 +961,28 @@ async def _read_reply(response: aiohttp.ClientResponse,
     return buffer
 
 
-def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int) -> list[Any]:
+def _as_sent(value: bytes) -> str:
+    """A header value as the str aiohttp writes back as these bytes: it encodes values
+    as UTF-8, so a UTF-8 value (a routing key `s-é`) is decoded as UTF-8 (as latin-1
+    it went up re-encoded, another key: a tester's finding). Bytes that are not UTF-8
+    cannot go through aiohttp unchanged; they go as their latin-1 reading."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
+def _buffered_headers(raw: tuple[tuple[bytes, bytes], ...], length: int,
+                      http10: bool = False) -> list[Any]:
     """A buffered reply's headers: hop-by-hop ones dropped, its framing the upstream's —
     its Content-Length, or none when it came chunked (uvicorn then sends it chunked
     too, as the upstream did). A Content-Length other than the `length` read (one
-    sent beside chunked framing, which wins) is replaced by it."""
+    sent beside chunked framing, which wins) is replaced by it. An HTTP/1.0 caller
+    always gets the length: it cannot read chunked framing (RFC 9112 §6.1; a
+    tester's finding: its JSON came with the chunk sizes in it)."""
     headers = end_to_end(raw)
     declared = [value for name, value in headers if name == b"content-length"]
-    if declared and declared != [str(length).encode()]:
+    if (declared or http10) and declared != [str(length).encode()]:
         headers = [pair for pair in headers if pair[0] != b"content-length"]
         headers.append((b"content-length", str(length).encode()))
     return headers

@@ -116,6 +116,49 @@ async def test_hop_by_hop_headers_are_dropped(forwarder):
     assert json.loads(payload)["body"] == "hello world"
 
 
+async def test_trailer_fields_are_never_taken_for_headers(forwarder):
+    """A tester's finding: a chunked body's trailer fields were appended to the request's
+    headers, so a trailer could name the session recorded and forge X-Forwarded-For,
+    depending on how TCP split the request (RFC 9112 §7.1.2: never merged)."""
+    request = (b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+               b"X-SMG-Routing-Key: s-header\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"5\r\nhello\r\n0\r\nX-SMG-Routing-Key: s-trailer\r\n"
+               b"X-Forwarded-For: 6.6.6.6\r\nAuthorization: Bearer forged\r\n\r\n")
+    head, _, payload = raw_request(forwarder.port, request).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    echo = json.loads(payload)
+    assert [v for k, v in echo["headers"] if k == "x-smg-routing-key"] == ["s-header"]
+    assert dict(echo["headers"])["x-forwarded-for"] == "127.0.0.1"
+    assert "authorization" not in dict(echo["headers"])
+    assert echo["body"] == "hello"
+
+
+async def test_a_utf8_header_value_goes_up_as_it_came(forwarder, fake_sglang):
+    """A tester's finding: header values went up decoded as latin-1 and re-encoded as
+    UTF-8 by the HTTP client, so a routing key `s-é` reached the router as another key."""
+    request = (b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+               b"X-SMG-Routing-Key: s-caf\xc3\xa9\r\nContent-Length: 2\r\n\r\nhi")
+    echoes = [json.loads(raw_request(port, request).partition(b"\r\n\r\n")[2])
+              for port in (fake_sglang.port, forwarder.port)]
+    straight, via = (dict(echo["headers"])["x-smg-routing-key"] for echo in echoes)
+    assert via == straight == b"s-caf\xc3\xa9".decode("latin-1")
+
+
+async def test_an_http10_caller_gets_a_held_chunked_reply_with_its_length(forwarder):
+    """A tester's finding: a turn's reply that came chunked went back chunked to an
+    HTTP/1.0 caller, which read the chunk sizes as part of the JSON (RFC 9112 §6.1)."""
+    body = json.dumps(chat([1, 2, 3])).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.0\r\nHost: g\r\n"
+               b"Content-Type: application/json\r\nX-SMG-Routing-Key: s-http10\r\n"
+               b"X-Sim-Chunks: 2\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    head, _, payload = raw_request(forwarder.port, request).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    lines = head.lower().split(b"\r\n")
+    assert not any(line.startswith(b"transfer-encoding") for line in lines), head
+    (length,) = [int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")]
+    assert length == len(payload) and payload == b"chunk 0\nchunk 1\n"  # the fake's chunks
+
+
 async def test_a_chunked_streaming_reply_stays_streamed(forwarder):
     gateway = forwarder
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, \

@@ -52,6 +52,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_count = 0
         self._hosts = 0
+        self._trailers = False
         self._refusal: DomainError | None = None
         self._header_timer: asyncio.TimerHandle | None = None
 
@@ -99,6 +100,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_count = 0
         self._hosts = 0
+        self._trailers = False
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url), 0)
@@ -106,6 +108,12 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4, 1)
+        if self._trailers:
+            # A chunked body's trailer fields: the parser reports them as headers, and
+            # uvicorn appended them to the request's, where they could name another
+            # session or forge X-Forwarded-For, as TCP happened to split the request (a
+            # tester's finding). RFC 9112 §7.1.2: never merged; dropped.
+            return
         if name.lower() == b"host":
             self._hosts += 1
             if self._hosts > 1:
@@ -118,6 +126,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._trailers = True  # what the parser reports as headers from now on
         self._disarm_header_timer()
         self._host_from_target()
         super().on_headers_complete()
