@@ -200,31 +200,57 @@ def _export_parquet(url: str, filters: dict[str, str], out_file: Path, as_json: 
                    else "") + f", {report.bytes} bytes", soft_wrap=True)
 
 
-def _check_out(out_file: Path) -> None:
-    """The export's file can be written where it goes (its folder exists and takes a
-    file): said first, naming `--out`, not later as a failure to reach the database."""
+# What an --out name says the file is.
+SUFFIX_FORMATS = {".npz": "npz", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def _export_format(out_file: Path, given: ExportFormat | None) -> ExportFormat:
+    """The format: `--format`, else the one `--out`'s suffix names, else npz; a
+    `--format` its suffix contradicts is refused (a `.parquet` file holding npz
+    failed only when a trainer read it)."""
+    named = SUFFIX_FORMATS.get(out_file.suffix.lower())
+    if given is None:
+        return ExportFormat(named or "npz")
+    if named is not None and named != given.value:
+        raise CliError(f"--out {out_file} names a .{named} file, but --format is "
+                       f"{given.value}: make them agree")
+    return given
+
+
+def _check_out(out_file: Path) -> Path:
+    """Where the export's file goes: `--out`, or the file a symlink there names (the
+    link is kept). It can be written there (its folder exists and takes a file, and
+    nothing but a regular file is in its place: a device, a pipe or a socket was
+    replaced by the export's file, `--out /dev/full` too): said first, naming `--out`,
+    not later as a failure to reach the database."""
     from app.transfer.npz import partial_path
 
-    probe = partial_path(out_file)  # the name the writers use
+    target = out_file.resolve() if out_file.is_symlink() else out_file
+    if target.exists() and not target.is_file():
+        kind = "a folder" if target.is_dir() else "not a regular file (a device, a pipe?)"
+        raise CliError(f"cannot write {out_file}: it is {kind}; name a file (check --out)")
+    probe = partial_path(target)  # the name the writers use
     try:
         probe.open("wb").close()
     except OSError as exc:
         raise CliError(f"cannot write {out_file}: {exc.strerror or exc} (check --out)"
                        ) from None
     probe.unlink(missing_ok=True)
+    return target
 
 
 def export(
     run_id: Annotated[str, typer.Option(help="Only sessions labelled run_id=RUN")],
     out_file: Annotated[Path, typer.Option(
-        "--out", dir_okay=False, help="The file to write (.npz, or .parquet with --format)")],
+        "--out", dir_okay=False, help="The file to write (.npz or .parquet)")],
     label: Labels = None,
     database_url: DatabaseUrl = None,
     compress: Annotated[bool, typer.Option(help="Deflate the entries (np.savez_compressed)")]
     = False,
-    fmt: Annotated[ExportFormat, typer.Option(
-        "--format", help="npz (numpy) or parquet (one row per sample, pyarrow)")]
-    = ExportFormat.npz,
+    fmt: Annotated[ExportFormat | None, typer.Option(
+        "--format", help="npz (numpy) or parquet (one row per sample, pyarrow); default: "
+        "what --out's suffix says (.npz, .parquet), else npz", show_default=False)]
+    = None,
     as_json: AsJson = False,
 ) -> None:
     """Write the samples of the matching closed sessions to one .npz or Parquet file.
@@ -240,9 +266,14 @@ def export(
     from app.services import build_services
     from app.transfer.npz import ExportReport, export_samples
 
-    filters = {**parse_labels(label), "run_id": run_id}
+    labels = parse_labels(label)
+    if labels.get("run_id", run_id) != run_id:
+        raise CliError(f"--label run_id={labels['run_id']} contradicts --run-id {run_id}: "
+                       "give the run once")
+    filters = {**labels, "run_id": run_id}
+    fmt = _export_format(out_file, fmt)
     url = resolve_url(database_url)
-    _check_out(out_file)
+    out_file = _check_out(out_file)
     check_database(url)
     wanted = " ".join(f"{k}={v}" for k, v in filters.items())
 

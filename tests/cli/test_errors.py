@@ -276,10 +276,50 @@ def test_an_export_the_disk_cannot_take_names_the_file_and_leaves_nothing(tmp_pa
     url = sqlite_file(tmp_path)
     assert run("demo", "--sessions", "1", "--database-url", url).exit_code == 0
     line = one_error_line(run("export", "--run-id", "demo", "--format", fmt,
-                              "--out", str(tmp_path / "o.npz"), "--database-url", url))
+                              "--out", str(tmp_path / f"o.{fmt}"), "--database-url", url))
     assert "No space left on device" in line and "cannot use the file" in line
     assert "database" not in line and "connect" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.db"]
+
+
+def test_an_export_never_replaces_what_is_not_a_file(tmp_path):
+    """A tester's finding: `--out /dev/full` (as root) replaced the device with a zip
+    file; a FIFO too. A symlink is written through, and stays a link."""
+    url = sqlite_file(tmp_path)
+    assert run("demo", "--sessions", "1", "--database-url", url).exit_code == 0
+    fifo = tmp_path / "pipe.npz"
+    os.mkfifo(fifo)
+    line = one_error_line(run("export", "--run-id", "demo", "--out", str(fifo),
+                              "--database-url", url))
+    assert "not a regular file" in line and "--out" in line
+    assert fifo.is_fifo()
+    (tmp_path / "real.npz").write_bytes(b"old")
+    (tmp_path / "link.npz").symlink_to(tmp_path / "real.npz")
+    result = run("export", "--run-id", "demo", "--out", str(tmp_path / "link.npz"),
+                 "--database-url", url)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "link.npz").is_symlink()
+    assert (tmp_path / "real.npz").read_bytes()[:2] == b"PK"  # the export, through the link
+
+
+def test_an_exports_format_follows_its_suffix_and_a_contradiction_is_refused(tmp_path):
+    """A tester's finding: `--out x.parquet` wrote npz into it (the default format), and
+    `--label run_id=B` beside `--run-id A` was dropped without a word."""
+    import pyarrow.parquet as pq
+
+    url = sqlite_file(tmp_path)
+    assert run("demo", "--sessions", "1", "--database-url", url).exit_code == 0
+    out = tmp_path / "x.parquet"
+    result = run("export", "--run-id", "demo", "--out", str(out), "--database-url", url)
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out).num_rows >= 1
+    line = one_error_line(run("export", "--run-id", "demo", "--format", "npz", "--out",
+                              str(tmp_path / "y.parquet"), "--database-url", url))
+    assert "--format" in line and ".parquet" in line
+    line = one_error_line(run("export", "--run-id", "demo", "--label", "run_id=other",
+                              "--out", str(tmp_path / "z.npz"), "--database-url", url))
+    assert "contradicts --run-id" in line
+    assert not (tmp_path / "y.parquet").exists() and not (tmp_path / "z.npz").exists()
 
 
 def test_two_exports_to_one_file_write_apart() -> None:
