@@ -216,6 +216,9 @@ def migrate(
     revision: Annotated[str | None, typer.Argument(help="Target revision")] = None,
     database_url: DatabaseUrl = None,
     as_json: common.AsJson = False,
+    drop_data: Annotated[bool, typer.Option(
+        "--drop-data", help="downgrade: also when it drops tables that hold rows (the event "
+        "log at base, the metric history, consumer acks)")] = False,
 ) -> None:
     """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
     from app.store.engine import migrate as migrations
@@ -233,8 +236,15 @@ def migrate(
     else:
         _exists(url)  # reading or reverting never creates a database
         if action is MigrateAction.downgrade:
-            migrations.downgrade(url, revision or "-1")
-            err().print(f"downgraded {mask(url)} to {revision or '-1'}")
+            target = revision or "-1"
+            lost = migrations.data_a_downgrade_drops(url, target)
+            if lost and not drop_data:
+                # One mistyped revision (`base`) dropped every rollout without a word.
+                held = ", ".join(f"{table} ({rows} rows)" for table, rows in lost)
+                raise CliError(f"downgrading to {target} drops tables that hold rows: {held}; "
+                               "nothing was changed (back up first; --drop-data to go on)")
+            migrations.downgrade(url, target)
+            err().print(f"downgraded {mask(url)} to {migrations.current(url) or 'base'}")
     current, head = migrations.current(url), migrations.head_revision()
     if as_json:
         common.echo_json({"current": current, "head": head})

@@ -433,6 +433,25 @@ def test_a_revision_turnlog_does_not_ship_is_refused_by_name(tmp_path):
     assert run("migrate", "downgrade", "0011", "--database-url", url).exit_code == 0
 
 
+def test_a_downgrade_that_drops_rows_is_refused_without_drop_data(tmp_path):
+    """A tester's finding: `migrate downgrade base` dropped every session without a word."""
+    url = sqlite_file(tmp_path)
+    assert run("demo", "--sessions", "1", "--database-url", url).exit_code == 0
+    line = one_error_line(run("migrate", "downgrade", "base", "--database-url", url))
+    assert "events (" in line and "--drop-data" in line and "nothing was changed" in line
+    from app.store.engine.migrate import head_revision
+
+    head = head_revision()
+    assert f"current: {head}" in run("migrate", "current", "--database-url", url).output
+    # A step that drops no rows goes on, and says where it went (it said "to -1").
+    result = run("migrate", "downgrade", "--database-url", url)
+    assert result.exit_code == 0 and f"to {int(head) - 1:04d}" in result.stderr, result.stderr
+    assert run("migrate", "--database-url", url).exit_code == 0
+    result = run("migrate", "downgrade", "base", "--drop-data", "--database-url", url)
+    assert result.exit_code == 0, result.output
+    assert "current: None" in result.output
+
+
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
 def test_an_in_memory_sqlite_database_is_refused_naming_a_file(url):
     # Each connection of one is a database of its own: `migrate` said "upgraded" and then

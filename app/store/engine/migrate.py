@@ -105,6 +105,45 @@ def downgrade(url: str, revision: str) -> None:
         command.downgrade(config(url), revision)
 
 
+# Tables holding rows nothing else can give back, by the revision whose downgrade drops
+# them: the event log (and everything projected from it), the metric history, the
+# consumer groups' acks.
+DATA_TABLES = {"0001": "events", "0002": "metric_submissions", "0004": "consumer_groups"}
+
+
+def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
+    """(table, rows) of each table holding rows that downgrading to `revision` drops."""
+    from alembic.util.exc import CommandError
+
+    now = current(url)
+    if now is None or not knows(now):
+        return []  # nothing to drop, or a newer turnlog's schema: the downgrade says so
+    try:
+        reverted = [r.revision for r in
+                    ScriptDirectory.from_config(config(url)).iterate_revisions(now, revision)]
+    except CommandError:
+        return []  # a target alembic cannot reach from here: the downgrade says so
+    tables = [DATA_TABLES[r] for r in reverted if r in DATA_TABLES]
+    counts: list[tuple[str, int]] = []
+
+    async def _count() -> None:
+        from sqlalchemy import text
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        engine = create_async_engine(normalize_url(url))
+        try:
+            async with engine.connect() as conn:
+                for table in tables:
+                    rows = (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar()
+                    if rows:
+                        counts.append((table, int(rows)))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(_count())
+    return counts
+
+
 def current(url: str) -> str | None:
     result: list[str | None] = []
 
