@@ -98,7 +98,11 @@ def _progress_gauges(metrics_port: int | None) -> RebuildProgress:
 
     gauges = RebuildProgress()
     if metrics_port is not None:
-        start_http_server(metrics_port, addr="127.0.0.1", registry=gauges.registry)
+        try:
+            start_http_server(metrics_port, addr="127.0.0.1", registry=gauges.registry)
+        except OSError as exc:  # said as the port's, not as the database's (it was)
+            raise CliError(f"cannot serve the progress metrics on 127.0.0.1:{metrics_port}: "
+                           f"{exc.strerror or exc} (check --metrics-port)") from None
     return gauges
 
 

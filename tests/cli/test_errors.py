@@ -433,6 +433,20 @@ def test_a_revision_turnlog_does_not_ship_is_refused_by_name(tmp_path):
     assert run("migrate", "downgrade", "0011", "--database-url", url).exit_code == 0
 
 
+def test_a_busy_metrics_port_is_named_as_the_port(tmp_path):
+    """A tester's finding: `rebuild --metrics-port` on a port in use said "cannot connect
+    to <the database>: Address already in use (check --database-url …)"."""
+    url = sqlite_file(tmp_path)
+    assert run("migrate", "--database-url", url).exit_code == 0
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_error_line(run("rebuild", "--metrics-port", str(port), "--database-url", url))
+    assert f"127.0.0.1:{port}" in line and "--metrics-port" in line
+    assert "database" not in line
+
+
 def test_a_downgrade_that_drops_rows_is_refused_without_drop_data(tmp_path):
     """A tester's finding: `migrate downgrade base` dropped every session without a word."""
     url = sqlite_file(tmp_path)
