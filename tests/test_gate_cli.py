@@ -100,6 +100,14 @@ def test_an_invalid_spec_file_exits_2_naming_the_problem(db_url, tmp_path, coord
     assert result.exit_code == 2 and "steps" in result.output
 
 
+@pytest.mark.parametrize("empty", [[], {"specs": []}])
+def test_an_empty_spec_file_exits_2_and_records_nothing(db_url, tmp_path, coord, empty):
+    """A tester's finding: `--spec` with `[]` ran every default gate and recorded values."""
+    result = check(db_url, coord, "r1", "--spec", spec_file(tmp_path, empty))
+    assert result.exit_code == 2 and "lists no gate" in result.output
+    assert "recorded" not in result.output
+
+
 def test_an_unreachable_database_exits_2(tmp_path, coord):
     missing = f"sqlite+aiosqlite:///{tmp_path}/absent/dir/x.db"
     assert check(missing, coord, "r1").exit_code == 2

@@ -58,6 +58,10 @@ def _spec_list(spec: Path | None, metrics: list[str] | None) -> list[Any] | None
         if isinstance(loaded, dict) and "specs" in loaded:
             loaded = loaded["specs"]
         specs.extend(loaded if isinstance(loaded, list) else [loaded])
+        if not specs:
+            # It ran every default gate, and recorded their values (a tester's finding).
+            raise CliError(f"--spec {spec} lists no gate: name at least one, or leave "
+                           "--spec out for the default gates")
     specs.extend({"metric": metric} for metric in metrics or ())
     return specs or None
 
