@@ -23,6 +23,7 @@ import contextlib
 import io
 import os
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Annotated, Any, NoReturn, TypeVar
@@ -444,7 +445,9 @@ class TurnlogGroup(typer.core.TyperGroup):
             raise typer.Exit(141) from None
         except Exception as exc:
             if debugging():
-                raise
+                # The traceback, and still the status every failure exits with (it was 1).
+                traceback.print_exc()
+                fail(exc)
             fail(exc)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,20 @@ async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_proces
     assert head.startswith(b"HTTP/1.1 400") and rest == b"", head
     assert problem["field"] == "Upgrade" and problem["actual"] == "h2c"
     assert asyncio.get_running_loop().time() - started < 5
+    # Refused before anything acts on it (a review's finding: the 400 went out, and the
+    # close went through with an empty body, its reward lost).
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        assert (await send_turn(http, "s-upgrade", chat([1, 2, 3]))).status == 200
+    close = b'{"metadata": {"reward": 1.0}}'
+    head, problem, rest = await _exchange(
+        gateway.port, b"POST /turnlog/v1/sessions/s-upgrade/close HTTP/1.1\r\nHost: g\r\n"
+                      b"Connection: Upgrade\r\nUpgrade: h2c\r\nContent-Type: application/json"
+                      b"\r\nContent-Length: %d\r\n\r\n" % len(close) + close)
+    assert head.startswith(b"HTTP/1.1 400"), head
+    await asyncio.sleep(0.5)
+    with sqlite3.connect(tmp_path / "g.db") as db:
+        assert db.execute("SELECT status FROM sessions WHERE session_id = 's-upgrade'"
+                          ).fetchone() == ("open",)
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     writer.write(b"GET /health HTTP/1.1\r\nHost: g\r\nConnection: Upgrade\r\n"
                  b"Upgrade: h2c\r\n\r\n")

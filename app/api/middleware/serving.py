@@ -128,6 +128,20 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._trailers = True  # what the parser reports as headers from now on
         self._disarm_header_timer()
+        if self.parser.should_upgrade() and not self._should_upgrade() and self._has_body():
+            # An Upgrade it does not serve (any but WebSocket; `curl --http2` sends
+            # `Upgrade: h2c` on plain http), with a body: the parser takes what follows
+            # the head for the new protocol's, so the app would get an empty body and act
+            # on it (the gateway relayed the declared length and hung for its upstream
+            # timeout; a close went through without its reward: a tester's and a review's
+            # findings). Refused here, before the app is started: 400.
+            upgrade = next((v for k, v in self.headers if k == b"upgrade"), b"")
+            self._refusal = InvalidRequest(
+                "a request with a body cannot ask to change protocols (Upgrade) here: send "
+                "it without the Upgrade header (curl: --http1.1)", field="Upgrade",
+                expected="no Upgrade header on a request with a body (HTTP/1.1 only)",
+                actual=upgrade.decode("latin-1")[:64], status=400)
+            raise HeaderLimitExceeded
         self._host_from_target()
         super().on_headers_complete()
         cycle = self.cycle
@@ -184,25 +198,19 @@ class GuardedHttpTools(HttpToolsProtocol):
         refusal, self._refusal = self._refusal, None
         self._refuse(refusal)
 
+    def _has_body(self) -> bool:
+        return any((name == b"content-length" and value.strip() not in (b"", b"0"))
+                   or name == b"transfer-encoding" for name, value in self.headers)
+
     def _unsupported_upgrade_warning(self) -> None:
-        # uvicorn calls this when the parser stopped at an Upgrade it does not serve (any
-        # but WebSocket; `curl --http2` sends `Upgrade: h2c` on plain http). A request
-        # without a body went to the app whole and is answered over HTTP/1.1 (RFC 9110
-        # §7.8: a server may ignore Upgrade). The parser takes what follows such a head
-        # for the new protocol's: a body there never reaches the app, which got an empty
-        # one and would forward or store that (the gateway relayed the declared length
-        # and hung for its upstream timeout: a tester's finding). Refused, 400.
-        declared = any((name == b"content-length" and value.strip() not in (b"", b"0"))
-                       or name == b"transfer-encoding" for name, value in self.headers)
-        if self.cycle is None or self.cycle.response_complete or not declared:
-            self.logger.debug("Upgrade header ignored: served over HTTP/1.1")
-            return
-        upgrade = next((v for k, v in self.headers if k == b"upgrade"), b"")
-        self._refuse(InvalidRequest(
-            "a request with a body cannot ask to change protocols (Upgrade) here: send it "
-            "without the Upgrade header (curl: --http1.1)", field="Upgrade",
-            expected="no Upgrade header on a request with a body (HTTP/1.1 only)",
-            actual=upgrade.decode("latin-1")[:64], status=400))
+        # uvicorn calls this when the parser stopped at an Upgrade it does not serve. One
+        # with a body was refused before (`on_headers_complete`); one without went to the
+        # app whole and is answered over HTTP/1.1 (RFC 9110 §7.8 lets a server ignore
+        # Upgrade). The parser reads nothing more on this connection (a request pipelined
+        # behind it would wait unanswered): it closes after the answer.
+        self.logger.debug("Upgrade header ignored: served over HTTP/1.1, then closed")
+        if self.cycle is not None:
+            self.cycle.keep_alive = False
 
     def _refuse(self, error: DomainError) -> None:
         """Answer `error` as problem+json and close, without involving the app."""
