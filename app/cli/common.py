@@ -33,6 +33,7 @@ import typer.core
 from rich import box
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress
 from rich.table import Table
 
 from app.settings import DEFAULT_DATABASE_URL, Settings, get_settings
@@ -144,6 +145,13 @@ def out() -> Console:
 def err() -> Console:
     """Progress, warnings and errors: stderr."""
     return _console(sys.stderr)
+
+
+def progress(*columns: Any, **options: Any) -> Progress:
+    """A progress bar on stderr, drawn only on a terminal (off one, rich still wrote a
+    blank line when it stopped: noise in CI logs, and "empty stderr" checks failed)."""
+    console = err()
+    return Progress(*columns, console=console, disable=not console.is_terminal, **options)
 
 
 def table(title: str | None = None) -> Table:

@@ -21,7 +21,6 @@ import httpx
 import numpy as np
 import typer
 from rich.markup import escape
-from rich.progress import Progress
 
 from app.cli.common import (
     AsJson,
@@ -31,6 +30,7 @@ from app.cli.common import (
     echo_json,
     err,
     out,
+    progress,
     resolve_url,
     settings_for,
     table,
@@ -122,7 +122,7 @@ def demo(
             async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 results = []
                 now = time.time()
-                with Progress(console=err(), transient=True) as bar:
+                with progress(transient=True) as bar:
                     task = bar.add_task("simulating sessions", total=sessions)
                     for i in range(sessions):
                         results.append(await _play(http, i, seed,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
 from app.cli.common import (
     AsJson,
@@ -19,8 +19,8 @@ from app.cli.common import (
     DatabaseUrl,
     check_database,
     echo_json,
-    err,
     out,
+    progress,
     resolve_url,
     with_services,
 )
@@ -61,8 +61,8 @@ def retention_r3(
                        ) from None
 
     async def run(svc: Any) -> Any:
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
+        with progress("[progress.description]{task.description}", BarColumn(),
+                      MofNCompleteColumn(), TimeRemainingColumn(),
                       transient=True) as bar:
             task = bar.add_task("checking sessions" if dry_run else "freeing R3", total=None)
             result = await svc.retention.prune(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 from rich.table import Table
 
 from app.cli.browse import print_tree
@@ -28,6 +28,7 @@ from app.cli.common import (
     echo_json,
     err,
     out,
+    progress,
     resolve_session,
     resolve_url,
     settings_for,
@@ -130,8 +131,8 @@ async def _run_rebuild(url: str, session: str | None, gauges: RebuildProgress,
     db = Database(url, settings_for(url))
     try:
         only = None if session is None else await resolve_session(db, session)
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
+        with progress("[progress.description]{task.description}", BarColumn(),
+                      MofNCompleteColumn(), TimeRemainingColumn(),
                       transient=True) as bar:
             task = bar.add_task("rebuilding sessions", total=None)
 

@@ -18,7 +18,6 @@ from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
-    Progress,
     TaskProgressColumn,
     TextColumn,
     TimeRemainingColumn,
@@ -31,9 +30,9 @@ from app.cli.common import (
     Labels,
     check_database,
     echo_json,
-    err,
     out,
     parse_labels,
+    progress,
     resolve_url,
     settings_for,
     table,
@@ -93,9 +92,9 @@ def import_(
         report = ImportReport()
         total = sum(path.stat().st_size for path in files)
         try:
-            with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+            with progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                           TaskProgressColumn(), TextColumn("{task.fields[counts]}"),
-                          TimeRemainingColumn(), console=err(), transient=True) as bar:
+                          TimeRemainingColumn(), transient=True) as bar:
                 task = bar.add_task("importing", total=total or None, counts="")
                 for path in files:
                     for item in read_dumps(path):
@@ -177,9 +176,9 @@ def _export_parquet(url: str, filters: dict[str, str], out_file: Path, as_json: 
     async def go() -> ParquetReport:
         svc = build_services(settings_for(url))
         try:
-            with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+            with progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                           MofNCompleteColumn(), TextColumn("{task.fields[samples]} samples"),
-                          TimeRemainingColumn(), console=err(), transient=True) as bar:
+                          TimeRemainingColumn(), transient=True) as bar:
                 task = bar.add_task("exporting sessions", total=None, samples=0)
 
                 def advance(done: int, total: int, samples: int) -> None:
@@ -294,8 +293,8 @@ def export(
     async def go() -> ExportReport:
         svc = build_services(settings_for(url))
         try:
-            with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                          MofNCompleteColumn(), TimeRemainingColumn(), console=err(),
+            with progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                          MofNCompleteColumn(), TimeRemainingColumn(),
                           transient=True) as bar:
                 task = bar.add_task("exporting sessions", total=None)
 

@@ -436,6 +436,17 @@ def test_a_revision_turnlog_does_not_ship_is_refused_by_name(tmp_path):
     assert run("migrate", "downgrade", "0011", "--database-url", url).exit_code == 0
 
 
+def test_long_work_off_a_terminal_writes_nothing_to_stderr(tmp_path):
+    """A tester's finding: the progress bar, not drawn off a terminal, still left a blank
+    line on stderr (rebuild, import, export, retention, demo)."""
+    url = sqlite_file(tmp_path)
+    assert run("demo", "--sessions", "1", "--database-url", url).exit_code == 0
+    for command in (["rebuild", "--json"], ["demo", "--sessions", "1", "--json"],
+                    ["export", "--run-id", "demo", "--out", str(tmp_path / "o.npz"), "--json"]):
+        result = run(*command, "--database-url", url)
+        assert result.exit_code == 0 and result.stderr == "", (command, result.stderr)
+
+
 def test_a_busy_metrics_port_is_named_as_the_port(tmp_path):
     """A tester's finding: `rebuild --metrics-port` on a port in use said "cannot connect
     to <the database>: Address already in use (check --database-url …)"."""
