@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from app.cli.common import (
     AsJson,
+    CliError,
     DatabaseUrl,
     Labels,
     check_database,
@@ -28,6 +29,7 @@ from app.cli.common import (
     table,
     with_services,
 )
+from app.domain.errors import DomainError
 
 PAGE = 1000
 
@@ -48,7 +50,10 @@ def sessions(
     from app.domain.body.queries import parse_status
 
     filters = parse_label_filters(parse_labels(label))
-    status = parse_status(status)
+    try:
+        status = parse_status(status)
+    except DomainError:
+        raise CliError(f"--status {status!r}: expected open or closed") from None
     url = resolve_url(database_url)
     check_database(url)
 
@@ -156,6 +161,13 @@ def tail(
     as_json: AsJson = False,
 ) -> None:
     """Follow the global feed: one line per event, in commit order (Ctrl-C stops)."""
+    from app.store.read.cursor import decode
+
+    try:
+        decode(after, 2)  # refused before the database is asked, naming the option
+    except DomainError:
+        raise CliError(f"--after {(after or '')[:80]!r} is not a feed cursor: give one that "
+                       "`turnlog tail` printed when it stopped") from None
     url = resolve_url(database_url)
     check_database(url)
     cursor: list[str | None] = [after]

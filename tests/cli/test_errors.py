@@ -436,6 +436,17 @@ def test_a_revision_turnlog_does_not_ship_is_refused_by_name(tmp_path):
     assert run("migrate", "downgrade", "0011", "--database-url", url).exit_code == 0
 
 
+@pytest.mark.parametrize(("command", "named"), [
+    (["sessions", "--status", "bogus"], "--status 'bogus': expected open or closed"),
+    (["tail", "--after", "garbage"], "--after 'garbage' is not a feed cursor")])
+def test_a_bad_option_value_is_named_as_the_option(tmp_path, command, named):
+    """A tester's finding: "status must be open or closed", "cursor is not one this
+    server issued" (there is no server) — neither named the option."""
+    url = sqlite_file(tmp_path)
+    assert run("migrate", "--database-url", url).exit_code == 0
+    assert named in one_error_line(run(*command, "--database-url", url))
+
+
 def test_long_work_off_a_terminal_writes_nothing_to_stderr(tmp_path):
     """A tester's finding: the progress bar, not drawn off a terminal, still left a blank
     line on stderr (rebuild, import, export, retention, demo)."""
