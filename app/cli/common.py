@@ -259,6 +259,11 @@ def check_database(url: str, *, creating: bool = False) -> None:
     current = migrate.current(url)
     head = migrate.head_revision()
     if current is None:
+        # Another application's file: `turnlog migrate` would refuse it too (it was
+        # suggested, then refused: a tester's finding).
+        refusal = migrate.why_not_turnlog(url)
+        if refusal is not None:
+            raise CliError(refusal)
         where = mask(url) if path is None else str(path)
         raise CliError(f"not migrated: run `turnlog migrate` (database {where})")
     if current != head:
@@ -404,7 +409,10 @@ def describe_failure(exc: BaseException) -> str:
         name = exc.filename2 if exc.filename2 is not None else exc.filename
         return f"cannot use the file {os.fsdecode(name)}: {exc.strerror or _first_line(exc)}"
     if isinstance(exc, OSError | TimeoutError) or type(exc).__module__.startswith("asyncpg"):
-        return (f"cannot connect to {where}: {_first_line(exc)} "
+        reason = _first_line(exc)
+        if isinstance(exc, TimeoutError) and not str(exc).strip():
+            reason = "no answer in time (it took the connection but never answered)"
+        return (f"cannot connect to {where}: {reason} "
                 "(check --database-url or TURNLOG_DATABASE_URL)")
     return f"{type(exc).__name__}: {_first_line(exc)} (`turnlog --debug …` shows the traceback)"
 

@@ -106,6 +106,14 @@ def test_a_full_sqlite_disk_says_to_make_room_first(tmp_path):
     assert "turnlog retention r3" in line
 
 
+def test_another_applications_file_is_named_as_such_not_sent_to_migrate(tmp_path):
+    """A tester's finding: `sessions` said "run `turnlog migrate`", which then refused."""
+    with sqlite3.connect(tmp_path / "other.db") as conn:
+        conn.execute("CREATE TABLE foo (x)")
+    line = one_error_line(run("sessions", "--database-url", sqlite_file(tmp_path, "other.db")))
+    assert "not turnlog's (foo)" in line and "turnlog migrate`" not in line
+
+
 def test_an_unmigrated_postgres_database_says_run_migrate(fresh_database):
     url = fresh_database("postgres")
     line = one_error_line(run("replay", "abc", "--database-url", url))

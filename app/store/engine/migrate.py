@@ -159,6 +159,24 @@ def current(url: str) -> str | None:
     return result[0]
 
 
+def why_not_turnlog(url: str) -> str | None:
+    """`foreign_tables` of the database at `url`: why migrating it is refused, or None."""
+    result: list[str | None] = []
+
+    async def _read() -> None:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        engine = create_async_engine(normalize_url(url))
+        try:
+            async with engine.connect() as conn:
+                result.append(await conn.run_sync(foreign_tables))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(_read())
+    return result[0]
+
+
 async def upgrade_async(url: str, revision: str = "head") -> None:
     """Upgrade from inside a running loop (env.py runs its own loop in a thread)."""
     await asyncio.to_thread(upgrade, url, revision)
