@@ -179,7 +179,14 @@ def tail(
             err().print("waiting for new events (older ones: turnlog tail --from-start)",
                         soft_wrap=True)
         while True:
-            page = await svc.reader.feed(cursor[0], PAGE, wait)
+            try:
+                page = await svc.reader.feed(cursor[0], PAGE, wait)
+            except DomainError as exc:
+                if exc.field != "after" or cursor[0] != after:
+                    raise
+                # Well formed, but naming no event of this store (another's, a backup's).
+                raise CliError(f"--after {(after or '')[:80]!r} names no event of this "
+                               "store: give a cursor `turnlog tail` printed for it") from None
             for event in page["events"]:
                 if as_json:
                     echo_json(event)

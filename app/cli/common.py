@@ -8,7 +8,7 @@
   never creates a SQLite file, and says "not migrated: run `turnlog migrate`"
   instead of failing deep inside a query.
 - One error path (`TurnlogGroup`): any failure of any command is one line on
-  stderr and exit code 2; `turnlog --debug …` shows the traceback instead.
+  stderr and exit code 2; `turnlog --debug …` shows the traceback too.
 - One label-filter parser (`parse_labels`) and one output policy (`out`, `err`,
   `table`): on a terminal rich tables; without one, plain wide rows that a CI
   log keeps intact.
@@ -414,7 +414,8 @@ def describe_failure(exc: BaseException) -> str:
             reason = "no answer in time (it took the connection but never answered)"
         return (f"cannot connect to {where}: {reason} "
                 "(check --database-url or TURNLOG_DATABASE_URL)")
-    return f"{type(exc).__name__}: {_first_line(exc)} (`turnlog --debug …` shows the traceback)"
+    hint = "" if debugging() else " (`turnlog --debug …` shows the traceback)"
+    return f"{type(exc).__name__}: {_first_line(exc)}{hint}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -169,7 +169,8 @@ class ExportFormat(StrEnum):
     parquet = "parquet"
 
 
-def _export_parquet(url: str, filters: dict[str, str], out_file: Path, as_json: bool) -> None:
+def _export_parquet(url: str, filters: dict[str, str], out_file: Path, target: Path,
+                    as_json: bool) -> None:
     from app.services import build_services
     from app.transfer.parquet import ParquetReport, export_parquet
 
@@ -184,13 +185,13 @@ def _export_parquet(url: str, filters: dict[str, str], out_file: Path, as_json: 
                 def advance(done: int, total: int, samples: int) -> None:
                     bar.update(task, completed=done, total=total, samples=samples)
 
-                return await export_parquet(svc, filters, out_file, progress=advance)
+                return await export_parquet(svc, filters, target, progress=advance)
         finally:
             await svc.db.dispose()
 
     report = asyncio.run(go())
     if as_json:
-        echo_json(report.to_json())
+        echo_json({**report.to_json(), "out": str(out_file)})  # as given (a link: kept)
         return
     out().print(f"wrote {escape(str(out_file))}: {report.sessions} session(s), "
                 f"{report.samples} sample(s) in {report.row_groups} row group(s), "
@@ -224,7 +225,10 @@ def _check_out(out_file: Path) -> Path:
     not later as a failure to reach the database."""
     from app.transfer.npz import partial_path
 
-    target = out_file.resolve() if out_file.is_symlink() else out_file
+    try:
+        target = out_file.resolve() if out_file.is_symlink() else out_file
+    except (RuntimeError, OSError):  # a loop of links (3.11 raises RuntimeError)
+        raise CliError(f"cannot write {out_file}: a loop of symlinks (check --out)") from None
     if target.exists() and not target.is_file():
         kind = "a folder" if target.is_dir() else "not a regular file (a device, a pipe?)"
         raise CliError(f"cannot write {out_file}: it is {kind}; name a file (check --out)")
@@ -272,7 +276,7 @@ def export(
     filters = {**labels, "run_id": run_id}
     fmt = _export_format(out_file, fmt)
     url = resolve_url(database_url)
-    out_file = _check_out(out_file)
+    target = _check_out(out_file)
     check_database(url)
     wanted = " ".join(f"{k}={v}" for k, v in filters.items())
 
@@ -287,7 +291,7 @@ def export(
 
     with_services(url, matched)
     if fmt is ExportFormat.parquet:
-        _export_parquet(url, filters, out_file, as_json)
+        _export_parquet(url, filters, out_file, target, as_json)
         return
 
     async def go() -> ExportReport:
@@ -301,14 +305,14 @@ def export(
                 def advance(done: int, total: int) -> None:
                     bar.update(task, completed=done, total=total)
 
-                return await export_samples(svc, filters, out_file, compress=compress,
+                return await export_samples(svc, filters, target, compress=compress,
                                             progress=advance)
         finally:
             await svc.db.dispose()
 
     report = asyncio.run(go())
     if as_json:
-        echo_json(report.to_json())
+        echo_json({**report.to_json(), "out": str(out_file)})  # as given (a link: kept)
         return
     out().print(f"wrote {escape(str(out_file))}: {report.sessions} session(s), "
                   f"{report.samples} sample(s), {report.r3_tensors} R3 tensor(s)"

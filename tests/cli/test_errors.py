@@ -307,9 +307,14 @@ def test_an_export_never_replaces_what_is_not_a_file(tmp_path):
     (tmp_path / "real.npz").write_bytes(b"old")
     (tmp_path / "link.npz").symlink_to(tmp_path / "real.npz")
     result = run("export", "--run-id", "demo", "--out", str(tmp_path / "link.npz"),
-                 "--database-url", url)
+                 "--database-url", url, "--json")
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["out"] == str(tmp_path / "link.npz")  # as given
     assert (tmp_path / "link.npz").is_symlink()
+    (tmp_path / "loop.npz").symlink_to(tmp_path / "loop.npz")
+    line = one_error_line(run("export", "--run-id", "demo", "--out", str(tmp_path / "loop.npz"),
+                              "--database-url", url))
+    assert "a loop of symlinks" in line
     assert (tmp_path / "real.npz").read_bytes()[:2] == b"PK"  # the export, through the link
 
 
@@ -446,7 +451,9 @@ def test_a_revision_turnlog_does_not_ship_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize(("command", "named"), [
     (["sessions", "--status", "bogus"], "--status 'bogus': expected open or closed"),
-    (["tail", "--after", "garbage"], "--after 'garbage' is not a feed cursor")])
+    (["tail", "--after", "garbage"], "--after 'garbage' is not a feed cursor"),
+    # Well formed, naming no event of this store (a review's finding: "this server").
+    (["tail", "--after", "djE6OTk5OTk5OTk6NQ"], "names no event of this store")])
 def test_a_bad_option_value_is_named_as_the_option(tmp_path, command, named):
     """A tester's finding: "status must be open or closed", "cursor is not one this
     server issued" (there is no server) — neither named the option."""
@@ -493,8 +500,19 @@ def test_a_downgrade_that_drops_rows_is_refused_without_drop_data(tmp_path):
     # A step that drops no rows goes on, and says where it went (it said "to -1").
     result = run("migrate", "downgrade", "--database-url", url)
     assert result.exit_code == 0 and f"to {int(head) - 1:04d}" in result.stderr, result.stderr
-    assert run("migrate", "--database-url", url).exit_code == 0
-    result = run("migrate", "downgrade", "base", "--drop-data", "--database-url", url)
+    # Relative targets are resolved as the downgrade resolves them, against the current
+    # revision (a review's finding: -1 counted from head, and 0011+1 broke the guard).
+    line = one_error_line(run("migrate", "downgrade", "head-14", "--database-url", url))
+    assert "events (" in line, line
+    result = run("migrate", "downgrade", "0011+1", "--database-url", url)
+    assert result.exit_code == 0 and "to 0012" in result.stderr, result.output
+    assert run("migrate", "downgrade", "0003", "--database-url", url).exit_code == 0
+    for reached in ("0002", "0001"):  # one step at a time, from below head
+        result = run("migrate", "downgrade", "--database-url", url)
+        assert result.exit_code == 0 and f"to {reached}" in result.stderr, result.output
+    line = one_error_line(run("migrate", "downgrade", "--database-url", url))
+    assert "events (" in line, line
+    result = run("migrate", "downgrade", "--drop-data", "--database-url", url)
     assert result.exit_code == 0, result.output
     assert "current: None" in result.output
 

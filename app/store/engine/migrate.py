@@ -112,17 +112,20 @@ DATA_TABLES = {"0001": "events", "0002": "metric_submissions", "0004": "consumer
 
 
 def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
-    """(table, rows) of each table holding rows that downgrading to `revision` drops."""
+    """(table, rows) of each table holding rows that downgrading to `revision` drops
+    (rows counted up to 1,001)."""
     from alembic.util.exc import CommandError
 
     now = current(url)
     if now is None or not knows(now):
         return []  # nothing to drop, or a newer turnlog's schema: the downgrade says so
     try:
-        reverted = [r.revision for r in
-                    ScriptDirectory.from_config(config(url)).iterate_revisions(now, revision)]
+        # The steps `command.downgrade` runs from `now` (a relative target, -1 or
+        # 0011+1, resolved as it resolves them: against the current revision).
+        steps = ScriptDirectory.from_config(config(url))._downgrade_revs(revision, now)
     except CommandError:
         return []  # a target alembic cannot reach from here: the downgrade says so
+    reverted = [step.revision.revision for step in steps]
     tables = [DATA_TABLES[r] for r in reverted if r in DATA_TABLES]
     counts: list[tuple[str, int]] = []
 
@@ -133,8 +136,10 @@ def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
         engine = create_async_engine(normalize_url(url))
         try:
             async with engine.connect() as conn:
-                for table in tables:
-                    rows = (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar()
+                for table in tables:  # at most 1,001 rows read: no scan of a big log
+                    rows = (await conn.execute(text(
+                        f"SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT 1001) AS some"
+                    ))).scalar()
                     if rows:
                         counts.append((table, int(rows)))
         finally:
