@@ -187,6 +187,10 @@ def resolve_url(database_url: str | None) -> str:
 
     from app.store.engine.db import normalize_url
 
+    if database_url is not None and not database_url.strip():
+        # An unset shell variable (`--database-url "$DB"`): not the default file.
+        raise CliError("--database-url is empty: give a URL, or leave the option out for "
+                       "TURNLOG_DATABASE_URL (else ./turnlog.db)")
     raw = database_url or get_settings().store.database_url
     try:
         url = normalize_url(raw)

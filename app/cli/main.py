@@ -223,6 +223,9 @@ def migrate(
     """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
     from app.store.engine import migrate as migrations
 
+    if action is MigrateAction.current and revision is not None:
+        raise CliError(f"`migrate current` takes no revision (got {revision!r}): it shows "
+                       "the database's")
     url = resolve_url(database_url)
     # Relative forms (-1, +2, head-1, 0011+1) are alembic's to resolve; a name must be ours.
     if revision is not None and revision not in ("head", "heads", "base") \

@@ -462,6 +462,19 @@ def test_a_bad_option_value_is_named_as_the_option(tmp_path, command, named):
     assert named in one_error_line(run(*command, "--database-url", url))
 
 
+def test_arguments_that_would_be_ignored_are_refused(tmp_path, monkeypatch):
+    """A tester's findings: `migrate current 0003` ignored the revision, and an empty
+    `--database-url` (an unset shell variable) fell back to ./turnlog.db."""
+    monkeypatch.chdir(tmp_path)
+    url = sqlite_file(tmp_path)
+    assert run("migrate", "--database-url", url).exit_code == 0
+    line = one_error_line(run("migrate", "current", "0003", "--database-url", url))
+    assert "takes no revision" in line
+    line = one_error_line(run("sessions", "--database-url", ""))
+    assert "--database-url is empty" in line
+    assert not (tmp_path / "turnlog.db").exists()
+
+
 def test_long_work_off_a_terminal_writes_nothing_to_stderr(tmp_path):
     """A tester's finding: the progress bar, not drawn off a terminal, still left a blank
     line on stderr (rebuild, import, export, retention, demo)."""
