@@ -229,8 +229,9 @@ def _check_out(out_file: Path) -> Path:
         target = out_file.resolve() if out_file.is_symlink() else out_file
     except (RuntimeError, OSError):  # a loop of links (3.11 raises RuntimeError)
         raise CliError(f"cannot write {out_file}: a loop of symlinks (check --out)") from None
-    if target.exists() and not target.is_file():
-        kind = "a folder" if target.is_dir() else "not a regular file (a device, a pipe?)"
+    # What the path names, links followed (`/dev/stdout` names a pipe its path does not).
+    if out_file.exists() and not out_file.is_file():
+        kind = "a folder" if out_file.is_dir() else "not a regular file (a device, a pipe?)"
         raise CliError(f"cannot write {out_file}: it is {kind}; name a file (check --out)")
     probe = partial_path(target)  # the name the writers use
     try:
