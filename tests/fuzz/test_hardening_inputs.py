@@ -158,9 +158,15 @@ async def test_a_cross_site_simple_write_is_refused(local, sid, content_type):
     r = await http.post("/v1/sessions", content=body, headers={
         "content-type": "application/json", "origin": "https://evil.example"})
     is_problem(r, 421, "foreign-host")
+    # A page of another local web app (another port, another loopback name): a tester's
+    # finding, it wrote to the store with an untyped body (a Blob: no Content-Type).
+    for origin in ("http://localhost:3000", "http://127.0.0.1:3000", "http://localhost:8000",
+                   "null"):
+        r = await http.post("/v1/sessions", content=body, headers={"origin": origin})
+        is_problem(r, 421, "foreign-host")
     assert (await http.get(f"/v1/sessions/{sid}")).status_code == 404
     ok = await http.post("/v1/sessions", content=body, headers={
-        "content-type": "application/json; charset=utf-8", "origin": "http://localhost:8000"})
+        "content-type": "application/json; charset=utf-8", "origin": "http://127.0.0.1:8000"})
     assert ok.status_code == 201, ok.text
 
 

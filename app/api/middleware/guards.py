@@ -108,14 +108,9 @@ class Loopback:
                 "without API tokens this server answers only loopback host names",
                 field="Host", expected="localhost, 127.0.0.1, [::1] or TURNLOG_ALLOWED_HOSTS",
                 actual=host[:80] or "missing")
-        origin = headers.get(b"origin")
-        if origin is not None:
-            origin_host = urlsplit(origin.decode("latin-1").strip()).hostname or ""
-            if not is_loopback(origin_host, self.allowed):
-                return ForeignHost(
-                    "without API tokens this server refuses requests from other origins",
-                    field="Origin", expected="a loopback origin or no Origin header",
-                    actual=origin.decode("latin-1")[:80])
+        refused = foreign_origin(headers, self.allowed)
+        if refused is not None:
+            return refused
         if scope["method"].upper() in READ_METHODS or not has_body(headers):
             return None
         declared = headers.get(b"content-type")
@@ -133,6 +128,32 @@ class Loopback:
                 expected=" | ".join(sorted(WRITE_TYPES)) if turns else "application/json",
                 actual=declared.decode("latin-1")[:80] or "empty")
         return None
+
+
+def foreign_origin(headers: dict[bytes, bytes], allowed: Iterable[str]) -> ForeignHost | None:
+    """The refusal of a request whose `Origin` is not this server's own: another host,
+    or another port of a loopback one (a page of another local web app, Jupyter or a dev
+    server, wrote to the store: a tester's finding). Only browsers send `Origin`, and the
+    UI's pages are this server's own; None without one."""
+    origin = headers.get(b"origin")
+    if origin is None:
+        return None
+    text = origin.decode("latin-1").strip()
+    try:
+        parts = urlsplit(text)
+        origin_port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        parts, origin_port = urlsplit(""), -1
+    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+    host_port = host.rpartition(":")[2] if host.rpartition(":")[2].isdigit() \
+        and not host.endswith("]") else "80"
+    if not is_loopback(parts.hostname or "", allowed) \
+            or (parts.hostname or "") != host_name(host) or str(origin_port) != host_port:
+        return ForeignHost(
+            "without API tokens this server refuses requests from other origins",
+            field="Origin", expected="this server's own origin, or no Origin header",
+            actual=text[:80])
+    return None
 
 
 def has_body(headers: dict[bytes, bytes]) -> bool:
