@@ -7,7 +7,10 @@ configured (`TURNLOG_API_TOKENS`), a request needs `Authorization: Bearer
 and needs a `write` token (which also reads). A missing or unknown token is
 401 `Unauthorized`, a read token on a write route 403 `Forbidden`; `challenge`
 is their `WWW-Authenticate`. Tokens are compared in constant time. The token
-format is `app.settings.parse_api_tokens`.
+format is `app.settings.parse_api_tokens`. Also who is answered without tokens:
+loopback `Host` names (`is_loopback`), and an `Origin` only this server's own
+(`foreign_request`: a browser page elsewhere — another site, DNS rebinding,
+another local web app — is 421 `ForeignHost`).
 
 Refuses: which paths are open and answering a request (the shells' own:
 `app.api.middleware.auth`, `app.ui.guard`, `app.gateway.proxy`).
@@ -16,7 +19,9 @@ Refuses: which paths are open and answering a request (the shells' own:
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+import ipaddress
+from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit
 
 from app.domain.errors import DomainError
 from app.settings import Scope
@@ -120,3 +125,79 @@ def token_in_url(query_string: bytes) -> Unauthorized | None:
     return Unauthorized("API tokens go in the Authorization header, never in the URL",
                         field=name[:40], expected="Authorization: Bearer <token>",
                         actual="a token in the query string (redacted)")
+
+
+class ForeignHost(DomainError):
+    """A `Host` or `Origin` that is not this loopback server (DNS rebinding, CSRF)."""
+
+    slug = "foreign-host"
+    status = 421
+    title = "Request not meant for this server"
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
+
+
+def host_name(value: str) -> str:
+    """The name of a `Host` value without its port, lower case (`[::1]:80` → `::1`)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    if value.count(":") == 1:
+        value = value.partition(":")[0]
+    return value
+
+
+def is_loopback(name: str, extra: Iterable[str] = ()) -> bool:
+    if name in LOOPBACK_NAMES or name in extra:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def foreign_origin(headers: Mapping[bytes, bytes], allowed: Iterable[str]) -> ForeignHost | None:
+    """The refusal of a request whose `Origin` is not this server's own: another host,
+    or another port of a loopback one (a page of another local web app, Jupyter or a dev
+    server, wrote to the store: a tester's finding). Only browsers send `Origin`, and the
+    UI's pages are this server's own; None without one."""
+    origin = headers.get(b"origin")
+    if origin is None:
+        return None
+    text = origin.decode("latin-1").strip()
+    try:
+        parts = urlsplit(text)
+        origin_port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        parts, origin_port = urlsplit(""), -1
+    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+    host_port = host.rpartition(":")[2] if host.rpartition(":")[2].isdigit() \
+        and not host.endswith("]") else "80"
+    if not is_loopback(parts.hostname or "", allowed) \
+            or (parts.hostname or "") != host_name(host) or str(origin_port) != host_port:
+        return ForeignHost(
+            "without API tokens this server refuses requests from other origins",
+            field="Origin", expected="this server's own origin, or no Origin header",
+            actual=text[:80])
+    return None
+
+
+def foreign_request(headers: Mapping[bytes, bytes], allowed: Iterable[str]) -> ForeignHost | None:
+    """A `Host` that is no loopback name (nor `allowed`), or an `Origin` not this
+    server's own; `headers` by lower-case name."""
+    host = host_name(headers.get(b"host", b"").decode("latin-1"))
+    if not is_loopback(host, allowed):
+        return ForeignHost(
+            "without API tokens this server answers only loopback host names",
+            field="Host", expected="localhost, 127.0.0.1, [::1] or TURNLOG_ALLOWED_HOSTS",
+            actual=host[:80] or "missing")
+    return foreign_origin(headers, allowed)
+
+
+def header_map(scope_headers: Iterable[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """An ASGI scope's headers by lower-case name, the first of each."""
+    headers: dict[bytes, bytes] = {}
+    for name, value in scope_headers:
+        headers.setdefault(name.lower(), value)
+    return headers

@@ -13,15 +13,8 @@ into more values than it allows.
 
 from __future__ import annotations
 
+from app.access import ForeignHost  # noqa: F401  (the API's, defined with its rule)
 from app.domain.errors import DomainError
-
-
-class ForeignHost(DomainError):
-    """A `Host` or `Origin` that is not this loopback server (DNS rebinding, CSRF)."""
-
-    slug = "foreign-host"
-    status = 421
-    title = "Request not meant for this server"
 
 
 class RequestTimeout(DomainError):

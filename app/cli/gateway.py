@@ -136,12 +136,12 @@ def gateway(
                            session_header=session_header, upstream_timeout=upstream_timeout,
                            store_timeout=store_timeout, defaults=defaults,
                            idle_close_seconds=idle_close_seconds, spool_dir=spool_dir,
-                           spool_max_bytes=spool_max_bytes)
+                           spool_max_bytes=spool_max_bytes, bind_host=host)
     store = common.sqlite_path(url) or mask(url)  # a SQLite file by its absolute path
     err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
                 f"(store {store}, spool {spool_dir})")
     settings = common.settings_for(url)
-    from app.api.middleware.guards import is_loopback
+    from app.access import is_loopback
 
     if idle_close_seconds is not None and idle_close_seconds <= upstream_timeout:
         common.warn(f"--idle-close-seconds {idle_close_seconds:g} is not above "
@@ -182,7 +182,7 @@ def _is_own_address(upstream: str, host: str, port: int) -> bool:
     loopback or wildcard bind counts as the same host)."""
     from urllib.parse import urlsplit
 
-    from app.api.middleware.guards import is_loopback
+    from app.access import is_loopback
 
     try:
         target = urlsplit(upstream)

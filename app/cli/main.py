@@ -137,7 +137,7 @@ def serve(
     settings = common.settings_for(url)
     bind = host or settings.server.host
     port = port or settings.server.port
-    from app.api.middleware.guards import is_loopback
+    from app.access import is_loopback
 
     if not is_loopback(bind) and not settings.access.api_tokens:
         if not insecure:

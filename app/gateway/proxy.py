@@ -52,6 +52,11 @@ from app.access import (
     authorize,
     bearer_token,
     challenge,
+    foreign_origin,
+    foreign_request,
+    header_map,
+    host_name,
+    is_loopback,
     token_in_url,
 )
 from app.allocator import unfilled_bytearray
@@ -139,6 +144,9 @@ class GatewayConfig:
     spool_dir: Path = Path("turnlog-spool")
     spool_max_bytes: int = 1 << 30
     max_connections: int = 1000
+    # The address it listens on: on a loopback one only loopback Host names (and
+    # TURNLOG_ALLOWED_HOSTS) are answered (`Gateway._refusal`). None: not checked.
+    bind_host: str | None = None
 
 
 class ClientGone(Exception):
@@ -166,6 +174,15 @@ class Gateway:
         self.services: Services | None = None
         self.recorder: Recorder | None = None
         self.tokens = TokenTable(settings.access.api_tokens)
+        # A browser on this machine must not reach the gateway under another name (DNS
+        # rebinding: a page's own host name resolved to 127.0.0.1 recorded turns with its
+        # labels and read the upstream's routes) nor write from another origin (a page
+        # closed sessions with an untyped body): the store's no-token guard, applied to
+        # every request when the gateway listens on loopback (a tester's findings).
+        bind = config.bind_host
+        self.allowed = frozenset(host_name(h) for h in (bind or "", *settings.access.allowed_hosts)
+                                 ) - {"", "0.0.0.0", "::"}
+        self.on_loopback = bind is not None and is_loopback(host_name(bind))
         self._warming: asyncio.Task[None] | None = None
 
     # -- lifespan --------------------------------------------------------------------
@@ -243,6 +260,10 @@ class Gateway:
         # Routes are told by the path as sent (not percent-decoded), the form the
         # upstream gets: `/v1/chat%2Fcompletions` is not the recorded path.
         path = _raw_path(scope).decode("latin-1")
+        refusal = self._refusal(scope, path)
+        if refusal is not None:
+            await _problem(send, refusal)
+            return
         try:
             if path.startswith(OWN_PREFIX):
                 await self._own(scope, receive, send)
@@ -260,6 +281,19 @@ class Gateway:
             log.debug("caller disconnected", path=path)
         except InvalidRequest as exc:  # raised before anything was sent
             await _problem(send, exc)
+
+    def _refusal(self, scope: dict[str, Any], path: str) -> DomainError | None:
+        """A request a browser page could have sent against the caller's will: on a
+        loopback bind, a foreign `Host` or `Origin` (every route; the own writes refuse
+        a body typed other than JSON besides). Elsewhere (a bind every name may reach)
+        a foreign `Origin` on an own write without tokens."""
+        own_write = path.startswith(OWN_PREFIX) and scope["method"] not in ("GET", "HEAD")
+        headers = header_map(scope.get("headers") or [])
+        if self.on_loopback:
+            return foreign_request(headers, self.allowed)
+        if own_write and not self.tokens:
+            return foreign_origin(headers, self.allowed)
+        return None
 
     # -- own routes ----------------------------------------------------------------------
 

@@ -178,7 +178,7 @@ async def test_a_caller_whose_body_stops_gets_408_and_nothing_is_stored(
     await gateway.wait_ready()
     started = asyncio.get_running_loop().time()
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
-    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + extra + b"Content-Length: 1000\r\n\r\n" + b'{"input_ids": [1, 2')
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
@@ -224,17 +224,17 @@ async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_proces
     gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}",
                               env={"TURNLOG_HEADER_TIMEOUT_S": "1"})
     await gateway.wait_ready()
-    flood = b"GET /health HTTP/1.1\r\nHost: g\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+    flood = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
     head, problem, rest = await _exchange(gateway.port, flood)
     assert head.startswith(b"HTTP/1.1 431") and rest == b"", head
     assert problem["type"] == "urn:turnlog:headers-too-large"
     started = asyncio.get_running_loop().time()
-    head, problem, rest = await _exchange(gateway.port, b"GET /health HTTP/1.1\r\nHost: g\r\n")
+    head, problem, rest = await _exchange(gateway.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     assert head.startswith(b"HTTP/1.1 408") and rest == b"", head
     assert problem["field"] == "headers"
     assert asyncio.get_running_loop().time() - started < 8
     head, problem, rest = await _exchange(
-        gateway.port, b"POST /generate HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\n"
+        gateway.port, b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n"
                       b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"application/problem+json" in head, head
     assert problem["field"] == "request"
@@ -243,7 +243,7 @@ async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_proces
     # upstream timeout (600 s). Refused at once; without a body it is served.
     started = asyncio.get_running_loop().time()
     head, problem, rest = await _exchange(
-        gateway.port, b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: Upgrade, "
+        gateway.port, b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, "
                       b"HTTP2-Settings\r\nUpgrade: h2c\r\nContent-Length: 5\r\n\r\nhello")
     assert head.startswith(b"HTTP/1.1 400") and rest == b"", head
     assert problem["field"] == "Upgrade" and problem["actual"] == "h2c"
@@ -254,7 +254,7 @@ async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_proces
         assert (await send_turn(http, "s-upgrade", chat([1, 2, 3]))).status == 200
     close = b'{"metadata": {"reward": 1.0}}'
     head, problem, rest = await _exchange(
-        gateway.port, b"POST /turnlog/v1/sessions/s-upgrade/close HTTP/1.1\r\nHost: g\r\n"
+        gateway.port, b"POST /turnlog/v1/sessions/s-upgrade/close HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                       b"Connection: Upgrade\r\nUpgrade: h2c\r\nContent-Type: application/json"
                       b"\r\nContent-Length: %d\r\n\r\n" % len(close) + close)
     assert head.startswith(b"HTTP/1.1 400"), head
@@ -263,7 +263,7 @@ async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_proces
         assert db.execute("SELECT status FROM sessions WHERE session_id = 's-upgrade'"
                           ).fetchone() == ("open",)
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: g\r\nConnection: Upgrade\r\n"
+    writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\n"
                  b"Upgrade: h2c\r\n\r\n")
     assert (await asyncio.wait_for(reader.readline(), 20)).startswith(b"HTTP/1.1 200")
     writer.close()

@@ -93,7 +93,7 @@ def raw_request(port: int, request: bytes) -> bytes:
 async def test_hop_by_hop_headers_are_dropped(forwarder):
     gateway = forwarder
     body = b"0123456789"
-    request = (b"POST /generate HTTP/1.1\r\nHost: gateway.example\r\n"
+    request = (b"POST /generate HTTP/1.1\r\nHost: localhost\r\n"
                b"Connection: close, X-Per-Hop\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
                b"Trailer: X-Sum\r\nProxy-Authorization: Basic eA==\r\nProxy-Foo: bar\r\n"
                b"X-Per-Hop: 1\r\nX-End-To-End: kept\r\nContent-Length: 10\r\n\r\n" + body)
@@ -109,18 +109,43 @@ async def test_hop_by_hop_headers_are_dropped(forwarder):
     assert echo["body"] == body.decode()
 
     # A chunked request body goes up whole (the upstream sees no Transfer-Encoding of ours).
-    chunked = (b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+    chunked = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
     head, _, payload = raw_request(gateway.port, chunked).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     assert json.loads(payload)["body"] == "hello world"
 
 
+async def test_a_browser_page_elsewhere_is_refused(forwarder):
+    """A tester's findings: the gateway served any `Host` (a page's own name resolved to
+    127.0.0.1 — DNS rebinding — recorded turns with its labels and read the upstream's
+    routes) and any `Origin` (a page of another site closed sessions with an untyped
+    body). On a loopback bind it answers as the store does without tokens: 421."""
+    port = forwarder.port
+    rebound = raw_request(port, b"GET /v1/models HTTP/1.1\r\nHost: evil.example:%d\r\n"
+                                b"Connection: close\r\n\r\n" % port)
+    assert rebound.startswith(b"HTTP/1.1 421"), rebound[:200]
+    assert b'"field":"Host"' in rebound
+    close = b'{"metadata": {"reward": -5}}'
+    for origin in (b"http://evil.example", b"http://127.0.0.1:3000"):
+        forged = raw_request(port, b"POST /turnlog/v1/sessions/s-csrf/close HTTP/1.1\r\n"
+                                   b"Host: 127.0.0.1:%d\r\nOrigin: %s\r\nConnection: close\r\n"
+                                   b"Content-Length: %d\r\n\r\n%s" % (port, origin, len(close),
+                                                                      close))
+        assert forged.startswith(b"HTTP/1.1 421"), forged[:200]
+        assert b'"field":"Origin"' in forged
+    # Its own origin, and no Origin at all (a script), are served.
+    own = raw_request(port, b"GET /turnlog/healthz HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+                            b"Origin: http://127.0.0.1:%d\r\nConnection: close\r\n\r\n"
+                      % (port, port))
+    assert own.startswith(b"HTTP/1.1 200"), own[:200]
+
+
 async def test_trailer_fields_are_never_taken_for_headers(forwarder):
     """A tester's finding: a chunked body's trailer fields were appended to the request's
     headers, so a trailer could name the session recorded and forge X-Forwarded-For,
     depending on how TCP split the request (RFC 9112 §7.1.2: never merged)."""
-    request = (b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+    request = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
                b"X-SMG-Routing-Key: s-header\r\nTransfer-Encoding: chunked\r\n\r\n"
                b"5\r\nhello\r\n0\r\nX-SMG-Routing-Key: s-trailer\r\n"
                b"X-Forwarded-For: 6.6.6.6\r\nAuthorization: Bearer forged\r\n\r\n")
@@ -136,7 +161,7 @@ async def test_trailer_fields_are_never_taken_for_headers(forwarder):
 async def test_a_utf8_header_value_goes_up_as_it_came(forwarder, fake_sglang):
     """A tester's finding: header values went up decoded as latin-1 and re-encoded as
     UTF-8 by the HTTP client, so a routing key `s-é` reached the router as another key."""
-    request = (b"POST /generate HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+    request = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
                b"X-SMG-Routing-Key: s-caf\xc3\xa9\r\nContent-Length: 2\r\n\r\nhi")
     echoes = [json.loads(raw_request(port, request).partition(b"\r\n\r\n")[2])
               for port in (fake_sglang.port, forwarder.port)]
@@ -148,7 +173,7 @@ async def test_an_http10_caller_gets_a_held_chunked_reply_with_its_length(forwar
     """A tester's finding: a turn's reply that came chunked went back chunked to an
     HTTP/1.0 caller, which read the chunk sizes as part of the JSON (RFC 9112 §6.1)."""
     body = json.dumps(chat([1, 2, 3])).encode()
-    request = (b"POST /v1/chat/completions HTTP/1.0\r\nHost: g\r\n"
+    request = (b"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1\r\n"
                b"Content-Type: application/json\r\nX-SMG-Routing-Key: s-http10\r\n"
                b"X-Sim-Chunks: 2\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     head, _, payload = raw_request(forwarder.port, request).partition(b"\r\n\r\n")
@@ -309,7 +334,7 @@ async def test_a_path_goes_up_as_sent_and_only_the_recorded_path_is_a_turn(forwa
         before = await scrape(http)
         for target in (b"/a/../v1/chat/completions", b"/./v1/chat/completions",
                        b"/v1/chat%2Fcompletions", b"/v1//chat/completions"):
-            request = (b"POST " + target + b" HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+            request = (b"POST " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
                        b"X-SMG-Routing-Key: s-dots\r\nContent-Type: application/json\r\n"
                        b"Content-Length: 2\r\n\r\n{}")
             head, _, payload = raw_request(forwarder.port, request).partition(b"\r\n\r\n")
@@ -355,7 +380,7 @@ async def test_a_session_route_says_how_many_spooled_turns_the_gateway_holds(for
 
 async def test_a_websocket_handshake_is_refused_not_a_500(forwarder):
     for path in (b"/turnlog/healthz", b"/generate"):
-        request = (b"GET " + path + b" HTTP/1.1\r\nHost: g\r\nUpgrade: websocket\r\n"
+        request = (b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                    b"Sec-WebSocket-Version: 13\r\n\r\n")
         reply = raw_request(forwarder.port, request)

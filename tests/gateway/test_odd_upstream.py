@@ -100,7 +100,7 @@ async def _exchange(port: int, requests: bytes) -> bytes:
 
 
 def _get(path: bytes, last: bool = False) -> bytes:
-    return (b"GET " + path + b" HTTP/1.1\r\nHost: g\r\n"
+    return (b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             + (b"Connection: close\r\n" if last else b"") + b"\r\n")
 
 
@@ -135,7 +135,7 @@ async def test_an_interim_head_without_a_final_one_is_a_502_at_the_upstream_time
                               upstream=odd_upstream)
     await gateway.wait_ready()
     body = b'{"input_ids": [1, 2]}' if method == b"POST" else b""
-    request = (method + b" " + path + b" HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+    request = (method + b" " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
                + (b"X-SMG-Routing-Key: s-interim\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n" % len(body) if body else b"") + b"\r\n" + body)
     reply = await _exchange(gateway.port, request)  # its socket gives up after 15 s
@@ -173,7 +173,7 @@ async def test_a_reply_head_that_cannot_be_relayed_is_a_502_and_no_turn(
     gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=odd_upstream)
     await gateway.wait_ready()
     body = b'{"input_ids": [1, 2, 3]}'
-    turn = (b"POST /v1/chat/completions?control HTTP/1.1\r\nHost: g\r\n"
+    turn = (b"POST /v1/chat/completions?control HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"X-SMG-Routing-Key: s-control\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body) + body)
     for request in (turn, _get(b"/control-value")):
@@ -273,7 +273,7 @@ async def test_an_upstream_that_stops_reading_the_body_is_a_502(
         path, extra = b"/v1/chat/completions", b"X-SMG-Routing-Key: s-stalled\r\n"
     else:  # passthrough, streamed up as it comes
         body, path, extra = b"x" * (24 << 20), b"/generate", b""
-    head = (b"POST " + path + b" HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+    head = (b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + extra + b"Content-Length: %d\r\n\r\n" % len(body))
     first, rest = await _post_while_reading(gateway.port, head, body)
     assert first.startswith(b"HTTP/1.1 502"), first + rest[:300]
@@ -400,7 +400,7 @@ async def test_a_caller_that_hangs_up_ends_its_upstream_request_at_once(
     gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=hangups.url)
     await gateway.wait_ready()
     body = b'{"input_ids": [1, 2]}'
-    turn = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nX-SMG-Routing-Key: s-gone\r\n"
+    turn = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-SMG-Routing-Key: s-gone\r\n"
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     await _hang_up_after(gateway.port, turn)
     await _hang_up_after(gateway.port, _get(b"/generate"))

@@ -17,21 +17,25 @@ bearer token on its own.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable
-from urllib.parse import urlsplit
 
 import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.access import URL_TOKEN_CHALLENGE, token_in_url
-from app.api.http_errors import ForeignHost, HeadersTooLarge
+from app.access import (
+    URL_TOKEN_CHALLENGE,
+    ForeignHost,
+    foreign_request,
+    header_map,
+    host_name,
+    token_in_url,
+)
+from app.api.http_errors import HeadersTooLarge
 from app.api.problems import send_problem
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import msgpackio
 
 log = structlog.get_logger("turnlog.guard")
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
 WRITE_TYPES = frozenset({"application/json", *msgpackio.MEDIA_TYPES,
                          msgpackio.NARROW_MEDIA_TYPE})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -61,25 +65,6 @@ def headers_too_large(count: int, size: int, max_count: int, max_bytes: int) -> 
         actual=f"{count} headers, {size} bytes")
 
 
-def host_name(value: str) -> str:
-    """The name of a `Host` value without its port, lower case (`[::1]:80` → `::1`)."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[1:value.find("]")] if "]" in value else value
-    if value.count(":") == 1:
-        value = value.partition(":")[0]
-    return value
-
-
-def is_loopback(name: str, extra: Iterable[str] = ()) -> bool:
-    if name in LOOPBACK_NAMES or name in extra:
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
 class Loopback:
     def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
         self.app = app
@@ -99,16 +84,8 @@ class Loopback:
         await self.app(scope, receive, send)
 
     def refusal(self, scope: Scope) -> ForeignHost | UnsupportedMediaType | None:
-        headers: dict[bytes, bytes] = {}
-        for name, value in scope.get("headers") or []:
-            headers.setdefault(name.lower(), value)
-        host = host_name(headers.get(b"host", b"").decode("latin-1"))
-        if not is_loopback(host, self.allowed):
-            return ForeignHost(
-                "without API tokens this server answers only loopback host names",
-                field="Host", expected="localhost, 127.0.0.1, [::1] or TURNLOG_ALLOWED_HOSTS",
-                actual=host[:80] or "missing")
-        refused = foreign_origin(headers, self.allowed)
+        headers = header_map(scope.get("headers") or [])
+        refused = foreign_request(headers, self.allowed)
         if refused is not None:
             return refused
         if scope["method"].upper() in READ_METHODS or not has_body(headers):
@@ -128,32 +105,6 @@ class Loopback:
                 expected=" | ".join(sorted(WRITE_TYPES)) if turns else "application/json",
                 actual=declared.decode("latin-1")[:80] or "empty")
         return None
-
-
-def foreign_origin(headers: dict[bytes, bytes], allowed: Iterable[str]) -> ForeignHost | None:
-    """The refusal of a request whose `Origin` is not this server's own: another host,
-    or another port of a loopback one (a page of another local web app, Jupyter or a dev
-    server, wrote to the store: a tester's finding). Only browsers send `Origin`, and the
-    UI's pages are this server's own; None without one."""
-    origin = headers.get(b"origin")
-    if origin is None:
-        return None
-    text = origin.decode("latin-1").strip()
-    try:
-        parts = urlsplit(text)
-        origin_port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        parts, origin_port = urlsplit(""), -1
-    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
-    host_port = host.rpartition(":")[2] if host.rpartition(":")[2].isdigit() \
-        and not host.endswith("]") else "80"
-    if not is_loopback(parts.hostname or "", allowed) \
-            or (parts.hostname or "") != host_name(host) or str(origin_port) != host_port:
-        return ForeignHost(
-            "without API tokens this server refuses requests from other origins",
-            field="Origin", expected="this server's own origin, or no Origin header",
-            actual=text[:80])
-    return None
 
 
 def has_body(headers: dict[bytes, bytes]) -> bool:
