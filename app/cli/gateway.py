@@ -138,7 +138,7 @@ def gateway(
                            idle_close_seconds=idle_close_seconds, spool_dir=spool_dir,
                            spool_max_bytes=spool_max_bytes, bind_host=host)
     store = common.sqlite_path(url) or mask(url)  # a SQLite file by its absolute path
-    err().print(f"turnlog gateway on http://{host}:{port} → {upstream} "
+    err().print(f"turnlog gateway on http://{host}:{port} → {mask(upstream)} "
                 f"(store {store}, spool {spool_dir})")
     settings = common.settings_for(url)
     from app.access import is_loopback

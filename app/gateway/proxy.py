@@ -168,6 +168,9 @@ class Gateway:
         self.max_turn_bytes = settings.limits.max_body_bytes
         self.body_timeout = settings.limits.body_timeout_s
         self.upstream = httpx.URL(config.upstream)
+        # How answers and logs name it: without credentials in the URL (a 502 showed
+        # `user:pass@` to any caller: a tester's finding).
+        self.shown = str(self.upstream.copy_with(userinfo=b""))
         self.base_path = self.upstream.raw_path.split(b"?", 1)[0].rstrip(b"/")
         self.origin = f"{self.upstream.scheme}://{self.upstream.netloc.decode('ascii')}"
         self.client: aiohttp.ClientSession | None = None
@@ -211,7 +214,7 @@ class Gateway:
         await settle()  # imports the worker-thread path; freezes what exists (app.settle)
         # The store's connections, before the first turns (each would pay its connect).
         self._warming = asyncio.create_task(self.services.db.warm())
-        log.info("gateway ready", upstream=str(self.upstream),
+        log.info("gateway ready", upstream=self.shown,
                  record_paths=list(self.config.record_paths), spooled_turns=spool.turns,
                  spooled_writes=len(spool))
 
@@ -605,23 +608,23 @@ class Gateway:
             if isinstance(exc.__cause__, CallerStalled):
                 raise exc.__cause__ from None
             if isinstance(exc, UploadStalled):
-                raise UpstreamUnavailable(str(exc), extra={"upstream": str(self.upstream)}
+                raise UpstreamUnavailable(str(exc), extra={"upstream": self.shown}
                                           ) from exc
             if head_by.expired():
                 raise UpstreamUnavailable(
-                    f"the upstream {self.upstream} sent no final reply head within "
+                    f"the upstream {self.shown} sent no final reply head within "
                     f"{timeout:g} s of the request (--upstream-timeout)",
-                    extra={"upstream": str(self.upstream)}) from exc
+                    extra={"upstream": self.shown}) from exc
             raise UpstreamUnavailable(
-                f"the upstream {self.upstream} did not answer: {type(exc).__name__}"
+                f"the upstream {self.shown} did not answer: {type(exc).__name__}"
                 + (f" ({exc})" if str(exc) else ""),
-                extra={"upstream": str(self.upstream)}) from exc
+                extra={"upstream": self.shown}) from exc
         if not 200 <= response.status <= 599:
             response.close()
             raise UpstreamUnavailable(
-                f"the upstream {self.upstream} answered with status {response.status}, "
+                f"the upstream {self.shown} answered with status {response.status}, "
                 "which is not a final HTTP status (200-599)",
-                extra={"upstream": str(self.upstream)})
+                extra={"upstream": self.shown})
         unrelayable = unrelayable_header(end_to_end(response.raw_headers))
         if unrelayable is not None:
             # Checked before anything is relayed or recorded: the HTTP server would
@@ -629,8 +632,8 @@ class Gateway:
             # turn had been stored (a retry then stored it twice).
             response.close()
             raise UpstreamUnavailable(
-                f"the upstream {self.upstream} answered with a reply head that cannot "
-                f"be relayed: {unrelayable}", extra={"upstream": str(self.upstream)})
+                f"the upstream {self.shown} answered with a reply head that cannot "
+                f"be relayed: {unrelayable}", extra={"upstream": self.shown})
         return response
 
     def _too_large(self, session_id: str, part: str, request_bytes: int | None = None, *,

@@ -251,7 +251,9 @@ async def test_a_chunked_turn_reply_held_to_be_judged_stays_chunked(forwarder, f
 
 async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_process):
     closed_port = free_port()  # nothing listens there
-    down = gateway_process(_sqlite(tmp_path), upstream=f"http://127.0.0.1:{closed_port}")
+    # Credentials in the upstream's URL are never shown to callers (a 502 showed them).
+    down = gateway_process(_sqlite(tmp_path),
+                           upstream=f"http://user:hunter2@127.0.0.1:{closed_port}")
     await down.wait_ready()
     async with httpx.AsyncClient(base_url=down.url, timeout=30) as http:
         for reply in (await http.post("/generate", content=b"x"),
@@ -263,6 +265,7 @@ async def test_an_upstream_that_is_down_or_slow_is_a_502(tmp_path, gateway_proce
             problem = reply.json()
             assert problem["type"] == "urn:turnlog:upstream-unavailable"
             assert problem["status"] == 502
+            assert "hunter2" not in reply.text and "user:" not in reply.text, reply.text
         # The turn-shaped request (a recorded path, a session) is counted; the others
         # are passthrough, not counted there.
         metrics = await scrape(http)
