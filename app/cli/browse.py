@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 
 from app.cli.common import (
     AsJson,
@@ -24,6 +23,7 @@ from app.cli.common import (
     err,
     out,
     parse_labels,
+    printable,
     resolve_session,
     resolve_url,
     table,
@@ -78,9 +78,9 @@ def sessions(
     for column in ("session", "status", "version", "mode", "nodes", "created", "labels"):
         grid.add_column(column, no_wrap=column != "labels")
     for s in found:
-        grid.add_row(escape(s["session_id"]), s["status"], s["version"],
+        grid.add_row(printable(s["session_id"]), s["status"], s["version"],
                      s["pause_generation_mode"], str(s["num_nodes"]), s["created_at"],
-                     escape(_labels_text(s["labels"])))
+                     printable(_labels_text(s["labels"])))
     out().print(grid)
     if more:
         err().print(f"(more sessions match: raise --limit above {limit})")
@@ -100,11 +100,12 @@ def print_tree(tree: list[dict[str, Any]]) -> None:
         start, end = node["completion_span"]
         r3 = "-" if node["r3"] is None else f"[{node['r3']['start']}, {node['r3']['end']})"
         weight = "-" if node["weight_version"] is None else node["weight_version"]
+        finish = node["finish_reason"] or "-"
         console.print(
             f"  {'  ' * depth}#{node['seq']}  tokens {node['num_tokens']}  "
-            f"completion [{start}, {end})  finish {node['finish_reason'] or '-'}  "
-            f"weight_version {weight}  r3 {r3}{'  (leaf)' if node['is_leaf'] else ''}",
-            soft_wrap=True, markup=False)
+            f"completion [{start}, {end})  finish {printable(str(finish))}  "
+            f"weight_version {printable(str(weight))}  r3 {r3}"
+            f"{'  (leaf)' if node['is_leaf'] else ''}", soft_wrap=True)
         for child in children.get(node["seq"], []):
             walk(child, depth + 1)
 
@@ -131,7 +132,7 @@ def show(
         echo_json(body)
         return
     console = out()
-    console.print(f"[bold]{escape(body['session_id'])}[/] ({body['status']})", soft_wrap=True)
+    console.print(f"[bold]{printable(body['session_id'])}[/] ({body['status']})", soft_wrap=True)
     r3 = body["r3"]
     for key, value in (
         ("version", body["version"]),
@@ -144,7 +145,7 @@ def show(
         ("created", body["created_at"]),
         ("closed", body["closed_at"] or "-"),
     ):
-        console.print(f"  {key}: {escape(str(value))}", soft_wrap=True)
+        console.print(f"  {key}: {printable(str(value))}", soft_wrap=True)
     print_tree(body["tree"])
 
 

@@ -147,6 +147,17 @@ def err() -> Console:
     return _console(sys.stderr)
 
 
+# Control characters (C0, DEL, C1) shown, never acted on by the terminal.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+
+
+def printable(text: str) -> str:
+    """Stored text (a session id, a label) as the terminal may print it: rich markup
+    escaped, control characters as `\\xNN` (an ANSI escape in a label recoloured the
+    output, a line break in it forged a log line: a tester's finding)."""
+    return escape(text.translate(_CONTROL))
+
+
 def progress(*columns: Any, **options: Any) -> Progress:
     """A progress bar on stderr, drawn only on a terminal (off one, rich still wrote a
     blank line when it stopped: noise in CI logs, and "empty stderr" checks failed)."""

@@ -475,6 +475,33 @@ def test_arguments_that_would_be_ignored_are_refused(tmp_path, monkeypatch):
     assert not (tmp_path / "turnlog.db").exists()
 
 
+def test_stored_text_cannot_drive_the_terminal(tmp_path):
+    """A tester's finding: an ANSI escape in a label recoloured `turnlog sessions`, and a
+    line break in one forged a line of `turnlog show`."""
+    from app.cli.common import printable
+
+    assert printable("a\x1b[31mred\nforged [b]x[/b]") == "a\\x1b[31mred\\x0aforged \\[b]x\\[/b]"
+    import asyncio
+
+    from tests.inprocess import served
+
+    url = sqlite_file(tmp_path)
+    assert run("migrate", "--database-url", url).exit_code == 0
+
+    async def open_it() -> None:
+        async with served(url.replace("sqlite:", "sqlite+aiosqlite:", 1)) as (_app, http):
+            r = await http.post("/v1/sessions", json={
+                "session_id": "inj1", "version": "v2",
+                "labels": {"run_id": "x\x1b[31m\n{\"level\":\"error\"}"}})
+            assert r.status_code == 201, r.text
+
+    asyncio.run(open_it())
+    for command in (["sessions"], ["show", "inj1"]):
+        result = run(*command, "--database-url", url)
+        assert "\x1b" not in result.stdout and "\\x1b" in result.stdout, result.stdout
+        assert '\n{"level"' not in result.stdout
+
+
 def test_long_work_off_a_terminal_writes_nothing_to_stderr(tmp_path):
     """A tester's finding: the progress bar, not drawn off a terminal, still left a blank
     line on stderr (rebuild, import, export, retention, demo)."""

@@ -178,8 +178,9 @@ async def test_a_caller_whose_body_stops_gets_408_and_nothing_is_stored(
     await gateway.wait_ready()
     started = asyncio.get_running_loop().time()
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
-    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 + extra + b"Content-Length: 1000\r\n\r\n" + b'{"input_ids": [1, 2')
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n" + extra
+                 + b"Content-Length: 1000\r\n\r\n" + b'{"input_ids": [1, 2')
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
@@ -229,7 +230,8 @@ async def test_the_gateway_holds_the_stores_http_bounds(tmp_path, gateway_proces
     assert head.startswith(b"HTTP/1.1 431") and rest == b"", head
     assert problem["type"] == "urn:turnlog:headers-too-large"
     started = asyncio.get_running_loop().time()
-    head, problem, rest = await _exchange(gateway.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    head, problem, rest = await _exchange(gateway.port,
+                                          b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     assert head.startswith(b"HTTP/1.1 408") and rest == b"", head
     assert problem["field"] == "headers"
     assert asyncio.get_running_loop().time() - started < 8

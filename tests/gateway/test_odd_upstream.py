@@ -400,8 +400,9 @@ async def test_a_caller_that_hangs_up_ends_its_upstream_request_at_once(
     gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=hangups.url)
     await gateway.wait_ready()
     body = b'{"input_ids": [1, 2]}'
-    turn = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-SMG-Routing-Key: s-gone\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    turn = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"X-SMG-Routing-Key: s-gone\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     await _hang_up_after(gateway.port, turn)
     await _hang_up_after(gateway.port, _get(b"/generate"))
     await _hang_up_after(gateway.port, _get(b"/slow-stream"), first=b"first")
