@@ -60,6 +60,15 @@ async def test_malformed_authorization_is_401(guarded, header):
     assert (r.json()["field"], r.json()["actual"]) == ("Authorization", "not a Bearer token")
 
 
+async def test_two_authorization_headers_are_refused_whatever_their_order(guarded):
+    # A tester's finding: the first of two won (a read token, then a write token: 403;
+    # the other way round: a write), so a proxy's added header decided.
+    for first, second in ((READ, WRITE), (WRITE, READ), (WRITE, WRITE)):
+        r = await guarded.post("/v1/sessions", json={}, headers=[
+            ("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")])
+        assert_problem(r, 401, "unauthorized")
+
+
 async def test_scheme_is_case_insensitive(guarded):
     r = await guarded.get("/v1/sessions", headers={"Authorization": f"bearer {READ}"})
     assert r.status_code == 200, r.text
