@@ -158,6 +158,12 @@ def is_loopback(name: str, extra: Iterable[str] = ()) -> bool:
         return False
 
 
+def allowed_names(hosts: Iterable[str]) -> frozenset[str]:
+    """The `Host` names served besides loopback ones: `hosts` (the bind address and
+    TURNLOG_ALLOWED_HOSTS) less a wildcard bind, which is no name a browser uses."""
+    return frozenset(host_name(h) for h in hosts) - {"", "0.0.0.0", "::"}
+
+
 def foreign_origin(headers: Mapping[bytes, bytes], allowed: Iterable[str]) -> ForeignHost | None:
     """The refusal of a request whose `Origin` is not this server's own: another host,
     or another port of a loopback one (a page of another local web app, Jupyter or a dev

@@ -49,6 +49,7 @@ from app.access import (
     Forbidden,
     TokenTable,
     Unauthorized,
+    allowed_names,
     authorize,
     bearer_token,
     challenge,
@@ -183,8 +184,7 @@ class Gateway:
         # closed sessions with an untyped body): the store's no-token guard, applied to
         # every request when the gateway listens on loopback (a tester's findings).
         bind = config.bind_host
-        self.allowed = frozenset(host_name(h) for h in (bind or "", *settings.access.allowed_hosts)
-                                 ) - {"", "0.0.0.0", "::"}
+        self.allowed = allowed_names((bind or "", *settings.access.allowed_hosts))
         self.on_loopback = bind is not None and is_loopback(host_name(bind))
         self._warming: asyncio.Task[None] | None = None
 

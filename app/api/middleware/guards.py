@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.access import (
     URL_TOKEN_CHALLENGE,
     ForeignHost,
+    allowed_names,
     foreign_request,
     header_map,
-    host_name,
     token_in_url,
 )
 from app.api.http_errors import HeadersTooLarge
@@ -68,8 +68,7 @@ def headers_too_large(count: int, size: int, max_count: int, max_bytes: int) -> 
 class Loopback:
     def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
         self.app = app
-        # A wildcard bind address is no name a browser should be using.
-        self.allowed = frozenset(host_name(h) for h in allowed) - {"", "0.0.0.0", "::"}
+        self.allowed = allowed_names(allowed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

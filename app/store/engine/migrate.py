@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -20,6 +22,8 @@ from sqlalchemy.engine import Connection
 
 from alembic import command
 from app.store.engine.dialect import normalize_url
+
+T = TypeVar("T")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "migrations"
 _lock = threading.Lock()
@@ -127,59 +131,47 @@ def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
         return []  # a target alembic cannot reach from here: the downgrade says so
     reverted = [step.revision.revision for step in steps]
     tables = [DATA_TABLES[r] for r in reverted if r in DATA_TABLES]
-    counts: list[tuple[str, int]] = []
 
-    async def _count() -> None:
+    def count(connection: Connection) -> list[tuple[str, int]]:
         from sqlalchemy import text
+
+        counts: list[tuple[str, int]] = []
+        for table in tables:  # at most 1,001 rows read: no scan of a big log
+            rows = connection.execute(text(
+                f"SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT 1001) AS some")).scalar()
+            if rows:
+                counts.append((table, int(rows)))
+        return counts
+
+    return on_connection(url, count) if tables else []
+
+
+def on_connection(url: str, work: Callable[[Connection], T]) -> T:
+    """`work` run on one connection of a short-lived engine on `url` (from a command,
+    outside any event loop)."""
+    result: list[T] = []
+
+    async def _run() -> None:
         from sqlalchemy.ext.asyncio import create_async_engine
 
         engine = create_async_engine(normalize_url(url))
         try:
             async with engine.connect() as conn:
-                for table in tables:  # at most 1,001 rows read: no scan of a big log
-                    rows = (await conn.execute(text(
-                        f"SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT 1001) AS some"
-                    ))).scalar()
-                    if rows:
-                        counts.append((table, int(rows)))
+                result.append(await conn.run_sync(work))
         finally:
             await engine.dispose()
 
-    asyncio.run(_count())
-    return counts
+    asyncio.run(_run())
+    return result[0]
 
 
 def current(url: str) -> str | None:
-    result: list[str | None] = []
-
-    async def _read() -> None:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
-        engine = create_async_engine(normalize_url(url))
-        async with engine.connect() as conn:
-            result.append(await conn.run_sync(current_revision))
-        await engine.dispose()
-
-    asyncio.run(_read())
-    return result[0]
+    return on_connection(url, current_revision)
 
 
 def why_not_turnlog(url: str) -> str | None:
     """`foreign_tables` of the database at `url`: why migrating it is refused, or None."""
-    result: list[str | None] = []
-
-    async def _read() -> None:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
-        engine = create_async_engine(normalize_url(url))
-        try:
-            async with engine.connect() as conn:
-                result.append(await conn.run_sync(foreign_tables))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(_read())
-    return result[0]
+    return on_connection(url, foreign_tables)
 
 
 async def upgrade_async(url: str, revision: str = "head") -> None:
