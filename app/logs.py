@@ -55,6 +55,18 @@ LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+class QuietMigrationContext(logging.Filter):
+    """Drops the two lines alembic logs each time it reads a database's schema
+    revision ("Context impl …", "Will assume … DDL"): `/readyz` reads it on every
+    probe, so a load balancer's checks filled the log with them. Its migration
+    steps ("Running upgrade …") still show."""
+
+    NOISE = ("Context impl %s.", "Will assume %s DDL.")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.NOISE
+
+
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     """Route every log record to stderr, rendered as `fmt` (auto: console on a TTY)."""
     if fmt not in LOG_FORMATS:
@@ -92,6 +104,9 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     root.setLevel(level.upper())
     # alembic announces every plugin it loads at INFO; its migration steps stay visible.
     logging.getLogger("alembic.runtime.plugins").setLevel("WARNING")
+    migration = logging.getLogger("alembic.runtime.migration")
+    if not any(isinstance(f, QuietMigrationContext) for f in migration.filters):
+        migration.addFilter(QuietMigrationContext())
     for name in UVICORN_LOGGERS:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers = []

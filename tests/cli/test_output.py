@@ -287,3 +287,29 @@ async def test_a_fixed_dump_imported_again_is_the_session_a_clean_import_makes(c
                for sid in (fixed_sid, clean_sid)]
     assert [(s["tokens"], s["loss_mask"]) for s in samples[0]] == \
         [(s["tokens"], s["loss_mask"]) for s in samples[1]]
+
+
+def test_reading_the_schema_revision_logs_nothing(capsys):
+    """`/readyz` reads the schema revision on every probe: alembic's two lines about
+    its context were logged each time; its migration steps still are."""
+    import logging
+
+    import sqlalchemy as sa
+    import structlog
+
+    from app.logs import configure_logging
+    from app.store.engine.migrate import current_revision
+
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    try:
+        configure_logging("info", "auto")
+        with sa.create_engine("sqlite://").connect() as connection:
+            assert current_revision(connection) is None
+        logging.getLogger("alembic.runtime.migration").info("Running upgrade %s -> %s", "a", "b")
+        err = capsys.readouterr().err
+        assert "Context impl" not in err and "DDL" not in err
+        assert "Running upgrade a -> b" in err
+    finally:
+        root.handlers, root.level = saved
+        structlog.reset_defaults()
