@@ -77,6 +77,12 @@ async def test_bad_open_is_422_naming_the_field(client, body, field):
     assert "expected" in problem
 
 
+async def test_abort_is_refused_with_what_to_use_instead(client, sid):
+    r = await client.post("/v1/sessions", json=open_body(sid, pause_generation_mode="abort"))
+    assert r.status_code == 422
+    assert 'use "in_place"' in r.json()["detail"]
+
+
 async def test_malformed_json_is_422(client):
     r = await client.post("/v1/sessions", content=b'{"version": "v2",',
                           headers={"content-type": "application/json"})

@@ -122,7 +122,8 @@ def parse_open(raw: Any) -> SessionDefinition:
     if mode not in ("retract", "in_place"):
         raise InvalidRequest(
             "pause_generation_mode must be \"retract\" or \"in_place\""
-            + (" (abort cannot be used with a session server)" if mode == "abort" else ""),
+            + ("; for a generation paused with abort (miles then asks SGLang for addition "
+               "R3, as with in_place) use \"in_place\"" if mode == "abort" else ""),
             field="pause_generation_mode",
             expected='"retract" | "in_place"',
             actual=describe(mode),
