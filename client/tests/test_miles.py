@@ -1058,20 +1058,35 @@ async def test_metadata_given_fourth_as_in_the_documented_signature(
         assert (await tl.session(sid))["labels"] == {"task": "math"}
 
 
+@pytest.mark.parametrize(("status", "token", "said"), [
+    (401, None, "TURNLOG_TOKEN is not set"),
+    (401, "wrong", "TURNLOG_TOKEN is not one of the tokens"),
+    (403, "read-only", "TURNLOG_TOKEN has no write scope"),
+])
 async def test_a_token_the_store_refuses_is_said_with_what_it_costs(
-        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
-    """401 to the open and the close: the warning says the token is the cause and that
-    the session stays open (a 401 is not deferred: it would be refused again)."""
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture, status: int,
+        token: str | None, said: str) -> None:
+    """401 / 403 to the open and the close: the warning says which of the token's
+    troubles it is (unset, unknown, without write scope) and that the session stays
+    open (a 401 is not deferred: it would be refused again)."""
+    reason = {401: b"401 Unauthorized", 403: b"403 Forbidden"}[status]
+    kind = {401: b"unauthorized", 403: b"forbidden"}[status]
+
     def refusing(_target: str, _fields: dict[str, str]) -> tuple[bytes, bytes, bytes]:
-        return (b"401 Unauthorized", b"Content-Type: application/problem+json\r\n",
-                b'{"type":"urn:turnlog:unauthorized","status":401,"title":"no"}')
+        return (reason, b"Content-Type: application/problem+json\r\n",
+                b'{"type":"urn:turnlog:' + kind + b'","status":' + str(status).encode()
+                + b',"title":"no"}')
 
     env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    if token is None:
+        env.delenv("TURNLOG_TOKEN", raising=False)
+    else:
+        env.setenv("TURNLOG_TOKEN", token)
     async with fake_http(refusing) as url:
         env.setenv("TURNLOG_URL", url)
         await run_agent(new_sid(), {})
     (warning,) = warnings.records
-    assert "TURNLOG_TOKEN" in warning.getMessage()
+    assert said in warning.getMessage()
     assert "the session stays open" in warning.getMessage()
     assert not hooks._DEFERRED
 

@@ -334,7 +334,12 @@ def _problem(step: str, exc: Exception) -> str:
     if exc.status not in (401, 403):
         return f"{step}: {exc}"
     # Not resent: a token is refused the same way every time.
-    hint = "TURNLOG_TOKEN is not a token with write scope there"
+    if not os.environ.get("TURNLOG_TOKEN", "").strip():
+        hint = "TURNLOG_TOKEN is not set, and turnlog there asks for a token with write scope"
+    elif exc.status == 401:
+        hint = "TURNLOG_TOKEN is not one of the tokens turnlog there takes"
+    else:
+        hint = "TURNLOG_TOKEN has no write scope there: give it a write token"
     if step == "close":
         hint += ("; the session stays open until it is closed with one (or by the "
                  "gateway's --idle-close-seconds)")
