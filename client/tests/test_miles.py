@@ -297,6 +297,19 @@ async def test_the_agent_hook_needs_its_agent(env: pytest.MonkeyPatch) -> None:
         await run_agent(new_sid(), {})
 
 
+@pytest.mark.parametrize(("dotted", "error", "said"), [
+    ("support.nosuch", AttributeError, "'support' has no 'nosuch'"),
+    ("nosuchmodule.agent", ModuleNotFoundError, "cannot import 'nosuchmodule'"),
+    ("support:fake_agent.nosuch", AttributeError, "has no 'fake_agent.nosuch'"),
+])
+async def test_a_typo_in_the_agent_variable_names_the_variable(
+        env: pytest.MonkeyPatch, dotted: str, error: type[Exception], said: str) -> None:
+    env.setenv("TURNLOG_MILES_AGENT", dotted)
+    with pytest.raises(error, match="TURNLOG_MILES_AGENT=") as raised:
+        await run_agent(new_sid(), {})
+    assert said in str(raised.value)
+
+
 # -- the reward hook ---------------------------------------------------------------------
 
 

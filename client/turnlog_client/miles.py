@@ -219,9 +219,17 @@ def load(dotted: str, variable: str) -> Any:
         module_name, _, attr = dotted.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"{variable}={dotted!r} is not a dotted path like package.module.name")
-    target: Any = importlib.import_module(module_name)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:  # the variable's typo, or a module its module imports
+        raise type(exc)(f"{variable}={dotted!r}: cannot import {module_name!r}: {exc}",
+                        name=exc.name) from exc
     for part in attr.split("."):
-        target = getattr(target, part)
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise AttributeError(f"{variable}={dotted!r}: {module_name!r} has no "
+                                 f"{attr!r}") from exc
     return target
 
 
