@@ -54,4 +54,4 @@ if __name__ == "__main__":
     try:
         asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000"))
     except TurnlogError as exc:
-        sys.exit(f"turnlog answered {exc.status} {exc.slug}: {exc.detail}")
+        sys.exit(f"turnlog: {exc}")

@@ -65,7 +65,9 @@ class TurnlogError(Exception):
         self.actual: Any = self.problem.get("actual")
         self.retry_after = retry_after
         self.event_id = event_id
-        super().__init__(f"{self.status} {self.slug}: {self.detail}")
+        # No status: turnlog was not reached (`connection-failed`), nothing answered.
+        said = self.slug if self.status is None else f"{self.status} {self.slug}"
+        super().__init__(f"{said}: {self.detail}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt from the problem, not from `args` (the message): an error raised in a

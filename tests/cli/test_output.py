@@ -313,3 +313,16 @@ def test_reading_the_schema_revision_logs_nothing(capsys):
     finally:
         root.handlers, root.level = saved
         structlog.reset_defaults()
+
+
+def test_the_readme_client_script_says_when_turnlog_is_not_there():
+    import sys
+
+    from tests.serverproc import free_port
+
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "client.py"),
+                             f"http://127.0.0.1:{free_port()}"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 1
+    assert result.stderr.startswith("turnlog: connection-failed: cannot reach turnlog at"), \
+        result.stderr
