@@ -42,6 +42,7 @@ def env(monkeypatch: pytest.MonkeyPatch, server_url: str) -> Iterator[pytest.Mon
     monkeypatch.setenv("TURNLOG_MILES_RM", "support:fake_rm")
     support.AGENT_CALLS.clear()
     support.RM_CALLS.clear()
+    monkeypatch.setattr(hooks, "_UNREAD_DICTS_SAID", [])
     yield monkeypatch
 
 
@@ -458,10 +459,16 @@ async def test_dict_rewards_are_read_by_the_reward_key(
     sample = Sample(metadata={**returned, "score": scored})
     args = types.SimpleNamespace(reward_key="score")
     assert await rm(args, sample) == scored  # miles gets its dict back unchanged
-    assert await rm(types.SimpleNamespace(reward_key=None), sample) == scored  # no key: none
+    assert not warnings.records
+    no_key = types.SimpleNamespace(reward_key=None)
+    assert await rm(no_key, sample) == scored  # no key: none, and said
     (recorded,) = await rewards_of(server_url, sid)
     assert recorded["reward"] == 0.7
-    assert not warnings.records
+    (warning,) = warnings.records
+    assert "['format', 'score']" in warning.getMessage()
+    assert "pass --reward-key" in warning.getMessage()
+    assert await rm(no_key, [sample, sample]) == [scored, scored]
+    assert len(warnings.records) == 1  # said once: miles calls the hook per sample
 
 
 @pytest.mark.parametrize(("reward", "args", "read"), [

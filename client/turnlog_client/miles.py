@@ -1077,6 +1077,29 @@ def reward_value(reward: Any, args: Any) -> Any:
     return next((reward[key] for key in keys if key in reward), None)
 
 
+_UNREAD_DICTS_SAID: list[bool] = []
+
+
+def _say_unread_dicts(returned: list[tuple[Any, Any]], scored: list[tuple[Any, Any]],
+                      args: Any) -> None:
+    """Warn (once per process: miles calls the hook per sample) when a dict reward of a
+    turnlog session had no number to record at miles' reward keys: silently, every
+    sample of the run would reach the trainer without its reward."""
+    if _UNREAD_DICTS_SAID:
+        return
+    for (sample, reward), (_sample, value) in zip(returned, scored, strict=True):
+        if isinstance(reward, Mapping) and finite(value) is None \
+                and reward_target(sample) is not None:
+            _UNREAD_DICTS_SAID.append(True)
+            keys = [f"{name}={getattr(args, name, None)!r}"
+                    for name in ("reward_key", "eval_reward_key")]
+            log.warning("the reward function returned a dict (keys %s) and turnlog found no "
+                        "finite number in it at miles' %s: that reward is not recorded; pass "
+                        "--reward-key naming the entry miles trains on (said once)",
+                        sorted(map(str, reward))[:8], ", ".join(keys))
+            return
+
+
 async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
     """miles' reward function (`--custom-rm-path turnlog_client.miles.rm`): calls
     `TURNLOG_MILES_RM` as miles would — one sample, or a list of samples (batched) —
@@ -1090,11 +1113,12 @@ async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
     if inspect.isawaitable(rewards):
         rewards = await rewards
     if isinstance(samples, list):
-        scored = [(sample, reward_value(reward, args)) for sample, reward in
-                  zip(samples, rewards if isinstance(rewards, list | tuple) else [],
-                      strict=False)]
+        returned = list(zip(samples, rewards if isinstance(rewards, list | tuple) else [],
+                            strict=False))
     else:
-        scored = [(samples, reward_value(rewards, args))]
+        returned = [(samples, rewards)]
+    scored = [(sample, reward_value(reward, args)) for sample, reward in returned]
+    _say_unread_dicts(returned, scored, args)
     try:
         failed, problems = await record_rewards(settings, scored, settings.rm[:SOURCE_MAX])
     except Exception as exc:  # turnlog never fails the rollout
