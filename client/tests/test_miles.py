@@ -764,6 +764,19 @@ async def test_with_a_gateway_the_close_waits_until_it_holds_no_spooled_turn(
     assert "left open" in warnings.records[-1].getMessage()
 
 
+async def test_finish_past_its_timeout_says_what_is_still_pending(
+        env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
+    env.setenv("TURNLOG_URL", f"http://127.0.0.1:{free_port()}")  # nobody there
+    env.setattr(hooks, "DEADLINE", 0.5)
+    env.setattr(hooks, "CLOSE_LATER_POLL_S", 0.2)
+    env.setattr(support, "fake_agent", _agent_returning({"reward": 1.0}))
+    await run_agent(new_sid(), {})
+    assert hooks._TASKS  # the close, deferred
+    with pytest.raises(TimeoutError, match=r"deferred work of 1 session\(s\) still pending "
+                                           r"after 0.3 s"):
+        await hooks.finish(0.3)
+
+
 async def test_a_silent_gateway_costs_the_close_at_most_the_deadline(
         env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
     """A gateway that accepts and never answers: the whole wait is bounded by DEADLINE

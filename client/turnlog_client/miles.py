@@ -758,7 +758,9 @@ async def finish(timeout: float | None = None) -> None:
         pending = sorted(_DEFERRED)
         log.warning("turnlog: deferred work of %d session(s) still pending: %s", len(pending),
                     ", ".join(pending[:20]))
-        raise
+        raise TimeoutError(f"turnlog: deferred work of {len(pending)} session(s) still "
+                           f"pending after {timeout or 0:g} s (closes or rewards not yet "
+                           "recorded; they are lost when this process exits)") from None
 
 
 async def _send_deferred(deferred: Deferred) -> None:
