@@ -112,7 +112,7 @@ def _cannot_listen(host: str, port: int) -> str | None:
 
             if exc.errno == errno.EADDRINUSE:
                 return (f"port {port} on {host} is already in use: stop the other server "
-                        "or pick another with --port")
+                        "or pick another with --port (from the Makefile: make run PORT=N)")
             return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
 
