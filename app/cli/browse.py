@@ -42,10 +42,13 @@ def sessions(
     status: Annotated[str | None, typer.Option(help="open | closed")] = None,
     label: Labels = None,
     limit: Annotated[int, typer.Option(min=1, help="At most this many sessions")] = 50,
+    newest: Annotated[bool, typer.Option(
+        "--newest", help="The newest --limit sessions (default: the oldest)")] = False,
     database_url: DatabaseUrl = None,
     as_json: AsJson = False,
 ) -> None:
-    """List sessions in the order they were opened (filters: --status, --label)."""
+    """List sessions in the order they were opened, newest last (filters: --status,
+    --label; --newest: the last --limit of them)."""
     from app.domain.body.labels import parse_label_filters
     from app.domain.body.queries import parse_status
 
@@ -58,6 +61,9 @@ def sessions(
     check_database(url)
 
     async def go(svc: Any) -> tuple[list[dict[str, Any]], bool]:
+        if newest:
+            last = await svc.reader.newest_sessions(status, limit, filters)
+            return last["sessions"], last["more"]
         found: list[dict[str, Any]] = []
         after = None
         while len(found) < limit:
@@ -83,7 +89,9 @@ def sessions(
                      printable(_labels_text(s["labels"])))
     out().print(grid)
     if more:
-        err().print(f"(more sessions match: raise --limit above {limit})")
+        older = "older" if newest else "newer"
+        err().print(f"(more sessions match, {older} ones: raise --limit above {limit}"
+                    + ("" if newest else ", or show the newest with --newest") + ")")
 
 
 def print_tree(tree: list[dict[str, Any]]) -> None:

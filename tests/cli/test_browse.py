@@ -88,6 +88,34 @@ async def test_sessions_show_and_replay_read_like_text(client, db_url):
     assert "samples" in result.stdout
 
 
+async def test_sessions_newest_lists_the_last_ones_in_order(client, db_url):
+    import asyncio
+
+    run_id = f"new-{uuid.uuid4().hex[:8]}"
+    sids = [f"new-{i}-{uuid.uuid4().hex}" for i in range(4)]
+    for sid in sids:
+        await two_turns(client, sid, run_id, close=sid != sids[2])
+
+    def listed(*options: str) -> tuple[list[str], bool, str]:
+        result = run("sessions", "--label", f"run_id={run_id}", *options,
+                     "--database-url", db_url)
+        assert result.exit_code == 0, result.output
+        as_json = run("sessions", "--label", f"run_id={run_id}", *options, "--json",
+                      "--database-url", db_url)
+        body = json.loads(as_json.stdout)
+        return [s["session_id"] for s in body["sessions"]], body["more"], result.stderr
+
+    oldest, more, said = await asyncio.to_thread(listed, "--limit", "2")
+    assert oldest == sids[:2] and more and "--newest" in said
+    newest, more, said = await asyncio.to_thread(listed, "--limit", "2", "--newest")
+    assert newest == sids[2:] and more and "older ones" in said
+    every, more, _ = await asyncio.to_thread(listed, "--limit", "9", "--newest")
+    assert every == sids and not more
+    closed, more, _ = await asyncio.to_thread(listed, "--limit", "2", "--newest", "--status",
+                                              "closed")
+    assert closed == [sids[1], sids[3]] and more
+
+
 async def test_an_ambiguous_prefix_is_refused_naming_the_candidates(client, db_url):
     import asyncio
 

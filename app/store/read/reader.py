@@ -208,6 +208,25 @@ class Reader:
         return {"sessions": [{**session_summary(r), "opened_by": openers.get(r["session_id"])}
                              for r in rows], "next": next_cursor}
 
+    async def newest_sessions(self, status: str | None, limit: int,
+                              filters: LabelFilters) -> dict[str, Any]:
+        """The last `limit` sessions of `list_sessions`' order (the newest opens), in
+        that order, and whether older ones match too (`more`)."""
+        query = (sa.select(sessions).where(*label_filter(filters))
+                 .order_by(sessions.c.xid.desc(), sessions.c.id.desc()).limit(limit + 1))
+        if status is not None:
+            query = query.where(sessions.c.status == status)
+        async with self.db.read() as conn:
+            fence = await feed_fence(conn, sessions.c.xid)
+            if fence is not None:
+                query = query.where(fence)
+            rows = list((await conn.execute(query)).mappings().all())
+            more = len(rows) > limit
+            rows = rows[:limit][::-1]
+            openers = await opened_by(conn, [r["session_id"] for r in rows])
+        return {"sessions": [{**session_summary(r), "opened_by": openers.get(r["session_id"])}
+                             for r in rows], "more": more}
+
     async def _feed_page(self, after: tuple[int, ...], limit: int) -> list[Any]:
         async with self.db.read() as conn:
             query = (
