@@ -189,10 +189,22 @@ class Reader:
         """Sessions in the order their opens committed, behind the feed's fence, so a
         tailing reader never skips an open that committed late."""
         start = cursor.decode(after, 2)
-        query = (sa.select(sessions)
-                 .where(sa.tuple_(sessions.c.xid, sessions.c.id) > sa.tuple_(*start))
-                 .where(*label_filter(filters))
-                 .order_by(sessions.c.xid, sessions.c.id).limit(limit))
+        rows = await self._summaries(
+            sa.select(sessions)
+            .where(sa.tuple_(sessions.c.xid, sessions.c.id) > sa.tuple_(*start))
+            .order_by(sessions.c.xid, sessions.c.id).limit(limit), status, filters)
+        if rows:
+            last, _summary = rows[-1]
+            next_cursor = cursor.encode(last["xid"], last["id"])
+        else:
+            next_cursor = after or cursor.encode(*start)
+        return {"sessions": [summary for _row, summary in rows], "next": next_cursor}
+
+    async def _summaries(self, query: Any, status: str | None,
+                         filters: LabelFilters) -> list[tuple[Any, dict[str, Any]]]:
+        """The session rows `query` selects with the status and label filters, behind
+        the feed's fence, each with its summary (`opened_by` included)."""
+        query = query.where(*label_filter(filters))
         if status is not None:
             query = query.where(sessions.c.status == status)
         async with self.db.read() as conn:
@@ -201,31 +213,19 @@ class Reader:
                 query = query.where(fence)
             rows = (await conn.execute(query)).mappings().all()
             openers = await opened_by(conn, [r["session_id"] for r in rows])
-        if rows:
-            next_cursor = cursor.encode(rows[-1]["xid"], rows[-1]["id"])
-        else:
-            next_cursor = after or cursor.encode(*start)
-        return {"sessions": [{**session_summary(r), "opened_by": openers.get(r["session_id"])}
-                             for r in rows], "next": next_cursor}
+        return [(r, {**session_summary(r), "opened_by": openers.get(r["session_id"])})
+                for r in rows]
 
     async def newest_sessions(self, status: str | None, limit: int,
                               filters: LabelFilters) -> dict[str, Any]:
         """The last `limit` sessions of `list_sessions`' order (the newest opens), in
         that order, and whether older ones match too (`more`)."""
-        query = (sa.select(sessions).where(*label_filter(filters))
-                 .order_by(sessions.c.xid.desc(), sessions.c.id.desc()).limit(limit + 1))
-        if status is not None:
-            query = query.where(sessions.c.status == status)
-        async with self.db.read() as conn:
-            fence = await feed_fence(conn, sessions.c.xid)
-            if fence is not None:
-                query = query.where(fence)
-            rows = list((await conn.execute(query)).mappings().all())
-            more = len(rows) > limit
-            rows = rows[:limit][::-1]
-            openers = await opened_by(conn, [r["session_id"] for r in rows])
-        return {"sessions": [{**session_summary(r), "opened_by": openers.get(r["session_id"])}
-                             for r in rows], "more": more}
+        rows = await self._summaries(
+            sa.select(sessions)
+            .order_by(sessions.c.xid.desc(), sessions.c.id.desc()).limit(limit + 1),
+            status, filters)
+        return {"sessions": [summary for _row, summary in rows[:limit][::-1]],
+                "more": len(rows) > limit}
 
     async def _feed_page(self, after: tuple[int, ...], limit: int) -> list[Any]:
         async with self.db.read() as conn:
