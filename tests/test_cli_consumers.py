@@ -34,3 +34,17 @@ async def test_list_and_show_report_counts_and_acks(client, db_url):
 
     code, _, output = await run_cli("consumers", "show", "nope", "--database-url", db_url)
     assert code == 2 and "no consumer group" in output
+
+
+async def test_the_tables_say_which_groups_wait_for_rewards(client, db_url):
+    labels = {"run_id": uuid.uuid4().hex}
+    plain = await group(client, labels)
+    rewarded = f"g-{uuid.uuid4().hex[:12]}"
+    r = await client.put(f"/v1/consumers/{rewarded}",
+                         json={"labels": labels, "require_reward": True})
+    assert r.status_code == 201, r.text
+    for name, said in ((plain, False), (rewarded, True)):
+        code, _, output = await run_cli("consumers", "show", name, "--database-url", db_url)
+        assert code == 0, output
+        assert ("required" in output) is said, output
+        assert "rewards" in output

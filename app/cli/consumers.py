@@ -31,7 +31,7 @@ from app.domain.handoff.consumers import parse_step_filter
 
 consumers_cli = typer.Typer(no_args_is_help=True,
                             help="Consumer groups: exactly-once hand-off to trainers.")
-COLUMNS = ("group", "labels", "from", "acked", "leased", "available",
+COLUMNS = ("group", "labels", "from", "rewards", "acked", "leased", "available",
            "oldest_available_closed_at")
 
 
@@ -42,7 +42,8 @@ def _table(groups: list[dict[str, Any]], title: str) -> Table:
                         else "left", overflow="fold")
     for g in groups:
         grid.add_row(escape(g["group"]), escape(json.dumps(g["labels"])), g["from"],
-                      str(g["acked"]), str(g["leased"]), str(g["available"]),
+                     "required" if g.get("require_reward") else "-",
+                     str(g["acked"]), str(g["leased"]), str(g["available"]),
                      g["oldest_available_closed_at"] or "-")
     return grid
 
