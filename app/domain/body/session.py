@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.domain.body.labels import parse_labels
-from app.domain.errors import InvalidRequest
+from app.domain.errors import InvalidRequest, SessionConflict
 from app.domain.wire.validate import (
     LABEL_KEY,
     SESSION_ID,
@@ -193,3 +193,49 @@ def parse_close(raw: Any) -> SessionClose:
     metadata = body.get("metadata")
     metadata = {} if metadata is None else require_object(metadata, "metadata")
     return SessionClose(max_seq_len=max_seq_len, metadata=metadata)
+
+
+def open_conflict(stored: SessionDefinition, given: SessionDefinition) -> SessionConflict:
+    """The 409 for an open whose session id is taken by another definition: it names
+    the first field whose value differs (e.g. `labels.run_id`), the stored value as the
+    one expected and the sent one as the actual."""
+    found = _first_difference(stored.body(), given.body(), "")
+    if found is None:  # equal as values, not as stored (e.g. a label's 1 and 1.0)
+        return SessionConflict(
+            f"session {given.session_id!r} exists with another definition",
+            field="body", expected="the body the session was opened with",
+            actual="a different body")
+    path, was, sent = found
+    return SessionConflict(
+        f"session {given.session_id!r} exists with another definition: {path} is "
+        f"{_shown(was)} there, {_shown(sent)} in this open",
+        field=path, expected=was, actual=sent)
+
+
+_ABSENT = object()
+
+
+def _first_difference(stored: Any, sent: Any, path: str) -> tuple[str, Any, Any] | None:
+    if isinstance(stored, dict) and isinstance(sent, dict):
+        for key in [*stored, *(k for k in sent if k not in stored)]:
+            found = _first_difference(stored.get(key, _ABSENT), sent.get(key, _ABSENT),
+                                      f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+        return None
+    if stored is _ABSENT or sent is _ABSENT or type(stored) is not type(sent) \
+            or stored != sent:
+        return path or "body", _named(stored), _named(sent)
+    return None
+
+
+def _named(value: Any) -> Any:
+    """A value as the problem carries it: itself, or a word where it has none (a
+    problem's null `expected` or `actual` is left out)."""
+    return "absent" if value is _ABSENT else "null" if value is None else value
+
+
+def _shown(value: Any) -> str:
+    """A value as the message shows it, short."""
+    text = value if value in ("absent", "null") else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

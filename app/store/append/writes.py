@@ -32,13 +32,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.domain.body.rewards import RewardBody, all_rewarded, latest_rewards, parse_reward, targets
-from app.domain.body.session import SessionDefinition, parse_close, parse_open
+from app.domain.body.session import (
+    SessionDefinition,
+    open_conflict,
+    parse_close,
+    parse_open,
+)
 from app.domain.body.turn import TurnBody, parse_turn
 from app.domain.errors import (
     DomainError,
     IdempotencyConflict,
     SessionClosed,
-    SessionConflict,
     SessionOpen,
 )
 from app.domain.log.events import (
@@ -211,8 +215,9 @@ class Writer:
                 await self.db.driver_pool(),
                 fastpath.open_args(row, label_rows(definition), payload))
         if stored is not None:
-            return Opened(definition, self._same_open(stored, row["open_fingerprint"],
-                                                      definition))
+            if stored != row["open_fingerprint"]:
+                raise open_conflict(await self._definition(definition.session_id), definition)
+            return Opened(definition, False)
         # Committed: the state a fold of the new log would give, so the first turn need not
         # fold it (two reads). Only if no state is held: a request that folded meanwhile
         # knows more (a stale state would be refolded anyway, as after any commit elsewhere).
@@ -249,16 +254,6 @@ class Writer:
             async with self.db.read() as conn:
                 return str((await session_row(conn, definition.session_id))["open_fingerprint"])
         return None
-
-    @staticmethod
-    def _same_open(stored: str, fingerprint: str, definition: SessionDefinition) -> bool:
-        if stored != fingerprint:
-            raise SessionConflict(
-                f"session {definition.session_id!r} exists with another definition",
-                field="body", expected="the body the session was opened with",
-                actual="a different body",
-            )
-        return False
 
     async def definition(self, session_id: str) -> SessionDefinition:
         """The session as opened (from the state cache when it holds it)."""
