@@ -138,7 +138,7 @@ def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
         counts: list[tuple[str, int]] = []
         for table in tables:  # at most 1,001 rows read: no scan of a big log
             rows = connection.execute(text(
-                f"SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT 1001) AS some")).scalar()
+                f"SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT 1001) AS first_rows")).scalar()
             if rows:
                 counts.append((table, int(rows)))
         return counts
