@@ -128,3 +128,37 @@ def test_two_processes_migrating_one_new_database_both_succeed(empty_url):
     assert all(code == 0 for code, _ in results), results
     assert set(metadata.tables) <= asyncio.run(table_names(empty_url))
     assert migrate.current(empty_url) == migrate.head_revision()
+
+
+@pytest.mark.postgres_only
+async def test_writes_never_wait_for_a_migrating_process(db_url, client, sid):
+    """A tester's finding: the migration's lock was the consumer groups' lock's key, which
+    a close takes after writing its event: with `turnlog migrate` holding it (its DDL
+    waiting for that close), the close waited until the statement timeout and failed.
+    Every write — open, turn, close, reward, a group's definition — goes on while
+    another process holds the migration's lock."""
+    from app.store.engine.dialect import MIGRATION_LOCK
+    from tests.factory import open_body, turn
+
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.connect() as guard:
+            await guard.execute(sa.text(f"SELECT pg_advisory_lock({MIGRATION_LOCK})"))
+            await guard.commit()
+
+            async def writes() -> None:
+                assert (await client.post("/v1/sessions", json=open_body(
+                    sid, labels={"run_id": sid}))).status_code == 201
+                assert (await client.post(f"/v1/sessions/{sid}/turns",
+                                          json=turn([1], [2]))).status_code == 201
+                assert (await client.put(f"/v1/consumers/g-{sid[:12]}",
+                                         json={"labels": {"run_id": sid}})).status_code == 201
+                assert (await client.post(f"/v1/sessions/{sid}/close",
+                                          json={})).status_code == 200
+                assert (await client.post(f"/v1/sessions/{sid}/rewards", json={
+                    "event_id": sid, "reward": 1.0})).status_code == 201
+
+            await asyncio.wait_for(writes(), 20)
+            await guard.execute(sa.text(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})"))
+    finally:
+        await engine.dispose()

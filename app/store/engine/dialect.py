@@ -305,6 +305,15 @@ LOCK_SESSION = "SELECT id FROM sessions WHERE session_id = $1 FOR NO KEY UPDATE"
 # positions — follow each session's commit order.
 SESSION_WRITERS = "SELECT pg_advisory_xact_lock(29804, hashtext(:session_id))"
 
+# One migrating process at a time (`pg_advisory_lock`, held by `turnlog migrate`'s
+# judging connection while another connection migrates): a key nothing else takes. It
+# was the consumer groups' lock's, which a close takes after writing its event, so a
+# close waited for the migration while the migration's DDL waited for that close's
+# locks — a wait PostgreSQL cannot see as a deadlock (the holder is the migrating
+# process's idle connection), ended only by the server's statement timeout, failing the
+# close. (29804, …): a session's writers; (29805, 0): the reclock (migration 0014).
+MIGRATION_LOCK = "29806, 0"
+
 
 async def queue_for_session(conn: AsyncConnection, session_id: str) -> None:
     """Wait for `session_id`'s writers before this one (PostgreSQL; SQLite's single

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
 from app.settings import get_settings
-from app.store.engine.dialect import RECLOCK, RECLOCK_ON_CONNECT
+from app.store.engine.dialect import MIGRATION_LOCK, RECLOCK, RECLOCK_ON_CONNECT
 from app.store.engine.schema import metadata
 
 config = context.config
@@ -59,9 +59,9 @@ def _reclock(connection: Connection) -> None:
 @contextlib.contextmanager
 def _sqlite_file_locked(url: str) -> Iterator[None]:
     """One migrating process at a time on a SQLite file: an exclusive `flock` on the
-    file itself (SQLite's own locks are POSIX record locks, which it does not touch).
-    Two processes started together on a new file (`turnlog serve` and `turnlog
-    gateway`) both created tables: "table sessions already exists"."""
+    file itself (SQLite's own locks are POSIX record locks, which it does not touch;
+    PostgreSQL's: `MIGRATION_LOCK`). Two processes started together on a new file
+    (`turnlog serve` and `turnlog gateway`) both created tables: "table sessions already exists"."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         yield
@@ -72,10 +72,6 @@ def _sqlite_file_locked(url: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-# PostgreSQL's lock for the same (`pg_advisory_lock`, held by the judging connection).
-MIGRATION_LOCK = 0x7475726E6C6F67  # "turnlog"
 
 
 async def run_async_migrations(url: str) -> None:
