@@ -217,8 +217,8 @@ def migrate(
     database_url: DatabaseUrl = None,
     as_json: common.AsJson = False,
     drop_data: Annotated[bool, typer.Option(
-        "--drop-data", help="downgrade: also when it drops tables that hold rows (the event "
-        "log at base, the metric history, consumer acks)")] = False,
+        "--drop-data", help="downgrade: also when it drops data (the event log at base, the "
+        "metric history, consumer acks, which sessions' R3 retention freed)")] = False,
 ) -> None:
     """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
     from app.store.engine import migrate as migrations
@@ -245,7 +245,7 @@ def migrate(
                 # One mistyped revision (`base`) dropped every rollout without a word.
                 held = ", ".join(f"{table} ({'over 1000' if rows > 1000 else rows} rows)"
                                  for table, rows in lost)
-                raise CliError(f"downgrading to {target} drops tables that hold rows: {held}; "
+                raise CliError(f"downgrading to {target} drops data: {held}; "
                                "nothing was changed (back up first; --drop-data to go on)")
             migrations.downgrade(url, target)
             err().print(f"downgraded {mask(url)} to {migrations.current(url) or 'base'}")

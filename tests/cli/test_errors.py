@@ -573,6 +573,23 @@ def test_the_downgrade_guard_counts_rows_on_every_backend(fresh_database, backen
     result = run("migrate", "downgrade", "0003", "--database-url", url)
     assert result.exit_code == 0 and "current: 0003" in result.output, result.output
     assert run("migrate", "--database-url", url).exit_code == 0
+    # Below 0005, which sessions' R3 retention freed (an older version would read it).
+    import asyncio
+
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from app.store.engine.migrate import normalize_url
+
+    async def mark_freed() -> None:
+        engine = create_async_engine(normalize_url(url))
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("UPDATE sessions SET r3_pruned_bytes = 8"))
+        await engine.dispose()
+
+    asyncio.run(mark_freed())
+    line = one_error_line(run("migrate", "downgrade", "0004", "--database-url", url))
+    assert "sessions.r3_pruned_bytes (1 rows)" in line and "nothing was changed" in line, line
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])

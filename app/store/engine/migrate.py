@@ -109,10 +109,16 @@ def downgrade(url: str, revision: str) -> None:
         command.downgrade(config(url), revision)
 
 
-# Tables holding rows nothing else can give back, by the revision whose downgrade drops
-# them: the event log (and everything projected from it), the metric history, the
-# consumer groups' acks.
-DATA_TABLES = {"0001": "events", "0002": "metric_submissions", "0004": "consumer_groups"}
+# Data nothing else can give back, by the revision whose downgrade drops it: (what the
+# refusal names, the rows that hold it): the event log (and everything projected from
+# it), the metric history, the consumer groups' acks, and which sessions' R3 retention
+# freed (without the mark, a version before 0005 reads their R3 as present: 500s).
+DATA_TABLES = {
+    "0001": ("events", "events"),
+    "0002": ("metric_submissions", "metric_submissions"),
+    "0004": ("consumer_groups", "consumer_groups"),
+    "0005": ("sessions.r3_pruned_bytes", "sessions WHERE r3_pruned_bytes IS NOT NULL"),
+}
 
 
 def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
@@ -136,11 +142,12 @@ def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
         from sqlalchemy import text
 
         counts: list[tuple[str, int]] = []
-        for table in tables:  # at most 1,001 rows read: no scan of a big log
+        for name, rows_of in tables:  # at most 1,001 rows read: no scan of a big log
             rows = connection.execute(text(
-                f"SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT 1001) AS first_rows")).scalar()
+                f"SELECT count(*) FROM (SELECT 1 FROM {rows_of} LIMIT 1001) AS first_rows"
+            )).scalar()
             if rows:
-                counts.append((table, int(rows)))
+                counts.append((name, int(rows)))
         return counts
 
     return on_connection(url, count) if tables else []
