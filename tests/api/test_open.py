@@ -34,16 +34,20 @@ async def test_repeat_with_other_body_is_409(client, sid):
     assert r.status_code == 409
     assert r.json()["type"] == "urn:turnlog:session-conflict"
     assert r.headers["content-type"].startswith("application/problem+json")
-    assert (r.json()["field"], r.json()["expected"], r.json()["actual"]) == ("spec", False, True)
+    assert (r.json()["field"], r.json()["expected"], r.json()["actual"]) == \
+        ("spec", "false", "true")
 
 
 @pytest.mark.parametrize(("first", "second", "field", "expected", "actual"), [
     ({"labels": {"run_id": "a", "k": 1}}, {"labels": {"run_id": "b", "k": 1}},
-     "labels.run_id", "a", "b"),
-    ({"labels": {"run_id": "a"}}, {"labels": {"run_id": "a", "extra": 2}},
-     "labels.extra", "absent", 2),
-    ({"r3": {"num_layers": 4}}, {}, "r3", {"num_layers": 4}, "null"),
-    ({"labels": {"n": 1}}, {"labels": {"n": 1.0}}, "labels.n", 1, 1.0),
+     "labels.run_id", '"a"', '"b"'),
+    ({"labels": {"run_id": "a"}}, {"labels": {"run_id": "a", "extra": "absent"}},
+     "labels.extra", "absent", '"absent"'),
+    ({"r3": {"num_layers": 4}}, {}, "r3", '{"num_layers": 4}', "null"),
+    ({"labels": {"n": 1}}, {"labels": {"n": 1.0}}, "labels.n", "1", "1.0"),
+    ({"labels": {"a.b": True}}, {"labels": {"a.b": False}}, 'labels["a.b"]', "true", "false"),
+    ({"labels": {"long": "x" * 500}}, {"labels": {"long": "y"}}, "labels.long",
+     '"' + "x" * 198 + "…", '"y"'),
 ])
 async def test_a_conflicting_open_names_the_first_field_that_differs(
         client, sid, first, second, field, expected, actual):
@@ -53,7 +57,7 @@ async def test_a_conflicting_open_names_the_first_field_that_differs(
     problem = r.json()
     assert (problem["field"], problem["expected"], problem["actual"]) == \
         (field, expected, actual)
-    assert field in problem["detail"]
+    assert f"{field} is {expected} there, {actual} in this open" in problem["detail"]
 
 
 async def test_version_true_is_v1_and_id_is_generated(client):

@@ -51,3 +51,13 @@ def test_an_event_id_refusal_says_what_is_wrong(body: dict[str, object], says: s
     with pytest.raises(InvalidRequest) as caught:
         parse_event_id(body)
     assert caught.value.detail.startswith(says) and caught.value.field == "event_id"
+
+
+def test_a_conflict_whose_stored_open_is_unknown_names_the_body():
+    from app.domain.body.session import open_conflict, parse_open
+
+    given = parse_open({"session_id": "s", "version": "v2", "labels": {"run_id": "b"}})
+    conflict = open_conflict(None, given)
+    assert (conflict.status, conflict.field) == (409, "body")
+    stored = parse_open({"session_id": "s", "version": "v2", "labels": {"run_id": "a"}})
+    assert open_conflict(stored, given).field == "labels.run_id"

@@ -8,6 +8,7 @@ compared against. Pure: no I/O, no clock except the id generator.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,11 +196,12 @@ def parse_close(raw: Any) -> SessionClose:
     return SessionClose(max_seq_len=max_seq_len, metadata=metadata)
 
 
-def open_conflict(stored: SessionDefinition, given: SessionDefinition) -> SessionConflict:
+def open_conflict(stored: SessionDefinition | None,
+                  given: SessionDefinition) -> SessionConflict:
     """The 409 for an open whose session id is taken by another definition: it names
     the first field whose value differs (e.g. `labels.run_id`), the stored value as the
-    one expected and the sent one as the actual."""
-    found = _first_difference(stored.body(), given.body(), "")
+    one expected and the sent one as the actual (None: the stored one is not known)."""
+    found = None if stored is None else _first_difference(stored.body(), given.body(), "")
     if found is None:  # equal as values, not as stored (e.g. a label's 1 and 1.0)
         return SessionConflict(
             f"session {given.session_id!r} exists with another definition",
@@ -207,35 +209,37 @@ def open_conflict(stored: SessionDefinition, given: SessionDefinition) -> Sessio
             actual="a different body")
     path, was, sent = found
     return SessionConflict(
-        f"session {given.session_id!r} exists with another definition: {path} is "
-        f"{_shown(was)} there, {_shown(sent)} in this open",
-        field=path, expected=was, actual=sent)
+        f"session {given.session_id!r} exists with another definition: {path} is {was} "
+        f"there, {sent} in this open", field=path, expected=was, actual=sent)
 
 
 _ABSENT = object()
+SHOWN_MAX = 200  # characters of a value a conflict shows
 
 
-def _first_difference(stored: Any, sent: Any, path: str) -> tuple[str, Any, Any] | None:
+def _first_difference(stored: Any, sent: Any, path: str) -> tuple[str, str, str] | None:
+    """The first field (a path like `labels.run_id`) whose values differ, and the two
+    values as JSON text (or `absent`)."""
     if isinstance(stored, dict) and isinstance(sent, dict):
         for key in [*stored, *(k for k in sent if k not in stored)]:
-            found = _first_difference(stored.get(key, _ABSENT), sent.get(key, _ABSENT),
-                                      f"{path}.{key}" if path else str(key))
+            name = str(key)
+            plain = name and not any(c in name for c in '.["')
+            child = (f"{path}.{name}" if path else name) if plain else \
+                f"{path}[{json.dumps(name)}]"  # a key with a dot: labels["a.b"]
+            found = _first_difference(stored.get(key, _ABSENT), sent.get(key, _ABSENT), child)
             if found is not None:
                 return found
         return None
     if stored is _ABSENT or sent is _ABSENT or type(stored) is not type(sent) \
             or stored != sent:
-        return path or "body", _named(stored), _named(sent)
+        return path or "body", _json_text(stored), _json_text(sent)
     return None
 
 
-def _named(value: Any) -> Any:
-    """A value as the problem carries it: itself, or a word where it has none (a
-    problem's null `expected` or `actual` is left out)."""
-    return "absent" if value is _ABSENT else "null" if value is None else value
-
-
-def _shown(value: Any) -> str:
-    """A value as the message shows it, short."""
-    text = value if value in ("absent", "null") else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _json_text(value: Any) -> str:
+    """A value as JSON text (`absent` where there is none), at most SHOWN_MAX characters:
+    a conflict's `expected` and `actual`."""
+    if value is _ABSENT:
+        return "absent"
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= SHOWN_MAX else text[:SHOWN_MAX - 1] + "…"

@@ -28,6 +28,7 @@ import anyio.to_thread
 import asyncpg
 import numpy as np
 import sqlalchemy as sa
+import structlog
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -87,6 +88,8 @@ from app.store.engine.schema import (
 )
 from app.store.fold.loader import StateCache, load_patches, load_state, session_row
 from app.store.handoff.consumers import enqueue_closed, enqueue_rewarded
+
+log = structlog.get_logger("turnlog.store")
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ class Writer:
                 fastpath.open_args(row, label_rows(definition), payload))
         if stored is not None:
             if stored != row["open_fingerprint"]:
-                raise open_conflict(await self._definition(definition.session_id), definition)
+                raise open_conflict(await self._opened_as(definition.session_id), definition)
             return Opened(definition, False)
         # Committed: the state a fold of the new log would give, so the first turn need not
         # fold it (two reads). Only if no state is held: a request that folded meanwhile
@@ -254,6 +257,24 @@ class Writer:
             async with self.db.read() as conn:
                 return str((await session_row(conn, definition.session_id))["open_fingerprint"])
         return None
+
+    async def _opened_as(self, session_id: str) -> SessionDefinition | None:
+        """The definition a session was opened with, from its `session_opened` event (one
+        read; no fold), for naming what a conflicting open changed; None when it cannot
+        be read (the 409 then names the body as a whole)."""
+        try:
+            async with self.db.read() as conn:
+                payload = (await conn.execute(
+                    sa.select(events.c.payload)
+                    .where(events.c.session_id == session_id)
+                    .where(events.c.type == SESSION_OPENED))).scalar()
+            if payload is None:
+                return None
+            return SessionDefinition.from_body(jsonio.loads_stored(payload)["session"])
+        except Exception:  # the 409 stands whatever this read meets
+            log.warning("could not read a session's open to name a conflict",
+                        session_id=session_id, exc_info=True)
+            return None
 
     async def definition(self, session_id: str) -> SessionDefinition:
         """The session as opened (from the state cache when it holds it)."""
