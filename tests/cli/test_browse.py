@@ -88,8 +88,13 @@ async def test_sessions_show_and_replay_read_like_text(client, db_url):
     assert "samples" in result.stdout
 
 
-async def test_sessions_newest_lists_the_last_ones_in_order(client, db_url):
+@pytest.mark.parametrize("page", [1, 2, 1000])
+async def test_sessions_newest_lists_the_last_ones_in_order(client, db_url, monkeypatch, page):
     import asyncio
+
+    from app.store.read import reader
+
+    monkeypatch.setattr(reader, "NEWEST_PAGE", page)  # read a page at a time, newest first
 
     run_id = f"new-{uuid.uuid4().hex[:8]}"
     sids = [f"new-{i}-{uuid.uuid4().hex}" for i in range(4)]

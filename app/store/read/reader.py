@@ -50,6 +50,9 @@ async def opened_by(conn: AsyncConnection, session_ids: list[str]) -> dict[str, 
             for row in rows}
 
 
+NEWEST_PAGE = 1000  # sessions a query of `newest_sessions` reads (and names in one IN)
+
+
 class EventsPage:
     """A page of `GET …/events`: rows in hand, each event rendered on demand, so
     a 100,000-event reply never exists as Python objects all at once."""
@@ -219,13 +222,22 @@ class Reader:
     async def newest_sessions(self, status: str | None, limit: int,
                               filters: LabelFilters) -> dict[str, Any]:
         """The last `limit` sessions of `list_sessions`' order (the newest opens), in
-        that order, and whether older ones match too (`more`)."""
-        rows = await self._summaries(
-            sa.select(sessions)
-            .order_by(sessions.c.xid.desc(), sessions.c.id.desc()).limit(limit + 1),
-            status, filters)
-        return {"sessions": [summary for _row, summary in rows[:limit][::-1]],
-                "more": len(rows) > limit}
+        that order, and whether older ones match too (`more`); read newest first, a
+        page of at most NEWEST_PAGE rows at a time."""
+        found: list[dict[str, Any]] = []
+        before: tuple[Any, Any] | None = None
+        while True:
+            query = sa.select(sessions).order_by(sessions.c.xid.desc(), sessions.c.id.desc())
+            if before is not None:
+                query = query.where(sa.tuple_(sessions.c.xid, sessions.c.id)
+                                    < sa.tuple_(*before))
+            want = min(NEWEST_PAGE, limit + 1 - len(found))
+            rows = await self._summaries(query.limit(want), status, filters)
+            found += [summary for _row, summary in rows]
+            if len(rows) < want or len(found) > limit:
+                return {"sessions": found[:limit][::-1], "more": len(found) > limit}
+            last, _summary = rows[-1]
+            before = (last["xid"], last["id"])
 
     async def _feed_page(self, after: tuple[int, ...], limit: int) -> list[Any]:
         async with self.db.read() as conn:
