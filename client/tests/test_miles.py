@@ -466,9 +466,38 @@ async def test_dict_rewards_are_read_by_the_reward_key(
     assert recorded["reward"] == 0.7
     (warning,) = warnings.records
     assert "['format', 'score']" in warning.getMessage()
-    assert "pass --reward-key" in warning.getMessage()
+    assert "miles has no --reward-key to read it at" in warning.getMessage()
     assert await rm(no_key, [sample, sample]) == [scored, scored]
     assert len(warnings.records) == 1  # said once: miles calls the hook per sample
+
+
+@pytest.mark.parametrize(("reward", "args", "said"), [
+    ({"acc": 1.0}, {"reward_key": "score"}, "no entry at miles' reward keys ['score']"),
+    ({"score": float("nan")}, {"reward_key": "score"}, "its entry 'score' is no finite number"),
+    ({"score": None}, {"reward_key": "score", "eval_reward_key": "acc"},
+     "its entry 'score' is no finite number (None)"),
+])
+async def test_an_unread_dict_reward_says_why(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture,
+        reward: dict[str, Any], args: dict[str, Any], said: str) -> None:
+    sid, returned = await rolled_out()
+    sample = Sample(metadata={**returned, "score": reward})
+    assert await rm(types.SimpleNamespace(**args), sample) == reward
+    (warning,) = warnings.records
+    assert said in warning.getMessage(), warning.getMessage()
+    assert await rewards_of(server_url, sid) == []
+
+
+async def test_a_reward_that_breaks_the_warning_still_goes_back(
+        env: pytest.MonkeyPatch) -> None:
+    class Odd(dict):  # type: ignore[type-arg]
+        def __iter__(self):  # noqa: ANN204
+            raise RuntimeError("no keys for you")
+
+    odd = Odd(score="x")
+    sid, returned = await rolled_out()
+    sample = Sample(metadata={**returned, "score": odd})
+    assert await rm(types.SimpleNamespace(reward_key="score"), sample) is odd
 
 
 @pytest.mark.parametrize(("reward", "args", "read"), [

@@ -222,8 +222,9 @@ def load(dotted: str, variable: str) -> Any:
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:  # the variable's typo, or a module its module imports
-        raise type(exc)(f"{variable}={dotted!r}: cannot import {module_name!r}: {exc}",
-                        name=exc.name) from exc
+        kind = ModuleNotFoundError if isinstance(exc, ModuleNotFoundError) else ImportError
+        raise kind(f"{variable}={dotted!r}: cannot import {module_name!r}: {exc}",
+                   name=exc.name, path=exc.path) from exc
     for part in attr.split("."):
         try:
             target = getattr(target, part)
@@ -1090,16 +1091,23 @@ def _say_unread_dicts(returned: list[tuple[Any, Any]], scored: list[tuple[Any, A
     if _UNREAD_DICTS_SAID:
         return
     for (sample, reward), (_sample, value) in zip(returned, scored, strict=True):
-        if isinstance(reward, Mapping) and finite(value) is None \
-                and reward_target(sample) is not None:
-            _UNREAD_DICTS_SAID.append(True)
-            keys = [f"{name}={getattr(args, name, None)!r}"
-                    for name in ("reward_key", "eval_reward_key")]
-            log.warning("the reward function returned a dict (keys %s) and turnlog found no "
-                        "finite number in it at miles' %s: that reward is not recorded; pass "
-                        "--reward-key naming the entry miles trains on (said once)",
-                        sorted(map(str, reward))[:8], ", ".join(keys))
-            return
+        if not isinstance(reward, Mapping) or finite(value) is not None \
+                or reward_target(sample) is None:
+            continue
+        _UNREAD_DICTS_SAID.append(True)
+        keys = [key for key in (getattr(args, "reward_key", None),
+                                getattr(args, "eval_reward_key", None))
+                if isinstance(key, str) and key]
+        found = next((key for key in keys if key in reward), None)
+        if found is not None:
+            why = f"its entry {found!r} is no finite number ({reward[found]!r:.40})"
+        else:
+            why = (f"it has no entry at miles' reward keys {keys} (pass --reward-key naming "
+                   "the entry miles trains on)" if keys else
+                   "miles has no --reward-key to read it at (pass one)")
+        log.warning("the reward function returned a dict (keys %s) and turnlog records no "
+                    "reward for it: %s (said once)", sorted(map(str, reward))[:8], why)
+        return
 
 
 async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
@@ -1120,7 +1128,8 @@ async def rm(args: Any, samples: Any, **kwargs: Any) -> Any:
     else:
         returned = [(samples, rewards)]
     scored = [(sample, reward_value(reward, args)) for sample, reward in returned]
-    _say_unread_dicts(returned, scored, args)
+    with contextlib.suppress(Exception):  # a warning's trouble is never the rollout's
+        _say_unread_dicts(returned, scored, args)
     try:
         failed, problems = await record_rewards(settings, scored, settings.rm[:SOURCE_MAX])
     except Exception as exc:  # turnlog never fails the rollout

@@ -581,15 +581,36 @@ def test_the_downgrade_guard_counts_rows_on_every_backend(fresh_database, backen
 
     from app.store.engine.migrate import normalize_url
 
-    async def mark_freed() -> None:
+    async def execute(statement: str) -> None:
         engine = create_async_engine(normalize_url(url))
         async with engine.begin() as conn:
-            await conn.execute(sa.text("UPDATE sessions SET r3_pruned_bytes = 8"))
+            await conn.execute(sa.text(statement))
         await engine.dispose()
 
-    asyncio.run(mark_freed())
+    asyncio.run(execute("UPDATE sessions SET r3_pruned_bytes = 8"))
     line = one_error_line(run("migrate", "downgrade", "0004", "--database-url", url))
     assert "sessions.r3_pruned_bytes (1 rows)" in line and "nothing was changed" in line, line
+    # Below 0007, which groups wait for rewarded sessions (one does; one does not).
+    asyncio.run(execute("UPDATE sessions SET r3_pruned_bytes = NULL"))
+
+    async def define_groups() -> None:
+        import httpx
+
+        from app.main import create_app
+        from app.settings import Settings
+
+        app = create_app(Settings.load(database_url=url, migrate_on_start=False,
+                                       api_tokens=""))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://turnlog") as http:
+            for name, wait in (("waits", True), ("plain", False)):
+                assert (await http.put(f"/v1/consumers/{name}", json={
+                    "labels": {}, "require_reward": wait})).status_code == 201
+        await app.state.services.db.dispose()
+
+    asyncio.run(define_groups())
+    line = one_error_line(run("migrate", "downgrade", "0006", "--database-url", url))
+    assert "consumer_groups.require_reward (1 rows)" in line, line
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])

@@ -311,7 +311,11 @@ SESSION_WRITERS = "SELECT pg_advisory_xact_lock(29804, hashtext(:session_id))"
 # close waited for the migration while the migration's DDL waited for that close's
 # locks — a wait PostgreSQL cannot see as a deadlock (the holder is the migrating
 # process's idle connection), ended only by the server's statement timeout, failing the
-# close. (29804, …): a session's writers; (29805, 0): the reclock (migration 0014).
+# close. The store's advisory keys: (29804, hashtext(session_id)) a session's writers,
+# (29805, 0) the reclock (migration 0014), (29806, 0) this; and one bigint key,
+# GROUPS_LOCK_KEY (app/store/handoff/consumers.py: closes and rewards shared, a group's
+# definition exclusive). A bigint key and an (int, int) key never conflict: PostgreSQL
+# keeps the two forms apart.
 MIGRATION_LOCK = "29806, 0"
 
 

@@ -111,13 +111,15 @@ def downgrade(url: str, revision: str) -> None:
 
 # Data nothing else can give back, by the revision whose downgrade drops it: (what the
 # refusal names, the rows that hold it): the event log (and everything projected from
-# it), the metric history, the consumer groups' acks, and which sessions' R3 retention
-# freed (without the mark, a version before 0005 reads their R3 as present: 500s).
+# it), the metric history, the consumer groups' acks, which sessions' R3 retention
+# freed (without the mark, a version before 0005 reads their R3 as present: 500s), and
+# which groups wait for rewarded sessions (upgraded again, they would not).
 DATA_TABLES = {
     "0001": ("events", "events"),
     "0002": ("metric_submissions", "metric_submissions"),
     "0004": ("consumer_groups", "consumer_groups"),
     "0005": ("sessions.r3_pruned_bytes", "sessions WHERE r3_pruned_bytes IS NOT NULL"),
+    "0007": ("consumer_groups.require_reward", "consumer_groups WHERE require_reward"),
 }
 
 
@@ -142,7 +144,8 @@ def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
         from sqlalchemy import text
 
         counts: list[tuple[str, int]] = []
-        for name, rows_of in tables:  # at most 1,001 rows read: no scan of a big log
+        # At most 1,001 rows counted: no count of a big log (a filtered one may scan).
+        for name, rows_of in tables:
             rows = connection.execute(text(
                 f"SELECT count(*) FROM (SELECT 1 FROM {rows_of} LIMIT 1001) AS first_rows"
             )).scalar()
