@@ -316,7 +316,7 @@ class Recorder:
         this definition or another: opened meanwhile, or through the API) is not
         opened (`created` False)."""
         try:
-            opened = await self.services.writer.open(open_body)
+            opened = await self.services.writer.open(open_body, explain_conflict=False)
         except SessionConflict:
             return Opened(parse_open(open_body), created=False)
         if opened.created:

@@ -49,9 +49,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     seen = {"open": 0, "append_turn": 0}
     real_open, real_append = Writer.open, Writer.append_turn
 
-    async def counted_open(self: Writer, raw: Any) -> Any:
+    async def counted_open(self: Writer, raw: Any, **kwargs: Any) -> Any:
         seen["open"] += 1
-        return await real_open(self, raw)
+        return await real_open(self, raw, **kwargs)
 
     async def counted_append(self: Writer, *args: Any, **kwargs: Any) -> Any:
         seen["append_turn"] += 1

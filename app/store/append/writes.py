@@ -198,8 +198,10 @@ class Writer:
         opened = await self.open(raw)
         return opened.definition, opened.created
 
-    async def open(self, raw: Any) -> Opened:
-        """Open a session, or answer the repeat of an open (409 for another body).
+    async def open(self, raw: Any, *, explain_conflict: bool = True) -> Opened:
+        """Open a session, or answer the repeat of an open (409 for another body, naming
+        the field that differs unless `explain_conflict` is off: one read fewer, for a
+        caller that takes any conflict as "opened already", as the gateway does).
 
         On PostgreSQL (and Citus) one call of `turnlog_open` (migration 0010)
         writes the row, the labels and the event; SQLite writes them in one
@@ -219,7 +221,8 @@ class Writer:
                 fastpath.open_args(row, label_rows(definition), payload))
         if stored is not None:
             if stored != row["open_fingerprint"]:
-                raise open_conflict(await self._opened_as(definition.session_id), definition)
+                raise open_conflict(await self._opened_as(definition.session_id)
+                                    if explain_conflict else None, definition)
             return Opened(definition, False)
         # Committed: the state a fold of the new log would give, so the first turn need not
         # fold it (two reads). Only if no state is held: a request that folded meanwhile
