@@ -77,7 +77,7 @@ async def test_problem_details_become_typed_errors(tl, sid):
     error = caught.value
     assert (error.status, error.slug, error.type) == (409, "session-conflict",
                                                       "urn:turnlog:session-conflict")
-    assert error.field == "body" and error.expected and error.actual
+    assert (error.field, error.expected, error.actual) == ("version", '"v2"', '"v1"')
     assert error.problem["title"]
     with pytest.raises(TurnlogError) as caught:
         await tl.append(sid, turn([], [2])["record"])  # an empty prompt
