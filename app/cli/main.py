@@ -218,7 +218,8 @@ def migrate(
     as_json: common.AsJson = False,
     drop_data: Annotated[bool, typer.Option(
         "--drop-data", help="downgrade: also when it drops data (the event log at base, the "
-        "metric history, consumer acks, which sessions' R3 retention freed)")] = False,
+        "metric history, consumer acks, which sessions' R3 retention freed, which groups "
+        "wait for rewards)")] = False,
 ) -> None:
     """Apply (upgrade), revert (downgrade) or show (current) the schema revision."""
     from app.store.engine import migrate as migrations
