@@ -37,7 +37,7 @@ from app.api.routes import (
 from app.services import build_services
 from app.settings import Settings, get_settings
 from app.settle import settle
-from app.ui.guard import UiGuard
+from app.ui.guard import UiGuard, UiHeaders
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -92,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(QueryTokens)
     app.add_middleware(HeaderBounds, max_bytes=settings.server.max_header_bytes,
                        max_count=settings.server.max_headers)
+    app.add_middleware(UiHeaders)  # every /ui answer, the refusals above included
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
     for module in (health, metrics, sessions, samples, feed, analytics, history, gates,
                    docs_ui, consumers, retention):

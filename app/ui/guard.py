@@ -20,7 +20,6 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.access import (
-    READ_METHODS,
     Forbidden,
     TokenTable,
     Unauthorized,
@@ -58,10 +57,13 @@ def cookie_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-class UiGuard:
-    def __init__(self, app: ASGIApp, tokens: TokenTable) -> None:
+class UiHeaders:
+    """The `/ui` answers' security headers (HEADERS), on every one of them: added
+    outside the guards that refuse before the UI's own (a foreign Host's 421, header
+    bounds, tokens in the URL), whose answers carried none."""
+
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not is_ui(scope["path"]):
@@ -75,12 +77,24 @@ class UiGuard:
                     headers[name] = value
             await send(message)
 
+        await self.app(scope, receive, send_with_headers)
+
+
+class UiGuard:
+    def __init__(self, app: ASGIApp, tokens: TokenTable) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_ui(scope["path"]):
+            await self.app(scope, receive, send)
+            return
         path, method = scope["path"], scope["method"]
         by_cookie = False
         if self.tokens and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
             headers = scope.get("headers") or []
             presented = bearer_token(headers)
-            if not presented and method.upper() in READ_METHODS:
+            if not presented and method.upper() in ("GET", "HEAD"):  # as docs/ui.md says
                 cookie = cookie_token(headers)
                 by_cookie = bool(cookie)
                 presented = cookie or presented
@@ -92,13 +106,12 @@ class UiGuard:
                                           error=bool(presented))
                     # A 401 names its scheme (RFC 9110 §11.6.1), the form's page too.
                     response.headers["www-authenticate"] = challenge(exc)
-                    await response(scope, receive, send_with_headers)
+                    await response(scope, receive, send)
                     return
-                await send_problem(send_with_headers, exc,
-                                   {"www-authenticate": challenge(exc)})
+                await send_problem(send, exc, {"www-authenticate": challenge(exc)})
                 return
         signed_in = SIGNED_IN.set(by_cookie)
         try:
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, receive, send)
         finally:
             SIGNED_IN.reset(signed_in)

@@ -15,10 +15,12 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from app.domain.body.labels import label_text
 from app.domain.errors import DomainError
-from app.ui.views import text_of
+from app.ui.views import text_of, visible_controls
 
+# `finalize`: every value a template writes shows its directional controls as codes.
 templates = Environment(loader=PackageLoader("app.ui", "templates"), autoescape=True,
-                        undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+                        undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                        finalize=visible_controls)
 templates.globals.update(text_of=text_of, label_text=label_text, urlencode=urlencode)
 
 

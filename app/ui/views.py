@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from markupsafe import Markup
+
 from app.domain.ci.rollout_metrics import TITO_PREFIX
 from app.domain.log.tree import SessionState
 from app.domain.projection.lanes import node_marks
@@ -38,6 +40,26 @@ class TreeRow:
     retry: bool
     dropped: bool
     sample: int | None  # index of the sample this leaf became
+
+
+# Unicode's directional controls (embeddings, overrides, isolates and marks): stored
+# text is user data, and an unclosed override in one value reorders how the values
+# after it in the same line display (a weight version "step-7<RLO>" made "step-7,
+# step-8" read "step-78-pets ,"). A page shows them as visible codes instead.
+BIDI_CONTROLS = {cp: f"[U+{cp:04X}]" for cp in
+                 (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
+def visible_controls(value: Any) -> Any:
+    """A value with its directional controls shown as `[U+202E]` (other values as-is;
+    markup stays markup)."""
+    if not isinstance(value, str):
+        return value
+    text = str(value)
+    shown = text.translate(BIDI_CONTROLS)
+    if shown == text:
+        return value
+    return Markup(shown) if isinstance(value, Markup) else shown
 
 
 def text_of(value: Any) -> str | None:

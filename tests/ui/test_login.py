@@ -76,8 +76,10 @@ def test_cookie_is_read_only_and_ui_only(auth_server: UiServer, seeded: str) -> 
         http.cookies.set("turnlog_ui_token", READ_TOKEN, path="/")
         # The API itself still wants a bearer token.
         assert http.get(f"/v1/sessions/{seeded}").status_code == 401
-        # A cookie never writes, even through /ui.
+        # A cookie never writes, even through /ui; it reads with GET and HEAD alone.
         assert http.post("/ui/rows").status_code == 401
+        assert http.request("OPTIONS", "/ui").status_code == 401
+        assert http.head("/ui").status_code == 200
 
 
 def test_login_redirects_only_inside_the_ui(auth_server: UiServer) -> None:

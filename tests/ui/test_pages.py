@@ -258,3 +258,47 @@ async def test_pages_carry_a_strict_content_security_policy(page: Page, api: htt
         assert reply.headers["x-content-type-options"] == "nosniff"
     html = api.get(f"/ui/sessions/{told.session_id}").text
     assert "<script>" not in html and " on" + "click=" not in html
+
+
+async def test_directional_controls_show_as_codes_and_long_values_wrap(
+        page: Page, api: httpx.Client, run_id: str) -> None:
+    """A tester's findings: an unclosed right-to-left override in one weight version
+    reversed how the next one displayed ("step-7<RLO>, step-8" read "step-78-pets ,"),
+    and a 256-character weight version pushed the samples table far outside its card."""
+    from tests.factory import open_body, turn
+
+    sid = f"{run_id}-bidi"
+    api.post("/v1/sessions", json=open_body(sid, labels={"run_id": run_id,
+                                                         "note": "ab\u202ecd"})
+             ).raise_for_status()
+    api.post(f"/v1/sessions/{sid}/turns", json=turn(
+        [1, 2], [3], weight_version="step-7\u202e")).raise_for_status()
+    api.post(f"/v1/sessions/{sid}/turns", json=turn(
+        [1, 2, 3, 4], [5], weight_version="step-8")).raise_for_status()
+    api.post(f"/v1/sessions/{sid}/turns", json=turn(
+        [1, 2, 3, 4, 5, 6], [7], weight_version="w" * 256)).raise_for_status()
+    api.post(f"/v1/sessions/{sid}/close", json={}).raise_for_status()
+    for path in (f"/ui/sessions/{sid}", f"/ui?run_id={run_id}"):
+        await page.goto(path)
+        text = await page.page.evaluate("document.body.innerText")
+        assert "\u202e" not in text, path
+        assert "[U+202E]" in text, path
+        if path.startswith("/ui/sessions/"):
+            assert "step-7[U+202E], step-8" in text
+        # Every table fits its card (wrapped, not spilled past the card's right edge).
+        spill = await page.page.evaluate(
+            "Array.from(document.querySelectorAll('.card table')).map((t) => "
+            "t.getBoundingClientRect().right - t.closest('.card').getBoundingClientRect()"
+            ".right)")
+        assert spill and max(spill) <= 1, (path, spill)
+    assert page.errors == []
+
+
+async def test_a_refused_ui_request_still_carries_the_security_headers(
+        api: httpx.Client) -> None:
+    reply = api.get("/ui", headers={"host": "evil.example"})
+    if reply.status_code != 421:
+        pytest.skip("this UI server takes any Host (tokens configured)")
+    for name in ("content-security-policy", "x-frame-options", "x-content-type-options",
+                 "referrer-policy"):
+        assert name in reply.headers, name
