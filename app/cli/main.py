@@ -244,8 +244,8 @@ def migrate(
             lost = migrations.data_a_downgrade_drops(url, target)
             if lost and not drop_data:
                 # One mistyped revision (`base`) dropped every rollout without a word.
-                held = ", ".join(f"{table} ({'over 1000' if rows > 1000 else rows} rows)"
-                                 for table, rows in lost)
+                held = ", ".join(f"{table} ({'over 1000' if rows > 1000 else rows} "
+                                 f"{'row' if rows == 1 else 'rows'})" for table, rows in lost)
                 raise CliError(f"downgrading to {target} drops data: {held}; "
                                "nothing was changed (back up first; --drop-data to go on)")
             migrations.downgrade(url, target)

@@ -46,6 +46,12 @@ async def test_repeat_with_other_body_is_409(client, sid):
     ({"r3": {"num_layers": 4}}, {}, "r3", '{"num_layers": 4}', "null"),
     ({"labels": {"n": 1}}, {"labels": {"n": 1.0}}, "labels.n", "1", "1.0"),
     ({"labels": {"a.b": True}}, {"labels": {"a.b": False}}, 'labels["a.b"]', "true", "false"),
+    ({"labels": {"a": {"sp ace": 1}}}, {"labels": {"a": {"sp ace": 2}}},
+     'labels.a["sp ace"]', "1", "2"),
+    ({"labels": {"a": [1, 2, 3]}}, {"labels": {"a": [1, 2, 3.0]}}, "labels.a[2]", "3", "3.0"),
+    ({"labels": {"a": [{"b": 1}]}}, {"labels": {"a": [{"b": True}]}}, "labels.a[0].b", "1",
+     "true"),
+    ({"labels": {"a": [1]}}, {"labels": {"a": [1, 2]}}, "labels.a", "[1]", "[1, 2]"),
     ({"labels": {"long": "x" * 500}}, {"labels": {"long": "y"}}, "labels.long",
      '"' + "x" * 198 + "…", '"y"'),
 ])

@@ -589,7 +589,7 @@ def test_the_downgrade_guard_counts_rows_on_every_backend(fresh_database, backen
 
     asyncio.run(execute("UPDATE sessions SET r3_pruned_bytes = 8"))
     line = one_error_line(run("migrate", "downgrade", "0004", "--database-url", url))
-    assert "sessions.r3_pruned_bytes (1 rows)" in line and "nothing was changed" in line, line
+    assert "sessions.r3_pruned_bytes (1 row)" in line and "nothing was changed" in line, line
     # Below 0007, which groups wait for rewarded sessions (one does; one does not).
     asyncio.run(execute("UPDATE sessions SET r3_pruned_bytes = NULL"))
 
@@ -610,7 +610,7 @@ def test_the_downgrade_guard_counts_rows_on_every_backend(fresh_database, backen
 
     asyncio.run(define_groups())
     line = one_error_line(run("migrate", "downgrade", "0006", "--database-url", url))
-    assert "consumer_groups.require_reward (1 rows)" in line, line
+    assert "consumer_groups.require_reward (1 row)" in line, line
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])

@@ -9,6 +9,7 @@ compared against. Pure: no I/O, no clock except the id generator.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,6 +215,7 @@ def open_conflict(stored: SessionDefinition | None,
 
 
 _ABSENT = object()
+PLAIN_KEY = re.compile(r"[A-Za-z0-9_:-]+")  # a key a conflict's path names bare
 SHOWN_MAX = 200  # characters of a value a conflict shows
 
 
@@ -223,10 +225,16 @@ def _first_difference(stored: Any, sent: Any, path: str) -> tuple[str, str, str]
     if isinstance(stored, dict) and isinstance(sent, dict):
         for key in [*stored, *(k for k in sent if k not in stored)]:
             name = str(key)
-            plain = name and not any(c in name for c in '.["')
-            child = (f"{path}.{name}" if path else name) if plain else \
-                f"{path}[{json.dumps(name)}]"  # a key with a dot: labels["a.b"]
+            child = (f"{path}.{name}" if path else name) if PLAIN_KEY.fullmatch(name) else \
+                f"{path}[{json.dumps(name)}]"  # any other key: labels["a.b"]
             found = _first_difference(stored.get(key, _ABSENT), sent.get(key, _ABSENT), child)
+            if found is not None:
+                return found
+        return None
+    if isinstance(stored, list) and isinstance(sent, list) and len(stored) == len(sent):
+        # Element by element: [1, 2] and [1, 2.0] are equal lists to Python, not to JSON.
+        for index, (was, now) in enumerate(zip(stored, sent, strict=True)):
+            found = _first_difference(was, now, f"{path}[{index}]")
             if found is not None:
                 return found
         return None
