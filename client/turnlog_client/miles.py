@@ -1065,6 +1065,14 @@ async def record_rewards(settings: Settings, scored: Iterable[tuple[Any, Any]],
         return await send_rewards(sender, rewards)
 
 
+def reward_keys(args: Any) -> list[str]:
+    """The entries of a dict reward miles reads, in order: `--reward-key`, then
+    `--eval-reward-key` (those given)."""
+    return [key for key in (getattr(args, "reward_key", None),
+                            getattr(args, "eval_reward_key", None))
+            if isinstance(key, str) and key]
+
+
 def reward_value(reward: Any, args: Any) -> Any:
     """A sample's reward as miles reads it: a dict reward's `args.reward_key` entry
     (`--reward-key`), else the reward itself. A dict without that entry is read at
@@ -1072,9 +1080,7 @@ def reward_value(reward: Any, args: Any) -> Any:
     evaluation datasets: the hook cannot tell an evaluation call from another."""
     if not isinstance(reward, Mapping):
         return reward
-    keys = [key for key in (getattr(args, "reward_key", None),
-                            getattr(args, "eval_reward_key", None))
-            if isinstance(key, str) and key]
+    keys = reward_keys(args)
     if not keys:
         return reward  # a dict: not a number, so not recorded
     return next((reward[key] for key in keys if key in reward), None)
@@ -1095,9 +1101,7 @@ def _say_unread_dicts(returned: list[tuple[Any, Any]], scored: list[tuple[Any, A
                 or reward_target(sample) is None:
             continue
         _UNREAD_DICTS_SAID.append(True)
-        keys = [key for key in (getattr(args, "reward_key", None),
-                                getattr(args, "eval_reward_key", None))
-                if isinstance(key, str) and key]
+        keys = reward_keys(args)
         found = next((key for key in keys if key in reward), None)
         if found is not None:
             why = f"its entry {found!r} is no finite number ({reward[found]!r:.40})"
