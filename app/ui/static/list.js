@@ -14,19 +14,7 @@
   // matches it, so none is added live.
   const viewFiltering = body.dataset.viewFiltering === "1";
 
-  // Directional controls (an unclosed right-to-left override reorders what follows it)
-  // shown as codes, as the pages show them.
-  function shown(text) {
-    return text.replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g,
-      (c) => "[U+" + c.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0") + "]");
-  }
-
-  function el(tag, text, cls) {
-    const node = document.createElement(tag);
-    if (text !== undefined && text !== null) node.textContent = shown(String(text));
-    if (cls) node.className = cls;
-    return node;
-  }
+  const el = window.turnlogUi.el;
 
   function labelText(value) {
     return typeof value === "string" ? value : JSON.stringify(value);

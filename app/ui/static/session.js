@@ -9,19 +9,7 @@
   const bySeq = new Map(rows.map((tr) => [tr.dataset.seq, tr]));
   let selected = null;
 
-  // Directional controls (an unclosed right-to-left override reorders what follows it)
-  // shown as codes, as the pages show them.
-  function shown(text) {
-    return text.replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g,
-      (c) => "[U+" + c.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0") + "]");
-  }
-
-  function el(tag, text, cls) {
-    const node = document.createElement(tag);
-    if (text !== undefined && text !== null) node.textContent = shown(String(text));
-    if (cls) node.className = cls;
-    return node;
-  }
+  const el = window.turnlogUi.el;
 
   // Rows are in depth-first order: a subtree is rows[index..last]. Recompute
   // visibility in one pass so nested collapses compose.
