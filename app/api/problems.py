@@ -154,10 +154,9 @@ def install(app: FastAPI) -> None:
         if rolled_back(exc):
             return unavailable_response(
                 "the database rolled this request back (a conflict with a concurrent "
-                "write); retry it unchanged (appends are idempotent by event_id)")
+                f"write); {_retry_hint(request.method)}")
         return unavailable_response(
-            "the database connection failed during this request; "
-            "retry it unchanged (appends are idempotent by event_id)")
+            f"the database connection failed during this request; {_retry_hint(request.method)}")
 
     for kind in UNAVAILABLE_TYPES:
         app.add_exception_handler(kind, _unavailable)  # type: ignore[arg-type]
@@ -195,6 +194,16 @@ def install(app: FastAPI) -> None:
             "status": 500,
             "detail": "the server failed to answer this request; it has been logged",
         })
+
+
+def _retry_hint(method: str) -> str:
+    """What a 503's reader may do about a transient failure: a read changes nothing; a
+    write sent again with the same body takes effect once (its key: an event's
+    `event_id`, a claim's `claim_id`, the path of an open, a group or an ack)."""
+    if method in ("GET", "HEAD"):
+        return "retry it (a read changes nothing)"
+    return ("retry it unchanged (a write sent again with the same body takes effect once: "
+            "turns, closes and rewards by event_id, claims by claim_id)")
 
 
 # Where a raw `OSError` must come from to mean "the database": its driver, the pool,

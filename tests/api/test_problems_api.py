@@ -207,3 +207,31 @@ async def test_a_full_disk_is_503_saying_the_disk_is_full(settings, raised):
     assert r.status_code == 503 and r.json()["type"] == "urn:turnlog:unavailable", r.text
     assert "disk is full" in r.json()["detail"] and r.headers["retry-after"]
     await app.state.services.db.dispose()
+
+
+@pytest.mark.parametrize(("method", "hint", "not_said"), [
+    ("GET", "a read changes nothing", "event_id"),
+    ("POST", "claims by claim_id", "a read changes nothing"),
+])
+async def test_a_lost_connection_says_how_to_retry_for_what_was_asked(
+        settings, method, hint, not_said):
+    # A Citus helper's finding: a feed read and a claim were told "appends are
+    # idempotent by event_id", which says nothing about either.
+    import httpx
+    from sqlalchemy.exc import OperationalError
+
+    from app.main import create_app
+
+    app = create_app(settings)
+
+    @app.api_route("/test-lost", methods=["GET", "POST"])
+    async def lost() -> None:
+        raise OperationalError("SELECT 1", {}, ConnectionRefusedError(111, "refused"))
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(
+            app=app, raise_app_exceptions=False), base_url="http://turnlog") as http:
+        r = await http.request(method, "/test-lost")
+    assert r.status_code == 503 and r.json()["type"] == "urn:turnlog:unavailable", r.text
+    detail = r.json()["detail"]
+    assert "connection failed" in detail and hint in detail and not_said not in detail, detail
+    await app.state.services.db.dispose()
