@@ -38,6 +38,7 @@ from app.services import build_services
 from app.settings import Settings, get_settings
 from app.settle import settle
 from app.ui.guard import UiGuard, UiHeaders
+from app.websocket import RefuseWebSocket
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -94,6 +95,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        max_count=settings.server.max_headers)
     app.add_middleware(UiHeaders)  # every /ui answer, the refusals above included
     app.add_middleware(telemetry.RequestMetrics, metrics=svc.metrics)
+    # Outermost: no route speaks WebSocket; a handshake gets a 403 problem, not an empty 403.
+    app.add_middleware(RefuseWebSocket, detail="turnlog serves no WebSocket routes; "
+                       "use plain HTTP (the feed long-polls: GET /v1/events?wait=…)")
     for module in (health, metrics, sessions, samples, feed, analytics, history, gates,
                    docs_ui, consumers, retention):
         app.include_router(module.router)

@@ -105,6 +105,7 @@ from app.gateway.spool import CLOSE, REWARD, Spool
 from app.services import Services, build_services
 from app.settings import Settings
 from app.settle import settle
+from app.websocket import refuse_websocket
 
 log = structlog.get_logger("turnlog.gateway")
 
@@ -254,9 +255,8 @@ class Gateway:
             await self._lifespan(receive, send)
             return
         if scope["type"] == "websocket":
-            # Not proxied: the handshake is refused (uvicorn answers it 403).
-            await receive()
-            await send({"type": "websocket.close", "code": 1008})
+            await refuse_websocket(scope, receive, send, "the gateway does not proxy WebSocket "
+                                   "connections; send plain HTTP requests")
             return
         if scope["type"] != "http":
             return

@@ -257,3 +257,19 @@ def test_the_host_checks_judge_the_name_the_request_is_for(server_process, fresh
     assert code == 400, answer[:300]
     problem = json.loads(answer.removesuffix(b"<closed>").partition(b"\r\n\r\n")[2])
     assert problem["field"] == "Host" and problem["status"] == 400
+
+
+def test_a_websocket_handshake_is_a_403_problem(server):
+    # A tester's finding (on the gateway; the server answered the same): a handshake got
+    # an empty text/plain 403, not a problem+json saying what to use instead.
+    with connect(server) as sock:
+        sock.sendall(b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                     b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     b"Sec-WebSocket-Version: 13\r\n\r\n")
+        reply = read_all(sock, time.monotonic() + 5)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403"), reply[:300]
+    assert b"content-type: application/problem+json" in head.lower(), head
+    problem = json.loads(body.removesuffix(b"<closed>"))
+    assert problem["type"] == "urn:turnlog:websocket-refused", problem
+    assert "GET /v1/events?wait=" in problem["detail"], problem

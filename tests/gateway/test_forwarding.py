@@ -388,4 +388,10 @@ async def test_a_websocket_handshake_is_refused_not_a_500(forwarder):
                    b"Sec-WebSocket-Version: 13\r\n\r\n")
         reply = raw_request(forwarder.port, request)
         assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
+        # A tester's finding: the refusal was an empty text/plain 403, not a problem.
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert b"content-type: application/problem+json" in head.lower(), head
+        problem = json.loads(body)
+        assert problem["type"] == "urn:turnlog:websocket-refused", problem
+        assert "does not proxy WebSocket" in problem["detail"], problem
     assert "Traceback" not in forwarder.log_tail(200)
