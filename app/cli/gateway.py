@@ -95,7 +95,7 @@ def gateway(
     import uvicorn
 
     from app.cli.main import _cannot_listen
-    from app.domain.body.gateway import GatewayDefaults, parse_label_flags
+    from app.domain.body.gateway import GatewayDefaults, parse_label_flags, parse_record_paths
     from app.domain.errors import DomainError
     from app.gateway.proxy import Gateway, GatewayConfig
 
@@ -109,8 +109,10 @@ def gateway(
                        "give the gateway another --port if the router uses this one")
     try:
         labels = parse_label_flags(label or ())
+        record_paths = parse_record_paths(record_path or ())
     except DomainError as exc:
-        raise CliError(exc.detail) from None
+        raise CliError(exc.detail + (f" (expected {exc.expected})" if exc.expected else "")
+                       ) from None
     url = resolve_url(database_url)
     problem = _cannot_listen(host, port)
     if problem is not None:
@@ -132,7 +134,7 @@ def gateway(
                                num_layers=num_layers, max_trim_tokens=max_trim_tokens,
                                speculative=speculative, labels=labels)
     config = GatewayConfig(upstream=upstream.rstrip("/"), database_url=url,
-                           record_paths=tuple(record_path or ("/v1/chat/completions",)),
+                           record_paths=record_paths,
                            session_header=session_header, upstream_timeout=upstream_timeout,
                            store_timeout=store_timeout, defaults=defaults,
                            idle_close_seconds=idle_close_seconds, spool_dir=spool_dir,

@@ -67,6 +67,7 @@ from app.domain.body.gateway import (
     LABELS_HEADER,
     NO_SESSION,
     NOT_TITO,
+    OWN_PREFIX,
     REJECTED,
     UPSTREAM_UNAVAILABLE,
     Candidate,
@@ -110,7 +111,6 @@ from app.websocket import refuse_websocket
 log = structlog.get_logger("turnlog.gateway")
 
 PROBLEM = b"application/problem+json"
-OWN_PREFIX = "/turnlog/"
 OWN_ROUTES = frozenset({"/turnlog/healthz", "/turnlog/readyz", "/turnlog/metrics"})
 # `/turnlog/sessions/{sid}`: what the gateway holds of a session (its spooled turns).
 OWN_SESSIONS = "/turnlog/sessions/"

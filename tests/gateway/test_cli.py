@@ -15,6 +15,13 @@ from tests.serverproc import free_port
     (["--upstream", "127.0.0.1:30000"], "must be an http:// or https:// URL"),
     (["--upstream", "http://127.0.0.1:1", "--label", "novalue"], "is not KEY=VALUE"),
     (["--upstream", "http://127.0.0.1:1", "--label", "bad key=1"], "label names"),
+    # A tester's finding: a path no request can have started a gateway that recorded nothing.
+    (["--upstream", "http://127.0.0.1:1", "--record-path", "nopath"],
+     "--record-path 'nopath' is no path a request to the gateway can have (expected a path "
+     "from /"),
+    (["--upstream", "http://127.0.0.1:1", "--record-path", "/generate?x=1"], "no path"),
+    (["--upstream", "http://127.0.0.1:1", "--record-path", "/v1/chat completions"], "no path"),
+    (["--upstream", "http://127.0.0.1:1", "--record-path", "/turnlog/healthz"], "not under"),
 ])
 def test_bad_flags_are_one_line(flags, expected, tmp_path):
     line = one_error_line(run("gateway", *flags, "--database-url", sqlite_file(tmp_path),

@@ -42,6 +42,8 @@ from app.domain.wire.validate import SESSION_ID, finite_float
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
                         "upgrade"})
 DEFAULT_RECORD_PATHS = ("/v1/chat/completions",)
+# The gateway's own routes live under this prefix; nothing under it is forwarded.
+OWN_PREFIX = "/turnlog/"
 DEFAULT_SESSION_HEADER = "X-SMG-Routing-Key"
 LABELS_HEADER = "X-Turnlog-Labels"
 OPENED_BY = "gateway"
@@ -366,6 +368,27 @@ def parse_label_flags(items: Iterable[str]) -> dict[str, str]:
                                  expected="KEY=VALUE", actual=item)
         labels[key] = value
     return parse_labels(labels, "--label")
+
+
+_RECORD_PATH = re.compile(r"/[!-~]*")  # printable ASCII, no space, from the root
+
+
+def parse_record_paths(items: Iterable[str]) -> tuple[str, ...]:
+    """`--record-path` items: each a path as callers send it (matched exactly, before any
+    percent-decoding, the query string aside), so from `/`, printable ASCII, no `?` or
+    `#`, and none of the gateway's own; the default when none is given. InvalidRequest
+    names the bad one: a path no request can have would silently record nothing."""
+    paths = tuple(items) or DEFAULT_RECORD_PATHS
+    for path in paths:
+        if not _RECORD_PATH.fullmatch(path) or "?" in path or "#" in path \
+                or path.startswith(OWN_PREFIX):
+            raise InvalidRequest(
+                f"--record-path {path!r} is no path a request to the gateway can have",
+                field="--record-path",
+                expected="a path from / in printable ASCII, without ? or #, not under "
+                         f"{OWN_PREFIX} (e.g. /v1/chat/completions)",
+                actual=path)
+    return paths
 
 
 def parse_labels_header(text: str) -> dict[str, Any]:
