@@ -84,6 +84,7 @@ from app.domain.body.gateway import (
     turn_body,
     unrelayable_header,
 )
+from app.domain.body.session import validate_session_id
 from app.domain.errors import (
     DomainError,
     InvalidRequest,
@@ -334,7 +335,11 @@ class Gateway:
             # Whether a client may close the session now without overtaking a spooled
             # turn of it (the miles hook asks before its close: docs/gateway.md).
             assert self.recorder is not None
-            session_id = unquote(rest)
+            try:  # the id as the store takes it: no other id can have a spooled turn
+                session_id = validate_session_id(unquote(rest))
+            except DomainError as exc:
+                await _problem(send, exc)
+                return
             body = jsonio.dumps_bytes({
                 "session_id": session_id,
                 "spooled_turns": self.recorder.spool.count_turns(session_id),

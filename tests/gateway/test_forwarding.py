@@ -378,6 +378,13 @@ async def test_a_session_route_says_how_many_spooled_turns_the_gateway_holds(for
         for missing in ("/turnlog/sessions/a/b", "/turnlog/sessions/"):
             reply = await http.get(missing)
             assert reply.status_code == 404, reply.text
+        # A tester's finding: an id no session can have was answered as one with nothing
+        # spooled.
+        for bad in ("bad%20id", "x" * 129, "%C3%A9"):
+            reply = await http.get(f"/turnlog/sessions/{bad}")
+            assert reply.status_code == 422, reply.text
+            assert reply.headers["content-type"] == "application/problem+json"
+            assert reply.json()["field"] == "session_id", reply.json()
         assert "/turnlog/sessions/{session_id}" in (await http.get("/turnlog/x")).json()["detail"]
 
 
