@@ -61,6 +61,7 @@ from app.access import (
     token_in_url,
 )
 from app.allocator import unfilled_bytearray
+from app.asgi_extensions import CUT_CONNECTION
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, parse_timeout
 from app.domain.body.gateway import (
     CALLER_GONE,
@@ -926,13 +927,16 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     except (aiohttp.ClientError, TimeoutError) as exc:
-        # Headers are gone already: all that is left is to cut the connection, which
-        # the server does for a reply left incomplete (one error line of its own), not
-        # with the traceback an exception escaping here would log: the fault is the
-        # upstream's, said here once.
+        # Headers are gone already: all that is left is to cut the connection. Said
+        # here once (the fault is the upstream's), then cut through the protocol's
+        # extension; a server without it cuts a reply left incomplete itself, with an
+        # error line of its own (an exception escaping here would log a traceback).
         if not gone.is_set():
             log.warning("upstream reply broke off; the caller's connection is cut",
                         path=scope["path"], error=type(exc).__name__)
+            cut = scope.get("extensions", {}).get(CUT_CONNECTION)
+            if cut is not None:
+                cut()
     except asyncio.CancelledError:
         if not gone.is_set() or task is None or task.uncancel() > 0:
             raise  # not (only) the hang-up's: a shutdown

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from app.api.http_errors import Overloaded, RequestTimeout
 from app.api.middleware.guards import headers_too_large
+from app.asgi_extensions import CUT_CONNECTION, DIRECT_BODY
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.settings import ServerSettings
@@ -145,9 +147,11 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._host_from_target()
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not None and cycle.scope is self.scope and self.scope["method"] == "POST":
+        if cycle is not None and cycle.scope is self.scope:
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
-            extensions[DIRECT_BODY] = DirectBody(self, cycle)
+            extensions[CUT_CONNECTION] = functools.partial(_cut, cycle)
+            if self.scope["method"] == "POST":
+                extensions[DIRECT_BODY] = DirectBody(self, cycle)
 
     def _host_from_target(self) -> None:
         """An absolute-form target (`GET http://name/path`) names the host itself, and
@@ -249,8 +253,13 @@ async def overloaded(_scope: Any, _receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-# The scope extension a POST's route finds its `DirectBody` under.
-DIRECT_BODY = "turnlog.direct_body"
+def _cut(cycle: RequestResponseCycle) -> None:
+    """`CUT_CONNECTION`: the connection closed under an answer left incomplete on
+    purpose. Marked as the caller's hang-up would mark it, so uvicorn does not log
+    "returned without completing response" for what the app has said already."""
+    cycle.disconnected = True
+    cycle.message_event.set()
+    cycle.transport.close()
 
 
 class DirectBody:

@@ -45,8 +45,9 @@ from app.api.deps import (
     turn_decoder,
 )
 from app.api.middleware.limits import body_silent
-from app.api.middleware.serving import DIRECT_BODY, DirectBody
+from app.api.middleware.serving import DirectBody
 from app.api.routes.append_log import turn_appended, turn_rejected
+from app.asgi_extensions import DIRECT_BODY
 from app.domain.body.session import SessionDefinition
 from app.domain.body.turn import TurnBody
 from app.domain.errors import DomainError
