@@ -307,12 +307,20 @@ class FakeSGLang:
         try:
             request = _loads(body)
             request["input_ids"]  # noqa: B018 (a KeyError is the 400 below)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             await _reply(send, 400, b'{"error":"expected a JSON body with input_ids"}')
             return
         pad = int(headers.get("x-sim-pad", "0"))
-        if request.get("stream") is True:
-            reply = self.completion(request, pad)
+        logprobs = headers.get("x-sim-reply") != "no-logprobs"
+        try:  # a request it cannot serve is a 400, as SGLang answers one
+            reply = self.completion(request, pad) if request.get("stream") is True else None
+            text = self.reply_bytes(request, pad, logprobs) if reply is None else b""
+        except (ValueError, TypeError, OverflowError, AttributeError, IndexError,
+                KeyError) as exc:
+            await _reply(send, 400, json.dumps({
+                "error": f"cannot serve this request: {type(exc).__name__}: {exc}"}).encode())
+            return
+        if reply is not None:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
             for piece in (reply["choices"][0]["message"]["content"], ""):
@@ -321,8 +329,6 @@ class FakeSGLang:
                             "body": b"data: " + json.dumps(event).encode() + b"\n\n"})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             return
-        logprobs = headers.get("x-sim-reply") != "no-logprobs"
-        text = self.reply_bytes(request, pad, logprobs)
         coding = headers.get("x-sim-encoding")
         if coding is None:
             await _reply(send, 200, text)

@@ -41,3 +41,31 @@ def test_reply_bytes_are_the_reply_encoded(r3: str, extra: dict[str, object],
     if not logprobs:
         del reply["choices"][0]["meta_info"]["output_token_logprobs"]
     assert fake.reply_bytes(request, pad=4, logprobs=logprobs) == json.dumps(reply).encode()
+
+
+@pytest.mark.parametrize("request_body", [
+    {"input_ids": ["a"]}, {"input_ids": [[1]]}, {"input_ids": 5},
+    {"input_ids": [1, 2], "max_tokens": "many"}, {"input_ids": [1], "messages": 3},
+    {"input_ids": [1], "stream": True, "max_tokens": {"a": 1}},
+    {"input_ids": [1, 99999999999999999999999, 3]}])
+async def test_a_request_it_cannot_serve_is_a_400_not_a_500(request_body) -> None:
+    # A tester's finding: `input_ids` of strings or lists raised, a plain-text 500.
+    import httpx
+
+    fake = FakeSGLang()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fake),
+                                 base_url="http://sglang") as http:
+        reply = await http.post("/v1/chat/completions", json=request_body)
+    assert reply.status_code == 400, reply.text
+    assert "cannot serve this request" in reply.json()["error"]
+
+
+async def test_json_nested_too_deep_is_a_400_not_a_500() -> None:
+    import httpx
+
+    body = b'{"input_ids": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=FakeSGLang()),
+                                 base_url="http://sglang") as http:
+        reply = await http.post("/v1/chat/completions", content=body,
+                                headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
