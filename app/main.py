@@ -84,7 +84,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # and the loopback guard refuse before auth, auth before the body is read.
     app.add_middleware(HeadAsGet)  # a HEAD is routed as its GET (app.api.middleware.methods)
     app.add_middleware(WriteDeadline)  # from here on, a request's writes keep its deadline
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout_s,
+                       min_rate=limits.min_upload_rate, grace=limits.upload_grace_s)
     tokens = TokenTable(settings.access.api_tokens)
     app.add_middleware(BearerAuth, tokens=tokens)
     app.add_middleware(UiGuard, tokens=tokens)  # /ui: the same tokens, or the UI's cookie

@@ -143,7 +143,7 @@ class LimitSettings(_Group):
     # aside; the rest on the event loop, where a 2k-token turn's ~2 ms of work costs
     # less than the two thread hand-offs would (docs/ingest.md).
     offload_body_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
-    # A large body (one holding an upload slot) must keep arriving: its byte n by
+    # Every body (and a large one holding an upload slot) must keep arriving: byte n by
     # `upload_grace_s + n / min_upload_rate` seconds after its first read, or 408.
     min_upload_rate: int = Field(default=64 * 1024, ge=0)  # bytes/s; 0 = no minimum
     upload_grace_s: float = Field(default=10.0, gt=0)

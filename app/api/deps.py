@@ -18,6 +18,7 @@ from pydantic import BeforeValidator
 
 from app.allocator import unfilled_bytearray
 from app.api.http_errors import Overloaded, RequestTimeout
+from app.api.middleware.limits import too_slow
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import jsonio, msgpackio, r3text
 from app.domain.wire.media import JSON, media_type_of
@@ -178,11 +179,7 @@ class Pace:
             raise self.too_slow() from None
 
     def too_slow(self) -> RequestTimeout:
-        return RequestTimeout(
-            f"request body arrives slower than {self.min_rate} bytes/s",
-            field="body",
-            expected=f"at least {self.min_rate} bytes/s after {self.grace:g} s",
-            actual=f"{self.seen} bytes in {self.loop.time() - self.start:.1f} s")
+        return too_slow(self.min_rate, self.grace, self.seen, self.loop.time() - self.start)
 
 
 async def json_body(request: Request) -> Any:

@@ -171,6 +171,8 @@ class Gateway:
         # A turn (request and reply) above the store's body limit could never be stored.
         self.max_turn_bytes = settings.limits.max_body_bytes
         self.body_timeout = settings.limits.body_timeout_s
+        self.body_pace = BodyPace(settings.limits.body_timeout_s, settings.limits.min_upload_rate,
+                                  settings.limits.upload_grace_s)
         self.upstream = httpx.URL(config.upstream)
         # How answers and logs name it: without credentials in the URL (a 502 showed
         # `user:pass@` to any caller: a tester's finding).
@@ -389,7 +391,7 @@ class Gateway:
             raise TooLarge(f"the body is larger than {limit} bytes", field="body",
                            expected=f"at most {limit} bytes", actual=f"{declared} bytes")
         read = b"" if declared == 0 else await _gather(
-            _stream_body(receive, self.body_timeout), limit)
+            _stream_body(receive, self.body_pace), limit)
         if isinstance(read, tuple):
             raise TooLarge(f"the body is larger than {limit} bytes", field="body",
                            expected=f"at most {limit} bytes", actual="larger")
@@ -437,7 +439,7 @@ class Gateway:
         upload: _Upload | None = None
         content: Any = body
         if body is None and (prefix or _has_body(scope)):
-            upload = content = _Upload(receive, self.body_timeout, prefix)
+            upload = content = _Upload(receive, self.body_pace, prefix)
         try:
             response = await self._open_while_there(scope, content, receive, upload)
         except (UpstreamUnavailable, CallerStalled) as exc:
@@ -467,7 +469,7 @@ class Gateway:
             await self._passthrough(scope, receive, send)
             return
         try:
-            read = await _gather(_stream_body(receive, self.body_timeout), self.max_turn_bytes)
+            read = await _gather(_stream_body(receive, self.body_pace), self.max_turn_bytes)
         except CallerStalled as exc:  # nothing sent up yet: the caller hears why
             log.warning("request body stopped arriving", session_id=session_id,
                         timeout_s=self.body_timeout)
@@ -726,24 +728,48 @@ def _has_body(scope: dict[str, Any]) -> bool:
     return False
 
 
-async def _stream_body(receive: Any, idle: float) -> AsyncIterator[bytes]:
+@dataclass(frozen=True)
+class BodyPace:
+    """How a caller's request body must arrive, as `turnlog serve` has it: a byte at
+    least every `idle` seconds (`TURNLOG_BODY_TIMEOUT_S`) and byte n within `grace + n
+    / min_rate` seconds of the first read (`TURNLOG_UPLOAD_GRACE_S`,
+    `TURNLOG_MIN_UPLOAD_RATE`; rate 0: no minimum)."""
+
+    idle: float
+    min_rate: int = 0
+    grace: float = 10.0
+
+
+async def _stream_body(receive: Any, pace: BodyPace) -> AsyncIterator[bytes]:
     """A request body's chunks as they come; CallerStalled when none comes for `idle`
-    seconds (a caller that declared more than it sends held its connection, and
-    with a turn the gateway's memory, for as long as it liked), ClientGone when the
-    caller hangs up."""
+    seconds or the body falls below its minimum pace (a caller that declared more than
+    it sends, or trickles it a byte every 25 s, held its connection, and with a turn
+    the gateway's memory, for as long as it liked), ClientGone when the caller hangs
+    up."""
+    loop = asyncio.get_running_loop()
+    started, seen = loop.time(), 0
     while True:
+        due = loop.time() + pace.idle
+        paced = started + pace.grace + (seen + 1) / pace.min_rate if pace.min_rate else due
         try:
-            async with asyncio.timeout(idle):
+            async with asyncio.timeout_at(min(due, paced)):
                 message = await receive()
         except TimeoutError:
+            if paced < due:
+                raise CallerStalled(
+                    f"the request body arrives slower than {pace.min_rate} bytes/s",
+                    field="body", expected=f"at least {pace.min_rate} bytes/s after "
+                    f"{pace.grace:g} s (TURNLOG_MIN_UPLOAD_RATE)",
+                    actual=f"{seen} bytes in {loop.time() - started:.1f} s") from None
             raise CallerStalled(
-                f"the request body stopped arriving: no byte for {idle:g} s",
-                field="body", expected=f"a byte at least every {idle:g} s "
+                f"the request body stopped arriving: no byte for {pace.idle:g} s",
+                field="body", expected=f"a byte at least every {pace.idle:g} s "
                 "(TURNLOG_BODY_TIMEOUT_S)", actual="nothing more") from None
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")
         if chunk:
+            seen += len(chunk)
             yield chunk
         if not message.get("more_body", False):
             return
@@ -829,9 +855,9 @@ class _Upload:
     sending it when the reply's head is in, and until then the caller's `receive`
     is the upload's, not the disconnect watcher's."""
 
-    def __init__(self, receive: Any, idle: float, prefix: tuple[bytes, ...] = ()) -> None:
+    def __init__(self, receive: Any, pace: BodyPace, prefix: tuple[bytes, ...] = ()) -> None:
         self.receive = receive
-        self.idle = idle
+        self.pace = pace
         self.prefix = prefix  # chunks received already, sent first
         self.done = asyncio.Event()
 
@@ -844,7 +870,7 @@ class _Upload:
             for chunk in prefix:
                 yield chunk
             del prefix
-            async for chunk in _stream_body(self.receive, self.idle):
+            async for chunk in _stream_body(self.receive, self.pace):
                 yield chunk
         finally:
             self.done.set()

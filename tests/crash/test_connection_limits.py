@@ -115,6 +115,40 @@ def test_a_write_body_that_stops_coming_is_408_and_closed(server_process, fresh_
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.parametrize("path", [
+    b"/v1/sessions",  # a FastAPI route
+    b"/v1/sessions/trickled/turns",  # the bare hot route (its body read straight in)
+    b"/ui/login",  # the web UI's form
+])
+def test_a_small_body_trickled_in_is_408_once_below_the_minimum_pace(
+        server_process, fresh_database, path):
+    # A tester's finding: a byte every 25 s (each inside the body timeout) into a body
+    # under TURNLOG_LARGE_BODY_BYTES held its connection, and a place under the
+    # concurrency limit, for as long as the client liked: the pace was only a large
+    # body's. Here: 100 bytes/s after a 1 s grace, a byte every 0.5 s.
+    env = {k: v for k, v in LIMITS.items() if k != "TURNLOG_API_TOKENS"}
+    env.update(TURNLOG_MIN_UPLOAD_RATE="100", TURNLOG_UPLOAD_GRACE_S="1")
+    server = server_process(fresh_database("sqlite"), env)
+    asyncio.run(server.wait_ready())
+    sock = connect(server)
+    started = time.monotonic()
+    sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: localhost\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    answer = b""
+    while time.monotonic() - started < 8 and not answer:
+        time.sleep(0.5)
+        try:
+            sock.sendall(b" ")
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        answer = read_all(sock, time.monotonic() + 0.01)
+    answer += read_all(sock, time.monotonic() + 2)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+    assert b"arrives slower than 100 bytes/s" in answer, answer
+    assert time.monotonic() - started < 5
+
+
 def test_slow_headers_and_idle_connections_are_closed(server):
     started = time.monotonic()
     slow = [connect(server) for _ in range(20)]

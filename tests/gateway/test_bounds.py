@@ -200,6 +200,44 @@ async def test_a_caller_whose_body_stops_gets_408_and_nothing_is_stored(
     assert "Traceback" not in gateway.log_tail(200)
 
 
+@pytest.mark.parametrize(("path", "extra"), [
+    (b"/v1/chat/completions", b"X-SMG-Routing-Key: s-trickled\r\n"),
+    (b"/generate", b""),
+    (b"/turnlog/v1/sessions/s-trickled/close", b""),
+], ids=["turn", "passthrough", "own-close"])
+async def test_a_body_trickled_in_below_the_minimum_pace_gets_408(
+        tmp_path, gateway_process, fake_sglang, path, extra):
+    """A tester's finding: a byte every 25 s (each within the body timeout) held a turn,
+    a passthrough and a close for as long as the caller liked. The gateway keeps the
+    store's minimum pace: here 100 bytes/s after a 1 s grace, a byte every 0.5 s."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", env={
+        "TURNLOG_BODY_TIMEOUT_S": "1", "TURNLOG_MIN_UPLOAD_RATE": "100",
+        "TURNLOG_UPLOAD_GRACE_S": "1"})
+    await gateway.wait_ready()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n" + extra
+                 + b"Content-Length: 1000\r\n\r\n{")
+    await writer.drain()
+    head = b""
+    while not head and loop.time() - started < 8:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.5)
+        except TimeoutError:
+            writer.write(b" ")
+            await writer.drain()
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    problem = json.loads(await reader.readexactly(length))
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert "slower than 100 bytes/s" in problem["detail"], problem
+    assert loop.time() - started < 6
+    assert "Traceback" not in gateway.log_tail(200)
+
+
 async def _exchange(port: int, request: bytes, timeout: float = 20) -> tuple[bytes, Any, bytes]:
     """Send `request` raw; the answer's head, its problem body and what followed (b""
     when the gateway closed the connection)."""

@@ -2,8 +2,10 @@
 a body with a content coding (`Content-Encoding: gzip`, …) is a 415 before it is read.
 
 Each read of a body that is still arriving must deliver within `timeout`
-seconds, or the request is answered 408 and its connection closed: a client
-that declares 1,000 bytes and sends 10 no longer holds a connection forever.
+seconds, and the body must keep a minimum pace (byte n within `grace + n /
+min_rate` seconds of the first read), or the request is answered 408 and its
+connection closed: a client that declares 1,000 bytes and sends 10, or sends
+them a byte every 25 s, no longer holds a connection forever.
 Once the body is complete, reads pass through untimed (a streaming reply
 listens for the disconnect for as long as it runs). One timer per request
 keeps the time (`ReadWatch`), not a timeout scope per read.
@@ -17,6 +19,7 @@ append, a repeat of which is answered as one, needs no deadline.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,10 +33,17 @@ from app.store.engine.db import write_deadline
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float | None = None,
+                 min_rate: int = 0, grace: float = 10.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout = timeout
+        # Every body keeps a minimum pace too: byte n within `grace + n / min_rate`
+        # seconds of the first read (0: no minimum). Without it a client trickling a
+        # byte every 25 s into a 1 MB declared length held its connection, and a place
+        # under the concurrency limit, for as long as it liked (a tester's finding).
+        self.min_rate = min_rate
+        self.grace = grace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,17 +60,28 @@ class BodyLimit:
             return
         seen, complete = 0, False
         watch = ReadWatch(self.timeout) if self.timeout is not None else None
+        started: float | None = None
+
+        def pace_due() -> float:
+            assert started is not None
+            return started + self.grace + (seen + 1) / self.min_rate
 
         async def counted() -> Message:
             # A chunked body without Content-Length is counted as it streams in; the
             # domain error reaches the problem+json handler before anything is parsed.
-            nonlocal seen, complete
+            nonlocal seen, complete, started
             if complete or watch is None:
                 message = await receive()
             else:
+                if started is None and self.min_rate:
+                    started = watch.loop.time()
+                    watch.pace_due = pace_due
                 try:
                     message = await watch.read(receive)
                 except TimeoutError:
+                    if started is not None and watch.loop.time() >= pace_due():
+                        raise too_slow(self.min_rate, self.grace, seen,
+                                       watch.loop.time() - started) from None
                     raise body_silent(watch.timeout, seen) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
@@ -92,6 +113,15 @@ def body_silent(timeout: float, seen: int) -> RequestTimeout:
         actual=f"{seen} bytes, then silence")
 
 
+def too_slow(min_rate: int, grace: float, seen: int, elapsed: float) -> RequestTimeout:
+    """A body arriving below the minimum pace (`TURNLOG_MIN_UPLOAD_RATE` after
+    `TURNLOG_UPLOAD_GRACE_S`)."""
+    return RequestTimeout(
+        f"request body arrives slower than {min_rate} bytes/s",
+        field="body", expected=f"at least {min_rate} bytes/s after {grace:g} s",
+        actual=f"{seen} bytes in {elapsed:.1f} s")
+
+
 class ReadWatch:
     """Each read of one request's body bounded by `timeout` seconds, with one timer
     for the request instead of a timeout scope per read (a 3 MB body arrives in ~50).
@@ -105,6 +135,8 @@ class ReadWatch:
     def __init__(self, timeout: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.timeout = timeout
+        # When the body's next byte is due by its minimum pace (loop time), if it has one.
+        self.pace_due: Callable[[], float] | None = None
         self.since: float | None = None  # when the read in progress began
         self.task: asyncio.Task[Any] | None = None
         self.handle: asyncio.TimerHandle | None = None
@@ -116,7 +148,7 @@ class ReadWatch:
         self.task, self.since, self.expired = task, self.loop.time(), False
         cancelling = task.cancelling()
         if self.handle is None:
-            self.handle = self.loop.call_at(self.since + self.timeout, self._due)
+            self.handle = self.loop.call_at(self._deadline(self.since), self._due)
         try:
             return await receive()
         except asyncio.CancelledError:
@@ -130,12 +162,17 @@ class ReadWatch:
         self.handle = None
         if self.since is None or self.task is None:
             return  # between reads: the next one arms the timer again
-        due = self.since + self.timeout
+        due = self._deadline(self.since)
         if self.loop.time() < due:
             self.handle = self.loop.call_at(due, self._due)
             return
         self.expired = True
         self.task.cancel()
+
+    def _deadline(self, since: float) -> float:
+        """The read begun at `since` is due: `timeout` after it, or sooner by the pace."""
+        due = since + self.timeout
+        return due if self.pace_due is None else min(due, self.pace_due())
 
     def close(self) -> None:
         if self.handle is not None:

@@ -67,7 +67,7 @@ async def receive_body(receive: Receive, declared: int | None,
                        uploads: Uploads | None = None, direct: DirectBody | None = None,
                        idle: float | None = None) -> bytearray:
     """The whole body from ASGI messages, into one buffer (`BodyBuffer`); with
-    `uploads` (the body holds an upload slot) at the slot holders' minimum pace:
+    `uploads` at the minimum pace every body keeps (`Pace`):
     one timeout scope for the body, its deadline moved as bytes arrive (not a
     scope per read: a 3 MB turn arrives in ~14–50). With `direct` (the server's
     `DirectBody`) and a declared length, the rest after the first message is read
@@ -197,7 +197,7 @@ class AppendRoute(BaseRoute):
             async with self.uploads.slot_for(declared, chunked) as large:
                 decode = turn_decoder(media_type_of(content_type))
                 raw = await receive_body(
-                    receive, declared, self.uploads if large else None,
+                    receive, declared, self.uploads,
                     scope.get("extensions", {}).get(DIRECT_BODY), self.body_timeout)
                 if large and decode in msgpackio.DECODERS and len(raw) <= self.uploads.offload:
                     # One typed pass serves the offload decision and the decode (a
