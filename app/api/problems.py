@@ -28,9 +28,10 @@ from app.api.http_errors import Overloaded, RequestTimeout, Unavailable
 from app.api.middleware.methods import allowed_methods
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
+from app.store.engine.dialect import SQLITE_BUSY_S
 from app.store.engine.disk import chain as _chain
 from app.store.engine.disk import disk_full
-from app.store.engine.sqlite_files import DatabaseFileReplaced
+from app.store.engine.sqlite_files import DatabaseFileReplaced, SqliteBusy
 
 PROBLEM = "application/problem+json"
 # Seconds a client should wait after a lost database connection (the pool
@@ -139,6 +140,10 @@ def install(app: FastAPI) -> None:
         if replaced is not None:
             # Not transient: every write of this process would be lost; said as it is.
             return unavailable_response(str(replaced))
+        busy = sqlite_busy(exc)
+        if busy is not None:
+            # Said as it is: another process holds the file's lock; the connection is fine.
+            return unavailable_response(str(busy))
         if disk_full(exc):
             # Said as it is: no retry succeeds until someone frees space.
             return unavailable_response(
@@ -270,6 +275,18 @@ def rolled_back(exc: BaseException) -> bool:
     failure), anywhere in the chain."""
     return any(isinstance(current, asyncpg.exceptions.TransactionRollbackError)
                for current in _chain(exc))
+
+
+def sqlite_busy(exc: BaseException) -> SqliteBusy | None:
+    """A SQLite write that waited its whole busy timeout (`SqliteBusy`, or SQLite's own
+    "database is locked"), anywhere in the chain; as `SqliteBusy`."""
+    for current in _chain(exc):
+        if isinstance(current, SqliteBusy):
+            return current
+        if isinstance(current, sqlite3.OperationalError) \
+                and str(current).startswith("database is locked"):
+            return SqliteBusy(None, SQLITE_BUSY_S)
+    return None
 
 
 def sqlite_overflow(exc: BaseException) -> bool:

@@ -235,3 +235,51 @@ async def test_a_lost_connection_says_how_to_retry_for_what_was_asked(
     detail = r.json()["detail"]
     assert "connection failed" in detail and hint in detail and not_said not in detail, detail
     await app.state.services.db.dispose()
+
+
+async def test_writes_behind_a_locked_sqlite_file_wait_one_busy_timeout_not_one_each(
+        fresh_database, monkeypatch):
+    # A tester's finding: with another process holding the file's write lock, the N-th
+    # write in this server's queue waited N busy timeouts (60 s each), and the 503 said
+    # "the database connection failed". Here the busy timeout is 1 s.
+    import asyncio
+    import sqlite3
+    import time
+
+    import httpx
+
+    from app.main import create_app
+    from app.settings import Settings
+    from app.store.engine import db, dialect
+
+    monkeypatch.setattr(dialect, "SQLITE_BUSY_S", 1)
+    monkeypatch.setattr(db, "SQLITE_BUSY_S", 1)
+    from app.store.engine import migrate
+
+    url = fresh_database("sqlite")
+    await migrate.upgrade_async(url)
+    app = create_app(Settings.load(database_url=url, migrate_on_start=False, api_tokens=""))
+    holder = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://localhost") as http:
+            started = time.monotonic()
+
+            async def open_one(i: int) -> tuple[httpx.Response, float]:
+                reply = await http.post("/v1/sessions", json={
+                    "version": "v2", "session_id": f"locked-{i}"})
+                return reply, time.monotonic() - started
+
+            answers = await asyncio.gather(*(open_one(i) for i in range(4)))
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    for reply, took in answers:
+        assert reply.status_code == 503 and reply.json()["type"] == "urn:turnlog:unavailable"
+        assert "is locked: another process" in reply.json()["detail"], reply.json()
+        assert took < 3.5, [t for _, t in answers]  # one busy timeout (+ one), not four
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://localhost") as http:
+        assert (await http.get("/v1/sessions")).json()["sessions"] == []  # nothing stored
+    await app.state.services.db.dispose()

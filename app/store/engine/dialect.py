@@ -106,8 +106,13 @@ def sqlite_path(url: str) -> str | None:
     return None if database in (None, "", ":memory:") else database
 
 
+# How long a SQLite write waits for the file's write lock another process holds (SQLite's
+# busy timeout), and at most in this process's queue of writers before that.
+SQLITE_BUSY_S = 60
+
+
 def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
-    engine = create_async_engine(url, connect_args={"timeout": 60}, poolclass=NullPool
+    engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_S}, poolclass=NullPool
                                  if ":memory:" in url else None)
     path = sqlite_path(url)
     first: dict[str, Any] = {}  # the file the engine's first connection opened
@@ -117,7 +122,7 @@ def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL",
-                       "busy_timeout=60000"):
+                       f"busy_timeout={SQLITE_BUSY_S * 1000}"):
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
         if immediate and path is not None:

@@ -37,6 +37,21 @@ class DatabaseFileReplaced(OSError):
         self.path = path
 
 
+class SqliteBusy(OSError):
+    """A SQLite write that waited its whole busy timeout: for the file's write lock
+    (SQLite's "database is locked") or, before that, in this process's queue of writers
+    behind a write waiting for it. Another process holds the lock; nothing of this
+    write was stored."""
+
+    def __init__(self, path: str | None, seconds: float) -> None:
+        super().__init__(
+            f"the SQLite file{' ' + path if path else ''} is locked: another process (a second "
+            "turnlog process, a `sqlite3` shell, a backup) has held its write lock for "
+            f"{seconds:g} s; nothing of this request was stored. Retry it, and find what "
+            "holds the file if this lasts")
+        self.path = path
+
+
 def file_id(path: str) -> FileId | None:
     try:
         st = os.stat(path)
