@@ -304,6 +304,7 @@ MALFORMED = {
 _META = "record.response.choices[0].meta_info"
 NAMED = {
     "nested int map key": f"{_META}.extra",
+    "ext type": f"{_META}.extra",  # a tester's finding: it named only the body
     "timestamp ext": f"{_META}.extra",
     "bin elsewhere": f"{_META}.weight_version",
     "bin in metadata": "metadata.x",

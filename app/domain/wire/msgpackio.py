@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, compress
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -81,11 +81,28 @@ def _key_not_text(value: Any) -> bool:
     return type(value) is dict and any(type(key) is not str for key in value)
 
 
-def _reject_ext(code: int, _data: memoryview) -> NoReturn:
-    raise _invalid(f"ext type {code}", f"ext type {code}")
+class _Ext:
+    """A client's ext value, decoded as this stand-in: `_check` refuses it as a type not
+    allowed, naming the field it stands in (the decoder, refusing it at once, could
+    name only the body)."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: int) -> None:
+        self.code = code
 
 
-_DECODER = msgspec.msgpack.Decoder(ext_hook=_reject_ext)
+def _ext(code: int, _data: memoryview) -> _Ext:
+    return _Ext(code)
+
+
+def _kind_name(kind: type) -> str:
+    """How a refusal names a decoded value's type (MessagePack's names where Python's
+    differ)."""
+    return "bin" if kind is bytes else "ext type" if kind is _Ext else kind.__name__
+
+
+_DECODER = msgspec.msgpack.Decoder(ext_hook=_ext)
 
 
 class _Meta(msgspec.Struct):
@@ -342,7 +359,7 @@ def _decode_around(raw: bytearray, longs: list[tuple[Long, Any]]) -> Any:
 
     def stand(code: int, data: memoryview) -> Any:
         if code != _STAND_CODE:
-            _reject_ext(code, data)
+            return _Ext(code)
         start = hidden.get(_offset(raw, data))
         if start is None:  # not one we hid: the plain decode judges it
             strays.append(code)
@@ -400,7 +417,7 @@ def _check(value: Any) -> None:
     few list operations, not a Python step per pair.
     """
     if type(value) not in _VALUES:
-        name = "bin" if type(value) is bytes else type(value).__name__
+        name = _kind_name(type(value))
         raise _invalid(f"{name} is not allowed here", name, _not_allowed)
     if type(value) is float and not math.isfinite(value):  # a bare NaN document
         raise _invalid("non-finite float", "NaN or Infinity", _non_finite)
@@ -420,7 +437,7 @@ def _check(value: Any) -> None:
         children, kinds, leaves, rows = level_of(containers)
         if not kinds <= _VALUES:
             kind = next(iter(kinds - _VALUES))
-            name = "bin" if kind is bytes else kind.__name__
+            name = _kind_name(kind)
             raise _invalid(f"{name} is not allowed here", name, _not_allowed)
         if float in kinds and not _all_finite(children, leaves):
             raise _invalid("non-finite float", "NaN or Infinity", _non_finite)
