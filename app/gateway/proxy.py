@@ -1013,22 +1013,32 @@ async def _read_reply(response: aiohttp.ClientResponse,
     if size > limit:
         return ()
     buffer = unfilled_bytearray(min(size, PREALLOCATE))  # cut to what came, below
+    # Written through a view: a bytearray's own slice assignment copies a `bytes` chunk
+    # into a temporary bytearray first (two copies of every reply byte; ~2 % of the
+    # gateway's CPU per recorded turn, in a profile). The view is let go before the
+    # buffer is resized.
+    view = memoryview(buffer)
     filled = 0
     try:
         async for chunk in response.content.iter_any():
             end = filled + len(chunk)
             if end > limit:
+                view.release()
                 del buffer[filled:]
                 return (buffer, chunk) if filled else (chunk,)
             if end <= len(buffer):
-                buffer[filled:end] = chunk
+                view[filled:end] = chunk
             else:
+                view.release()
                 del buffer[filled:]
                 buffer += chunk
+                view = memoryview(buffer)
             filled = end
     except BaseException:
+        view.release()
         buffer.clear()
         raise
+    view.release()
     del buffer[filled:]
     return buffer
 
