@@ -225,7 +225,8 @@ class Database:
             async with asyncio.timeout(SQLITE_BUSY_S):
                 await self._write_lock.acquire()
         except TimeoutError:
-            raise sqlite_files.SqliteBusy(self._sqlite_path, SQLITE_BUSY_S) from None
+            raise sqlite_files.SqliteBusy(self._sqlite_path, SQLITE_BUSY_S,
+                                          queued=True) from None
         try:
             yield
         finally:

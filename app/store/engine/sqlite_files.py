@@ -39,16 +39,22 @@ class DatabaseFileReplaced(OSError):
 
 class SqliteBusy(OSError):
     """A SQLite write that waited its whole busy timeout: for the file's write lock
-    (SQLite's "database is locked") or, before that, in this process's queue of writers
-    behind a write waiting for it. Another process holds the lock; nothing of this
-    write was stored."""
+    (SQLite's "database is locked": another process holds it) or, before that, in this
+    process's queue of writers (`queued`: behind a write waiting for that lock, or a
+    queue that long). Nothing of this write was stored."""
 
-    def __init__(self, path: str | None, seconds: float) -> None:
-        super().__init__(
-            f"the SQLite file{' ' + path if path else ''} is locked: another process (a second "
-            "turnlog process, a `sqlite3` shell, a backup) has held its write lock for "
-            f"{seconds:g} s; nothing of this request was stored. Retry it, and find what "
-            "holds the file if this lasts")
+    def __init__(self, path: str | None, seconds: float, *, queued: bool = False) -> None:
+        name = f"the SQLite file {path}" if path else "the SQLite file"
+        if queued:
+            why = (f"this write waited {seconds:g} s in this server's queue of writers to "
+                   f"{name} (a write ahead of it waits for the file's lock, which another "
+                   "process holds, or the queue is that long)")
+            hint = "; for many concurrent writers, use PostgreSQL"
+        else:
+            why = (f"{name} is locked: another process (a second turnlog process, a "
+                   f"`sqlite3` shell, a backup) has held its write lock for {seconds:g} s")
+            hint = ", and find what holds the file if this lasts"
+        super().__init__(f"{why}; nothing of this request was stored. Retry it{hint}")
         self.path = path
 
 
