@@ -18,7 +18,8 @@ from app.domain.handoff.consumers import parse_step_filter
 
 router = APIRouter(prefix="/v1/consumers", tags=["consumers"])
 
-_SESSIONS = {"type": "array", "items": {"type": "string"}}
+# null as absent: every session of the claim (the server takes both).
+_SESSIONS = {"type": ["array", "null"], "items": {"type": "string"}}
 
 
 def _body(schema: dict[str, Any], example: dict[str, Any]) -> dict[str, Any]:

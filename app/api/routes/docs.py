@@ -21,7 +21,7 @@ OPEN_BODY = _body({
     "required": ["version"],
     "additionalProperties": False,
     "properties": {
-        "session_id": _ID,
+        "session_id": {**_ID, "type": ["string", "null"]},  # null or absent: one is made
         "version": {"enum": ["v1", "v2", True]},
         "pause_generation_mode": {"enum": ["retract", "in_place"]},
         "r3": {"type": ["object", "null"], "required": ["num_layers"],

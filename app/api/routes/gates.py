@@ -15,7 +15,7 @@ EVALUATE_BODY = {"requestBody": {"required": True, "content": {"application/json
                "additionalProperties": False, "properties": {
                    "coordinate": {"type": "object"},
                    "run_id": {"type": "string"},
-                   "specs": {"type": "array", "items": {
+                   "specs": {"type": ["array", "null"], "items": {
                        "type": "object", "required": ["metric"], "properties": {
                            "metric": {"type": "string"},
                            "steps": {"oneOf": [{"enum": ["last", "all"]},

@@ -39,7 +39,7 @@ SUBMIT_BODY = _body({**_RUN, "points": {"type": "array", "items": {
     ["coordinate", "run_id", "attempt", "points"],
     {**_EXAMPLE_RUN, "points": [{"metric": "train/ppo_kl", "step": 0, "value": 0.012},
                                 {"metric": "train/grad_norm", "step": 0, "value": "NaN"}]})
-ROLLOUT_BODY = _body({**_RUN, "step": {"type": "integer", "minimum": 0},
+ROLLOUT_BODY = _body({**_RUN, "step": {"type": ["integer", "null"], "minimum": 0},
                       "labels": {"type": "object"}},
                      ["coordinate", "run_id", "attempt", "step"],
                      {**_EXAMPLE_RUN, "step": 12, "labels": {"run_id": "run7",
