@@ -11,7 +11,7 @@ from __future__ import annotations
 
 # A POST's `DirectBody`: the rest of its body read straight into the route's buffer.
 DIRECT_BODY = "turnlog.direct_body"
-# `cut()`: end this request's connection now, its answer left incomplete on purpose
+# `cut(scope)`: end this request's connection now, its answer left incomplete on purpose
 # (a relayed reply whose upstream broke off): the caller sees the cut, and the server
 # logs nothing of its own about an unfinished answer.
 CUT_CONNECTION = "turnlog.cut_connection"

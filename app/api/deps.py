@@ -151,7 +151,8 @@ async def paced(stream: AsyncIterator[bytes], uploads: Uploads) -> AsyncIterator
 
 
 class Pace:
-    """The minimum pace of an upload-slot holder's body.
+    """The minimum pace of a body (an upload-slot holder's here; the hot route's and,
+    through `BodyLimit`, every body's too).
 
     Byte n must arrive within `grace + n / min_rate` seconds of the first read,
     else 408: a client that declares 50 MB and trickles 64 bytes every 20 s

@@ -65,6 +65,7 @@ from app.asgi_extensions import CUT_CONNECTION
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, parse_timeout
 from app.domain.body.gateway import (
     CALLER_GONE,
+    DEFAULT_RECORD_PATHS,
     LABELS_HEADER,
     NO_SESSION,
     NOT_TITO,
@@ -139,7 +140,7 @@ DROP_REQUEST = frozenset({b"host"})
 class GatewayConfig:
     upstream: str
     database_url: str
-    record_paths: tuple[str, ...] = ("/v1/chat/completions",)
+    record_paths: tuple[str, ...] = DEFAULT_RECORD_PATHS
     session_header: str = "X-SMG-Routing-Key"
     upstream_timeout: float = 600.0
     store_timeout: float = 10.0
@@ -170,7 +171,6 @@ class Gateway:
         self.session_header = config.session_header.lower().encode("latin-1")
         # A turn (request and reply) above the store's body limit could never be stored.
         self.max_turn_bytes = settings.limits.max_body_bytes
-        self.body_timeout = settings.limits.body_timeout_s
         self.body_pace = BodyPace(settings.limits.body_timeout_s, settings.limits.min_upload_rate,
                                   settings.limits.upload_grace_s)
         self.upstream = httpx.URL(config.upstream)
@@ -471,8 +471,8 @@ class Gateway:
         try:
             read = await _gather(_stream_body(receive, self.body_pace), self.max_turn_bytes)
         except CallerStalled as exc:  # nothing sent up yet: the caller hears why
-            log.warning("request body stopped arriving", session_id=session_id,
-                        timeout_s=self.body_timeout)
+            log.warning("request body not received in time", session_id=session_id,
+                        detail=exc.detail)
             await _problem(send, exc)
             return
         if isinstance(read, tuple):
@@ -745,26 +745,31 @@ async def _stream_body(receive: Any, pace: BodyPace) -> AsyncIterator[bytes]:
     seconds or the body falls below its minimum pace (a caller that declared more than
     it sends, or trickles it a byte every 25 s, held its connection, and with a turn
     the gateway's memory, for as long as it liked), ClientGone when the caller hangs
-    up."""
+    up. The pace counts only the time spent waiting for the caller's bytes: a body
+    streamed up stops being read while the upstream takes nothing, and that wait is
+    the upstream's (its `--upstream-timeout`), not the caller's (a review's finding)."""
     loop = asyncio.get_running_loop()
-    started, seen = loop.time(), 0
+    waited, seen = 0.0, 0
     while True:
-        due = loop.time() + pace.idle
-        paced = started + pace.grace + (seen + 1) / pace.min_rate if pace.min_rate else due
+        allowed = pace.grace + (seen + 1) / pace.min_rate - waited if pace.min_rate \
+            else pace.idle
+        begun = loop.time()
         try:
-            async with asyncio.timeout_at(min(due, paced)):
+            async with asyncio.timeout(min(pace.idle, allowed)):
                 message = await receive()
         except TimeoutError:
-            if paced < due:
+            if allowed < pace.idle:
                 raise CallerStalled(
                     f"the request body arrives slower than {pace.min_rate} bytes/s",
                     field="body", expected=f"at least {pace.min_rate} bytes/s after "
                     f"{pace.grace:g} s (TURNLOG_MIN_UPLOAD_RATE)",
-                    actual=f"{seen} bytes in {loop.time() - started:.1f} s") from None
+                    actual=f"{seen} bytes in {waited + loop.time() - begun:.1f} s of "
+                           "waiting for them") from None
             raise CallerStalled(
                 f"the request body stopped arriving: no byte for {pace.idle:g} s",
                 field="body", expected=f"a byte at least every {pace.idle:g} s "
                 "(TURNLOG_BODY_TIMEOUT_S)", actual="nothing more") from None
+        waited += loop.time() - begun
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")
@@ -962,7 +967,7 @@ async def _relay(scope: dict[str, Any], receive: Any, send: Any,
                         path=scope["path"], error=type(exc).__name__)
             cut = scope.get("extensions", {}).get(CUT_CONNECTION)
             if cut is not None:
-                cut()
+                cut(scope)
     except asyncio.CancelledError:
         if not gone.is_set() or task is None or task.uncancel() > 0:
             raise  # not (only) the hang-up's: a shutdown

@@ -449,3 +449,41 @@ async def test_a_hang_up_mid_stream_leaves_nothing_holding_the_relay(hangups):
         error = response.content.exception()
         assert error is None or error.__traceback__ is None, error
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+
+
+@pytest.fixture
+async def late_reader_upstream() -> AsyncIterator[str]:
+    """An upstream that takes a request's head, reads nothing of its body for 3 s (a
+    busy router), then reads it all and answers 200."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await asyncio.sleep(3)
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+async def test_an_upstream_slow_to_read_a_body_is_not_the_callers_slow_pace(
+        tmp_path, gateway_process, late_reader_upstream):
+    """A review's finding: the minimum pace of a caller's body (TURNLOG_MIN_UPLOAD_RATE)
+    was kept by the wall clock, so a passthrough body the upstream stopped taking for a
+    while got the caller, sending as fast as it could, a 408 saying it was too slow.
+    Only the time spent waiting for the caller's bytes counts."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=late_reader_upstream,
+                              env={"TURNLOG_MIN_UPLOAD_RATE": "4000000",
+                                   "TURNLOG_UPLOAD_GRACE_S": "1"})
+    await gateway.wait_ready()
+    body = b"x" * (32 << 20)  # more than the sockets on the way buffer
+    head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    first, rest = await _post_while_reading(gateway.port, head, body)
+    assert first.startswith(b"HTTP/1.1 200"), first + rest[:300]
+    assert rest == b"ok"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -149,9 +150,25 @@ class GuardedHttpTools(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
-            extensions[CUT_CONNECTION] = functools.partial(_cut, cycle)
+            # By a weak reference: the scope holds this, and the cycle holds the scope.
+            extensions[CUT_CONNECTION] = functools.partial(self._cut, weakref.ref(cycle))
             if self.scope["method"] == "POST":
                 extensions[DIRECT_BODY] = DirectBody(self, cycle)
+
+    def _cut(self, cycle_ref: weakref.ref[RequestResponseCycle], _scope: Any = None) -> None:
+        """`CUT_CONNECTION`: close the connection under this request's answer, left
+        incomplete on purpose (the caller sees the cut). Marked as the caller's hang-up
+        would mark it, so uvicorn does not log "returned without completing response"
+        for what the app has said already (a request pipelined behind it is not
+        answered). Nothing once that answer is complete: the connection may be another
+        request's by then."""
+        cycle = cycle_ref()
+        if cycle is None or cycle.response_complete:
+            return
+        cycle.disconnected = True
+        cycle.message_event.set()
+        if self.transport is not None:
+            self.transport.close()
 
     def _host_from_target(self) -> None:
         """An absolute-form target (`GET http://name/path`) names the host itself, and
@@ -251,15 +268,6 @@ async def overloaded(_scope: Any, _receive: Any, send: Any) -> None:
         (b"content-length", str(len(body)).encode()),
         (b"retry-after", b"1"), (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _cut(cycle: RequestResponseCycle) -> None:
-    """`CUT_CONNECTION`: the connection closed under an answer left incomplete on
-    purpose. Marked as the caller's hang-up would mark it, so uvicorn does not log
-    "returned without completing response" for what the app has said already."""
-    cycle.disconnected = True
-    cycle.message_event.set()
-    cycle.transport.close()
 
 
 class DirectBody:

@@ -222,7 +222,10 @@ class Database:
         past one, `SqliteBusy` (503), nothing begun."""
         assert self._write_lock is not None
         try:
-            async with asyncio.timeout(SQLITE_BUSY_S):
+            if self._write_lock.locked():  # free: taken at once, no timer to set up
+                async with asyncio.timeout(SQLITE_BUSY_S):
+                    await self._write_lock.acquire()
+            else:
                 await self._write_lock.acquire()
         except TimeoutError:
             raise sqlite_files.SqliteBusy(self._sqlite_path, SQLITE_BUSY_S,

@@ -51,8 +51,9 @@ class SqliteBusy(OSError):
                    "process holds, or the queue is that long)")
             hint = "; for many concurrent writers, use PostgreSQL"
         else:
-            why = (f"{name} is locked: another process (a second turnlog process, a "
-                   f"`sqlite3` shell, a backup) has held its write lock for {seconds:g} s")
+            why = (f"{name} is locked: its busy timeout ({seconds:g} s) ran out while "
+                   "another process (a second turnlog process, a `sqlite3` shell, a "
+                   "backup) held its write lock")
             hint = ", and find what holds the file if this lasts"
         super().__init__(f"{why}; nothing of this request was stored. Retry it{hint}")
         self.path = path
