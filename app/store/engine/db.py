@@ -31,10 +31,12 @@ from app.store.engine import sqlite_files
 from app.store.engine.dialect import (
     SQLITE_BUSY_S,
     backend,
+    busy_pragma,
     create_driver_pool,
     create_engines,
     normalize_url,
     single_writer,
+    sqlite_busy_budget,
     sqlite_path,
 )
 from app.store.engine.disk import DiskWatch
@@ -210,29 +212,42 @@ class Database:
         async with self._queued(), self.disk.watching() as changes, \
                 self.writer.connect() as conn:
             driver = await self._same_files(conn)
+            pragma = busy_pragma((await conn.get_raw_connection()).info)
+            if pragma is not None:  # the caller runs its own BEGIN IMMEDIATE on it
+                await driver.execute(pragma)
             changes.counted_on(driver)
             yield driver
             changes.ended()
 
     @asynccontextmanager
     async def _queued(self) -> AsyncIterator[None]:
-        """SQLite: this process's one writer at a time, waited for at most the busy
-        timeout. Behind a write waiting for the file's lock (another process holds it),
-        the N-th in line would otherwise wait N busy timeouts (a tester's finding):
-        past one, `SqliteBusy` (503), nothing begun."""
+        """SQLite: this process's one writer at a time, the whole wait (in this queue,
+        then for the file's lock) at most the busy timeout. Behind a write waiting for
+        the file's lock (another process holds it), the N-th in line waited N busy
+        timeouts (a tester's finding), and a write that reached the head late started
+        a full one of its own (another's): past the budget, `SqliteBusy` (503) while
+        queued, SQLite's own "database is locked" once begun; nothing stored."""
         assert self._write_lock is not None
+        budget: int | None = None
         try:
             if self._write_lock.locked():  # free: taken at once, no timer to set up
+                loop = asyncio.get_running_loop()
+                queued_at = loop.time()
                 async with asyncio.timeout(SQLITE_BUSY_S):
                     await self._write_lock.acquire()
+                waited = loop.time() - queued_at
+                if waited >= 0.5:  # worth a statement: what is left for the file's lock
+                    budget = max(1, int((SQLITE_BUSY_S - waited) * 1000))
             else:
                 await self._write_lock.acquire()
         except TimeoutError:
             raise sqlite_files.SqliteBusy(self._sqlite_path, SQLITE_BUSY_S,
                                           queued=True) from None
+        token = sqlite_busy_budget.set(budget)
         try:
             yield
         finally:
+            sqlite_busy_budget.reset(token)
             self._write_lock.release()
 
     async def _same_files(self, conn: AsyncConnection) -> Any:

@@ -43,6 +43,7 @@ whose COMMIT PREPARED follows the coordinator's commit; turnlog has none.)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import asyncpg
@@ -106,9 +107,24 @@ def sqlite_path(url: str) -> str | None:
     return None if database in (None, "", ":memory:") else database
 
 
-# How long a SQLite write waits for the file's write lock another process holds (SQLite's
-# busy timeout), and at most in this process's queue of writers before that.
+# How long a SQLite write may wait in all, in this process's queue of writers and then
+# for the file's write lock another process holds (SQLite's busy timeout).
 SQLITE_BUSY_S = 60
+# What is left of that for the file's lock, in ms, for a write that waited in the queue
+# first (None: the full busy timeout); `Database` sets it around each SQLite write.
+sqlite_busy_budget: ContextVar[int | None] = ContextVar("sqlite_busy_budget", default=None)
+_BUSY_LOWERED = "turnlog_busy_lowered"  # a connection record's: its busy timeout is lowered
+
+
+def busy_pragma(info: dict[str, Any]) -> str | None:
+    """The `PRAGMA busy_timeout` a SQLite writer connection (its record's `info`) needs
+    before this write's `BEGIN IMMEDIATE`: the write's remaining budget, or the full
+    timeout again after an earlier write lowered it; None when it has it already."""
+    budget = sqlite_busy_budget.get()
+    if budget is None and not info.get(_BUSY_LOWERED):
+        return None
+    info[_BUSY_LOWERED] = budget is not None
+    return f"PRAGMA busy_timeout={SQLITE_BUSY_S * 1000 if budget is None else budget}"
 
 
 def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
@@ -121,8 +137,13 @@ def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
     def _on_connect(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        for pragma in ("journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL",
-                       f"busy_timeout={SQLITE_BUSY_S * 1000}"):
+        # The busy timeout first: `journal_mode` waits for a lock another process holds
+        # too. A connection opened for a write that waited in the queue gets what is left
+        # of the write's budget (`busy_pragma` restores the full one for the next).
+        budget = sqlite_busy_budget.get() if immediate else None
+        record.info[_BUSY_LOWERED] = budget is not None
+        for pragma in (f"busy_timeout={SQLITE_BUSY_S * 1000 if budget is None else budget}",
+                       "journal_mode=WAL", "foreign_keys=ON", "synchronous=FULL"):
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
         if immediate and path is not None:
@@ -130,6 +151,9 @@ def _sqlite_engine(url: str, *, immediate: bool) -> AsyncEngine:
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
+        pragma = busy_pragma(conn.connection.info) if immediate else None
+        if pragma is not None:
+            conn.exec_driver_sql(pragma)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
