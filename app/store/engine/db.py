@@ -230,7 +230,8 @@ class Database:
         assert self._write_lock is not None
         budget: int | None = None
         try:
-            if self._write_lock.locked():  # free: taken at once, no timer to set up
+            # Held: waited for within the budget. Free: taken at once, no timer to set up.
+            if self._write_lock.locked():
                 loop = asyncio.get_running_loop()
                 queued_at = loop.time()
                 async with asyncio.timeout(SQLITE_BUSY_S):
