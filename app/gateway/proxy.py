@@ -732,8 +732,8 @@ def _has_body(scope: dict[str, Any]) -> bool:
 class BodyPace:
     """How a caller's request body must arrive, as `turnlog serve` has it: a byte at
     least every `idle` seconds (`TURNLOG_BODY_TIMEOUT_S`) and byte n within `grace + n
-    / min_rate` seconds of the first read (`TURNLOG_UPLOAD_GRACE_S`,
-    `TURNLOG_MIN_UPLOAD_RATE`; rate 0: no minimum)."""
+    / min_rate` seconds (`TURNLOG_UPLOAD_GRACE_S`, `TURNLOG_MIN_UPLOAD_RATE`; rate 0:
+    no minimum) of waiting for it (`_stream_body`)."""
 
     idle: float
     min_rate: int = 0
