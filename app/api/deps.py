@@ -18,7 +18,7 @@ from pydantic import BeforeValidator
 
 from app.allocator import unfilled_bytearray
 from app.api.http_errors import Overloaded, RequestTimeout
-from app.api.middleware.limits import too_slow
+from app.domain.body.pace import MinPace
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import jsonio, msgpackio, r3text
 from app.domain.wire.media import JSON, media_type_of
@@ -136,7 +136,7 @@ async def _chunks(request: Request) -> AsyncIterator[bytes]:
 
 async def paced(stream: AsyncIterator[bytes], uploads: Uploads) -> AsyncIterator[bytes]:
     """`stream` at the minimum pace of an upload-slot holder (`Pace`)."""
-    if not uploads.min_rate:
+    if not uploads.pace:
         async for chunk in stream:
             yield chunk
         return
@@ -154,9 +154,9 @@ class Pace:
     """The minimum pace of a body (an upload-slot holder's here; the hot route's and,
     through `BodyLimit`, every body's too).
 
-    Byte n must arrive within `grace + n / min_rate` seconds of the first read,
-    else 408: a client that declares 50 MB and trickles 64 bytes every 20 s
-    (each read inside the body timeout) no longer keeps a slot for minutes.
+    Byte n must arrive within `grace + n / min_rate` seconds of the first read
+    (`MinPace`), else 408: a client that declares 50 MB and trickles 64 bytes every
+    20 s (each read inside the body timeout) no longer keeps a slot for minutes.
     Each read is bounded by a timeout scope (`read`), not `wait_for`: no task per
     chunk (a 3 MB body arrives in ~50 reads); a caller that owns the read loop
     keeps one scope and moves its `deadline` instead.
@@ -164,12 +164,12 @@ class Pace:
 
     def __init__(self, uploads: Uploads) -> None:
         self.loop = asyncio.get_running_loop()
-        self.min_rate, self.grace = uploads.min_rate, uploads.grace
+        self.pace = uploads.pace
         self.start, self.seen = self.loop.time(), 0  # `seen`: bytes read so far
 
     def deadline(self) -> float:
         """When byte `seen + 1` is due (loop time)."""
-        return self.start + self.grace + (self.seen + 1) / self.min_rate
+        return self.start + self.pace.due(self.seen)
 
     async def read(self, pending: Awaitable[T]) -> T:
         """`pending` (the next read), if it completes in time for byte `seen + 1`."""
@@ -180,7 +180,7 @@ class Pace:
             raise self.too_slow() from None
 
     def too_slow(self) -> RequestTimeout:
-        return too_slow(self.min_rate, self.grace, self.seen, self.loop.time() - self.start)
+        return self.pace.too_slow(self.seen, self.loop.time() - self.start, RequestTimeout)
 
 
 async def json_body(request: Request) -> Any:
@@ -289,8 +289,7 @@ class Uploads:
         # threads; the rest on the event loop (None: the large-body threshold).
         self.offload = threshold if offload is None else offload
         self.max_values = max_values  # what a body may decode into (`app.domain.wire.width`)
-        self.min_rate = min_rate  # bytes/s a slot holder's body must keep up (0: none)
-        self.grace = grace
+        self.pace = MinPace(min_rate, grace)  # a slot holder's body keeps it
         self.slots = slots
         self._slots = asyncio.Semaphore(slots)
 

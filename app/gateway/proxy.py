@@ -86,6 +86,7 @@ from app.domain.body.gateway import (
     turn_body,
     unrelayable_header,
 )
+from app.domain.body.pace import MinPace
 from app.domain.body.session import validate_session_id
 from app.domain.errors import (
     DomainError,
@@ -171,8 +172,8 @@ class Gateway:
         self.session_header = config.session_header.lower().encode("latin-1")
         # A turn (request and reply) above the store's body limit could never be stored.
         self.max_turn_bytes = settings.limits.max_body_bytes
-        self.body_pace = BodyPace(settings.limits.body_timeout_s, settings.limits.min_upload_rate,
-                                  settings.limits.upload_grace_s)
+        self.body_pace = BodyPace(settings.limits.body_timeout_s, MinPace(
+            settings.limits.min_upload_rate, settings.limits.upload_grace_s))
         self.upstream = httpx.URL(config.upstream)
         # How answers and logs name it: without credentials in the URL (a 502 showed
         # `user:pass@` to any caller: a tester's finding).
@@ -731,13 +732,11 @@ def _has_body(scope: dict[str, Any]) -> bool:
 @dataclass(frozen=True)
 class BodyPace:
     """How a caller's request body must arrive, as `turnlog serve` has it: a byte at
-    least every `idle` seconds (`TURNLOG_BODY_TIMEOUT_S`) and byte n within `grace + n
-    / min_rate` seconds (`TURNLOG_UPLOAD_GRACE_S`, `TURNLOG_MIN_UPLOAD_RATE`; rate 0:
-    no minimum) of waiting for it (`_stream_body`)."""
+    least every `idle` seconds (`TURNLOG_BODY_TIMEOUT_S`) and at the minimum pace
+    (`MinPace`), counted in seconds of waiting for it (`_stream_body`)."""
 
     idle: float
-    min_rate: int = 0
-    grace: float = 10.0
+    pace: MinPace = MinPace()
 
 
 async def _stream_body(receive: Any, pace: BodyPace) -> AsyncIterator[bytes]:
@@ -751,20 +750,15 @@ async def _stream_body(receive: Any, pace: BodyPace) -> AsyncIterator[bytes]:
     loop = asyncio.get_running_loop()
     waited, seen = 0.0, 0
     while True:
-        allowed = pace.grace + (seen + 1) / pace.min_rate - waited if pace.min_rate \
-            else pace.idle
+        allowed = pace.pace.due(seen) - waited
         begun = loop.time()
         try:
             async with asyncio.timeout(min(pace.idle, allowed)):
                 message = await receive()
         except TimeoutError:
             if allowed < pace.idle:
-                raise CallerStalled(
-                    f"the request body arrives slower than {pace.min_rate} bytes/s",
-                    field="body", expected=f"at least {pace.min_rate} bytes/s after "
-                    f"{pace.grace:g} s (TURNLOG_MIN_UPLOAD_RATE)",
-                    actual=f"{seen} bytes in {waited + loop.time() - begun:.1f} s of "
-                           "waiting for them") from None
+                raise pace.pace.too_slow(seen, waited + loop.time() - begun,
+                                         CallerStalled) from None
             raise CallerStalled(
                 f"the request body stopped arriving: no byte for {pace.idle:g} s",
                 field="body", expected=f"a byte at least every {pace.idle:g} s "

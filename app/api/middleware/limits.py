@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.http_errors import RequestTimeout
 from app.api.problems import send_problem
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, keeps_deadline, parse_timeout
+from app.domain.body.pace import MinPace
 from app.domain.errors import InvalidRequest, TooLarge
 from app.domain.wire.media import coded_body
 from app.store.engine.db import write_deadline
@@ -38,12 +39,8 @@ class BodyLimit:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout = timeout
-        # Every body keeps a minimum pace too: byte n within `grace + n / min_rate`
-        # seconds of the first read (0: no minimum). Without it a client trickling a
-        # byte every 25 s into a 1 MB declared length held its connection, and a place
-        # under the concurrency limit, for as long as it liked (a tester's finding).
-        self.min_rate = min_rate
-        self.grace = grace
+        # Every body keeps a minimum pace too, from its first read (`MinPace`).
+        self.pace = MinPace(min_rate, grace)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,7 +61,7 @@ class BodyLimit:
 
         def pace_due() -> float:
             assert started is not None
-            return started + self.grace + (seen + 1) / self.min_rate
+            return started + self.pace.due(seen)
 
         async def counted() -> Message:
             # A chunked body without Content-Length is counted as it streams in; the
@@ -73,15 +70,15 @@ class BodyLimit:
             if complete or watch is None:
                 message = await receive()
             else:
-                if started is None and self.min_rate:
+                if started is None and self.pace:
                     started = watch.loop.time()
                     watch.pace_due = pace_due
                 try:
                     message = await watch.read(receive)
                 except TimeoutError:
                     if started is not None and watch.loop.time() >= pace_due():
-                        raise too_slow(self.min_rate, self.grace, seen,
-                                       watch.loop.time() - started) from None
+                        raise self.pace.too_slow(seen, watch.loop.time() - started,
+                                                 RequestTimeout) from None
                     raise body_silent(watch.timeout, seen) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
@@ -111,15 +108,6 @@ def body_silent(timeout: float, seen: int) -> RequestTimeout:
         f"request body not received: no data for {timeout} s",
         field="body", expected=f"the next bytes within {timeout} s",
         actual=f"{seen} bytes, then silence")
-
-
-def too_slow(min_rate: int, grace: float, seen: int, elapsed: float) -> RequestTimeout:
-    """A body arriving below the minimum pace (`TURNLOG_MIN_UPLOAD_RATE` after
-    `TURNLOG_UPLOAD_GRACE_S`)."""
-    return RequestTimeout(
-        f"request body arrives slower than {min_rate} bytes/s",
-        field="body", expected=f"at least {min_rate} bytes/s after {grace:g} s",
-        actual=f"{seen} bytes in {elapsed:.1f} s")
 
 
 class ReadWatch:

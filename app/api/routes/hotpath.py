@@ -74,7 +74,7 @@ async def receive_body(receive: Receive, declared: int | None,
     straight into the buffer, `idle` seconds without a byte a 408 as the body
     limit's read timeout has it."""
     buffer = BodyBuffer(declared)
-    if uploads is None or not uploads.min_rate:
+    if uploads is None or not uploads.pace:
         return await _receive_into(buffer, receive, direct=direct, idle=idle)
     pace = Pace(uploads)
     try:
