@@ -114,7 +114,7 @@ def gateway(
         raise CliError(exc.detail + (f" (expected {exc.expected})" if exc.expected else "")
                        ) from None
     url = resolve_url(database_url)
-    problem = _cannot_listen(host, port)
+    problem = _cannot_listen(host, port, makefile_hint=False)
     if problem is not None:
         raise CliError(problem)
     from app.gateway.spool import Spool, SpoolInUse, SpoolUnreadable

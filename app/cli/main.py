@@ -96,8 +96,9 @@ def _global(
         raise CliError(str(exc)) from None
 
 
-def _cannot_listen(host: str, port: int) -> str | None:
-    """Why uvicorn could not bind `host:port`, found before anything is migrated."""
+def _cannot_listen(host: str, port: int, makefile_hint: bool = True) -> str | None:
+    """Why uvicorn could not bind `host:port`, found before anything is migrated
+    (`makefile_hint`: the command is `make run`'s, `turnlog serve`)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
@@ -111,8 +112,9 @@ def _cannot_listen(host: str, port: int) -> str | None:
             import errno
 
             if exc.errno == errno.EADDRINUSE:
+                hint = " (from the Makefile: make run PORT=N)" if makefile_hint else ""
                 return (f"port {port} on {host} is already in use: stop the other server "
-                        "or pick another with --port (from the Makefile: make run PORT=N)")
+                        f"or pick another with --port{hint}")
             return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
 

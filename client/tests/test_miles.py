@@ -376,6 +376,22 @@ async def test_the_hooks_retries_reuse_the_event_id(
     assert not warnings.records
 
 
+@pytest.mark.usefixtures("rewards")
+async def test_a_reward_for_a_turn_turnlog_does_not_have_says_where_to_look(
+        env: pytest.MonkeyPatch, server_url: str, warnings: pytest.LogCaptureFixture) -> None:
+    # A tester's finding: every turn had been refused as invalid R3 (the layer count not
+    # given), and the hook's warning said only "404 unknown-sample".
+    sid, returned = await rolled_out()
+    sample = Sample(metadata={**returned, "score": 0.5,
+                              "leaf": {"response_id": "chatcmpl-never-recorded"}})
+    assert await rm(None, sample) == 0.5
+    (warning,) = warnings.records
+    text = warning.getMessage()
+    assert "unknown-sample" in text and "was the sample's last turn recorded?" in text
+    assert "turnlog_gateway_unrecorded_total" in text and "invalid-r3" in text
+    assert await rewards_of(server_url, sid) == []
+
+
 async def test_the_reward_hook_with_turnlog_down(
         env: pytest.MonkeyPatch, warnings: pytest.LogCaptureFixture) -> None:
     env.setenv("TURNLOG_URL", f"http://127.0.0.1:{free_port()}")

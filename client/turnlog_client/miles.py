@@ -340,6 +340,14 @@ def close_metadata(result: Any, error: BaseException | None) -> dict[str, Any]:
 def _problem(step: str, exc: Exception) -> str:
     if not isinstance(exc, TurnlogError):
         return f"{step}: {type(exc).__name__}: {exc}"
+    if exc.slug == "unknown-sample":
+        # The turn was answered but not stored: why is in the gateway's log (a tester
+        # read only the 404 here, while every turn had been refused as invalid R3).
+        return (f"{step}: {exc} (was the sample's last turn recorded? The gateway logs "
+                "each turn it does not store and counts it in "
+                "turnlog_gateway_unrecorded_total{reason}: e.g. invalid-r3 when "
+                "TURNLOG_MILES_NUM_LAYERS / the gateway's --num-layers is not the "
+                "model's layer count)")
     if exc.status not in (401, 403):
         return f"{step}: {exc}"
     # Not resent: a token is refused the same way every time.

@@ -72,6 +72,7 @@ def test_a_taken_port_is_one_line_before_anything_is_created(tmp_path):
                                   str(port), "--database-url", sqlite_file(tmp_path),
                                   "--spool-dir", str(tmp_path / "spool")))
     assert f"port {port} on 127.0.0.1 is already in use" in line
+    assert "make run" not in line  # `make run` starts `turnlog serve`, not a gateway
     assert not (tmp_path / "t.db").exists() and not (tmp_path / "spool").exists()
 
 
