@@ -211,3 +211,19 @@ async def test_paging_past_the_servers_largest_page_still_reads_everything() -> 
         events = await tl.all_events("s0001", page_size=200_000)
     assert seen == names
     assert len(events) == len(positions)
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"reward": float("nan")}, "reward is nan"),
+    ({"record": {"response": {"choices": [{"meta_info": {
+        "output_token_logprobs": [[-0.5, 3], [float("-inf"), 4]]}}]}}},
+     "record.response.choices[0].meta_info.output_token_logprobs[1][0] is -inf"),
+    ([1.0, float("inf")], "[1] is inf"),
+])
+def test_a_non_finite_number_is_refused_before_sending_naming_where_it_is(body, named):
+    from turnlog_client.transport import encode
+
+    with pytest.raises(ValueError, match="JSON carries no NaN or infinity") as caught:
+        encode(body)
+    assert str(caught.value).startswith(named)
+    assert encode({"reward": 1.5, "x": [None, 2]}) == b'{"reward":1.5,"x":[null,2]}'

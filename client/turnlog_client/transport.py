@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
@@ -68,8 +69,37 @@ def decode(content: bytes) -> Any:
 
 def encode(body: Any) -> bytes:
     # allow_nan=False: the server rejects non-finite numbers; fail before sending.
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("ascii")
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False).encode("ascii")
+    except ValueError as exc:
+        where = _non_finite(body, "")
+        if where is None:
+            raise
+        # json's own words ("Out of range float values are not JSON compliant") named
+        # neither the value nor where it was.
+        path, value = where
+        raise ValueError(f"{path or 'the body'} is {value!r}: JSON carries no NaN or "
+                         "infinity, and turnlog refuses them (send null or a finite "
+                         "number)") from exc
+
+
+def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """The path (`record.response.choices[0]…`) and value of the first non-finite float
+    in `value`, in document order; None if there is none."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _non_finite(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _non_finite(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _retry_after(response: httpx.Response) -> float | None:
