@@ -15,7 +15,7 @@ from app.api import problems
 from app.api.deps import Uploads
 from app.api.middleware import telemetry
 from app.api.middleware.auth import BearerAuth
-from app.api.middleware.guards import HeaderBounds, Loopback, QueryTokens
+from app.api.middleware.guards import HeaderBounds, Loopback, QueryOnce, QueryTokens
 from app.api.middleware.limits import BodyLimit, WriteDeadline
 from app.api.middleware.methods import HeadAsGet
 from app.api.problems import JSONText
@@ -87,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout_s,
                        min_rate=limits.min_upload_rate, grace=limits.upload_grace_s)
     tokens = TokenTable(settings.access.api_tokens)
+    app.add_middleware(QueryOnce)  # a query parameter given twice: 422 (after auth)
     app.add_middleware(BearerAuth, tokens=tokens)
     app.add_middleware(UiGuard, tokens=tokens)  # /ui: the same tokens, or the UI's cookie
     if not tokens:

@@ -359,6 +359,11 @@ async def test_counter_totals_past_64_bits_are_exact_or_a_clear_422(db_url, fres
     ("/v1/analytics/spec", "group_by=day&group_by=hour", "group_by"),
     ("/v1/metrics/rollout", "run_id=a&run_id=a", "run_id"),
     ("/v1/sessions", "model=x&status=open&model=y", "model"),
+    # Every API route: a tester's doubt (`step=1&step=2` answered for step 2 alone).
+    ("/v1/consumers/g/acks", "step=1&step=2", "step"),
+    ("/v1/events", "limit=1&after=&limit=2", "limit"),
+    ("/v1/sessions/s/samples", "format=json&format=safetensors", "format"),
+    ("/v1/sessions/s/events", "include_r3=false&include_r3=true", "include_r3"),
 ])
 async def test_a_parameter_given_twice_is_422_naming_it(client, path, query, field):
     # A helper's finding: the last value won, so `run_id=a&run_id=b` answered for run b

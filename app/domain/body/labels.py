@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from app.domain.body.queries import repeated_parameter
 from app.domain.errors import InvalidRequest
 from app.domain.wire.jsonio import canonical
 from app.domain.wire.validate import LABEL_KEY, require_object, require_text
@@ -67,14 +68,11 @@ def parse_query_label_filters(pairs: Iterable[tuple[str, str]],
     A parameter given twice is refused, naming it: no session has two values of one
     label, and keeping one of them (the last, as the framework does) silently
     answered for another filter than the one asked."""
-    seen: dict[str, str] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise InvalidRequest(f"query parameter {key!r} is given more than once",
-                                 field=key, expected="each parameter at most once",
-                                 actual=f"{seen[key][:40]!r} and {value[:40]!r}")
-        seen[key] = value
-    return parse_label_filters({k: v for k, v in seen.items() if k not in known})
+    pairs = list(pairs)
+    repeated = repeated_parameter(pairs)
+    if repeated is not None:
+        raise repeated
+    return parse_label_filters({k: v for k, v in pairs if k not in known})
 
 
 # What separates the pairs of a label filter written as one line of text.

@@ -11,6 +11,7 @@ documents and the store maps to view columns). Label filters are
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from app.domain.errors import InvalidRequest
@@ -80,3 +81,17 @@ def parse_group_by(value: str | None) -> str:
                              actual=describe(value))
     assert value is not None
     return value
+
+
+def repeated_parameter(pairs: Iterable[tuple[str, str]]) -> InvalidRequest | None:
+    """The refusal of the first query parameter given more than once, or None. No
+    route of the API takes a list in its query: of `step=1&step=2` the framework
+    kept the last and answered for another question than the one asked."""
+    seen: dict[str, str] = {}
+    for key, value in pairs:
+        if key in seen:
+            return InvalidRequest(f"query parameter {key[:40]!r} is given more than once",
+                                  field=key[:40], expected="each parameter at most once",
+                                  actual=f"{seen[key][:40]!r} and {value[:40]!r}")
+        seen[key] = value
+    return None
