@@ -115,8 +115,6 @@ def has_body(headers: dict[bytes, bytes]) -> bool:
     return length is not None and length.strip() not in (b"", b"0")
 
 
-# A token in a URL lands in access logs, proxies and browser history, so it is refused;
-# the names are matched decoded (`app.domain.wire.url_tokens`), as the routers read them.
 class QueryOnce:
     """A query parameter given twice on an API route (`/v1/…`) is a 422 naming it
     (`repeated_parameter`): the framework kept the last value, so `step=1&step=2`
@@ -136,6 +134,8 @@ class QueryOnce:
         await self.app(scope, receive, send)
 
 
+# A token in a URL lands in access logs, proxies and browser history, so it is refused;
+# the names are matched decoded (`app.domain.wire.url_tokens`), as the routers read them.
 class QueryTokens:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
