@@ -22,10 +22,10 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
-from starlette.types import Send
 
 from app.api.http_errors import Overloaded, RequestTimeout, Unavailable
 from app.api.middleware.methods import allowed_methods
+from app.api.problem_wire import PROBLEM
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.store.engine.dialect import SQLITE_BUSY_S
@@ -33,7 +33,6 @@ from app.store.engine.disk import chain as _chain
 from app.store.engine.disk import disk_full
 from app.store.engine.sqlite_files import DatabaseFileReplaced, SqliteBusy
 
-PROBLEM = "application/problem+json"
 # Seconds a client should wait after a lost database connection (the pool
 # reconnects on the next checkout, pre-ping weeds out dead connections).
 UNAVAILABLE_RETRY_AFTER = "1"
@@ -71,16 +70,6 @@ class JSONText(JSONResponse):
 
 def problem_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONText:
     return JSONText(body, status_code=int(body["status"]), media_type=PROBLEM, headers=headers)
-
-
-async def send_problem(send: Send, error: DomainError,
-                       headers: dict[str, str] | None = None) -> None:
-    """Answer with `error` straight from ASGI middleware, before any route runs."""
-    body = jsonio.dumps_bytes(error.problem())
-    raw = [(b"content-type", PROBLEM.encode()), (b"content-length", str(len(body)).encode())]
-    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.http_status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _field_of(loc: tuple[Any, ...]) -> str:

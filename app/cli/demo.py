@@ -15,9 +15,8 @@ import io
 import random
 import time
 import uuid
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import numpy as np
 import typer
 from rich.markup import escape
@@ -36,6 +35,9 @@ from app.cli.common import (
     table,
 )
 from app.settings import get_settings
+
+if TYPE_CHECKING:
+    import httpx
 
 # The demo's sessions start over the last few hours, ending now: the run view's
 # hourly plots then show today, with more than one point.
@@ -107,6 +109,8 @@ def demo(
     as_json: AsJson = False,
 ) -> None:
     """Simulate sessions into the store; print their samples and spec rates."""
+    import httpx  # here: every other command starts without it
+
     from app.main import create_app
     from app.store.engine import migrate
 

@@ -16,7 +16,6 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-import typer.rich_utils
 
 from app import __version__
 from app.cli import common
@@ -41,13 +40,6 @@ from app.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     import uvicorn
-
-# Help read through a pipe or a pager (no terminal to size it) is laid out 120 columns
-# wide, not rich's 80: at 80 the option tables cut names like
-# `TURNLOG_GATEWAY_PAUSE_GENERATION_MODE` to `TURNLOG_GATEWAY_…`.
-if not sys.stdout.isatty() and not os.environ.get("COLUMNS") \
-        and not os.environ.get("TERMINAL_WIDTH"):
-    typer.rich_utils.MAX_WIDTH = 120
 
 cli = typer.Typer(cls=common.TurnlogGroup, no_args_is_help=True,
                   pretty_exceptions_show_locals=False,  # locals may hold a password
@@ -277,7 +269,29 @@ cli.add_typer(consumers_cli, name="consumers")
 cli.add_typer(retention_cli, name="retention")
 
 
+# Help read through a pipe or a pager (no terminal to size it) is laid out 120 columns
+# wide, not rich's 80: at 80 the option tables cut names like
+# `TURNLOG_GATEWAY_PAUSE_GENERATION_MODE` to `TURNLOG_GATEWAY_…`.
+HELP_WIDTH = 120
+
+
+def _help_width() -> None:
+    """typer takes the width from TERMINAL_WIDTH when it imports `typer.rich_utils`,
+    which it does only to render help or an error: set there, not by importing it
+    first (rich's markdown and tables, ~0.15 s of every command's start). Only for
+    the command itself: a program embedding `cli` keeps its own environment."""
+    if not sys.stdout.isatty() and not os.environ.get("COLUMNS") \
+            and not os.environ.get("TERMINAL_WIDTH"):
+        if "typer.rich_utils" in sys.modules:  # imported already: nothing to save
+            import typer.rich_utils
+
+            typer.rich_utils.MAX_WIDTH = HELP_WIDTH
+        else:
+            os.environ["TERMINAL_WIDTH"] = str(HELP_WIDTH)
+
+
 def main() -> None:
+    _help_width()
     try:
         cli()
     except SystemExit as exc:

@@ -28,7 +28,7 @@ from app.access import (
     challenge,
 )
 from app.api.middleware.auth import is_ui
-from app.api.problems import send_problem
+from app.api.problem_wire import send_problem
 from app.ui.render import SIGNED_IN, login_page
 
 COOKIE = "turnlog_ui_token"

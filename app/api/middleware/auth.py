@@ -19,7 +19,7 @@ import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.access import Forbidden, TokenTable, Unauthorized, authorize, bearer_token, challenge
-from app.api.problems import send_problem
+from app.api.problem_wire import send_problem
 from app.api.routes.docs_ui import ASSET_PATHS
 
 # `/` only redirects to the UI (which asks for a token itself), so it is open.

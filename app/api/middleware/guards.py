@@ -32,7 +32,7 @@ from app.access import (
     token_in_url,
 )
 from app.api.http_errors import HeadersTooLarge
-from app.api.problems import send_problem
+from app.api.problem_wire import send_problem
 from app.domain.body.queries import repeated_parameter
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import msgpackio

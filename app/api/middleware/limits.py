@@ -25,7 +25,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.http_errors import RequestTimeout
-from app.api.problems import send_problem
+from app.api.problem_wire import send_problem
 from app.domain.body.deadline import TIMEOUT_HEADER_KEY, keeps_deadline, parse_timeout
 from app.domain.body.pace import MinPace
 from app.domain.errors import InvalidRequest, TooLarge

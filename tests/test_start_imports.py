@@ -1,0 +1,40 @@
+"""What a process imports before it serves: the heavy libraries a command does not use
+stay out of its start (each `turnlog` process pays its imports in CPU at every start;
+the gateway's tests start hundreds of them).
+
+Checked in a fresh interpreter, as a command starts: a test process has imported
+everything already.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.serverproc import server_env
+
+
+def imported_after(code: str) -> set[str]:
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, env=server_env(None), check=True)
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_the_gateway_serves_without_fastapi() -> None:
+    # What `turnlog gateway` imports to serve: its app and the guarded HTTP protocol.
+    modules = imported_after(
+        "import app.cli.main, app.cli.gateway, app.gateway.proxy, app.served\n"
+        "from app.api.middleware.serving import GuardedHttpTools")
+    assert "app.gateway.proxy" in modules  # the probe ran what it says
+    assert "fastapi" not in modules
+
+
+@pytest.mark.parametrize("library", ["typer.rich_utils", "httpx", "fastapi", "sqlalchemy"])
+def test_a_command_starts_without_what_only_some_commands_use(library: str) -> None:
+    modules = imported_after("import app.cli.main")
+    assert "app.cli.main" in modules
+    assert library not in modules
