@@ -41,3 +41,13 @@ def test_equal_values_of_different_widths_match_in_full() -> None:
     b[999] = -1
     assert lcp(a, b) == 999
     assert lcp(a, a[:0]) == 0
+
+
+def test_a_tail_that_differs_at_once_and_one_that_differs_late() -> None:
+    # A sibling's tail (a retry's own tokens) meets the prompt's at its first token;
+    # a long shared prefix ends at its last.
+    prompt = np.arange(4000, dtype=np.int64)
+    assert lcp(np.array([7], np.int64), prompt) == 0
+    late = prompt.copy()
+    late[3000] = -1
+    assert lcp(late, prompt) == 3000 == lcp(prompt, late)
