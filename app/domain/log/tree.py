@@ -281,6 +281,10 @@ class SessionState:
         come first in seq order), so its common prefix with `prompt` is the
         parent's when that is shorter, else `prompt_lcp` plus its tail's.
         """
+        # The tails are kept as int32 (`compact`), a decoded prompt is int64: at the
+        # same width a full match is one bytes comparison, not a comparison array
+        # per node (a chain of 800 nodes: every node a full match).
+        prompt = compact(prompt)
         out: list[int] = []
         for node in self.nodes:
             base = 0 if node.parent is None else out[node.parent]
