@@ -39,9 +39,9 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
     # An attach walks every node of a session. Most calls meet a full match (a turn
     # extends its parent's tokens) or a tail that differs at once (a sibling: a
     # retry's or a new root's own tokens): the first token settles the second in
-    # ~1 us, where the comparison array cost ~6 (an append to a session of 800 roots
-    # took 25 ms, not 4). A full match compares the raw bytes: two copies at memcpy
-    # speed, ~8x less than building the comparison array and scanning it.
+    # ~1 us, where the comparison array cost ~6 (`bench.big_session`: an append to a
+    # session of 800 roots, 9.7 -> 5.2 ms). A full match compares the raw bytes: two
+    # copies at memcpy speed, ~8x less than building the comparison array.
     if a[0] != b[0]:
         return 0
     if a.dtype == b.dtype and a.dtype.kind in "iu" and a.tobytes() == b.tobytes():
