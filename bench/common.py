@@ -160,3 +160,11 @@ class RawHttp:
             if name.strip().lower() == "content-length":
                 length = int(value)
         return status, await self.reader.readexactly(length)
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` so far (all its threads, not its
+    children), from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    hz = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / hz, int(fields[12]) / hz

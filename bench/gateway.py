@@ -56,7 +56,15 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from bench.common import ROOT, free_port, postgres, py_spy_exe, show_durability, start_py_spy
+from bench.common import (
+    ROOT,
+    cpu_split,
+    free_port,
+    postgres,
+    py_spy_exe,
+    show_durability,
+    start_py_spy,
+)
 from tests.pg import create_database
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -116,13 +124,6 @@ def reset_peak(pid: int) -> bool:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (all its threads)."""
     return sum(cpu_split(pid))
-
-
-def cpu_split(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of process `pid` so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    hz = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / hz, int(fields[12]) / hz
 
 
 def gateway_argv(upstream: str, port: int, url: str, spool: Path) -> list[str]:

@@ -66,6 +66,7 @@ import numpy as np
 from bench.common import (
     ROOT,
     RawHttp,
+    cpu_split,
     free_port,
     pg_dsn,
     postgres,
@@ -412,9 +413,7 @@ def machine_cpu() -> dict[str, float]:
 
 def cpu_seconds_of(pid: int) -> float:
     """User + system CPU seconds of `pid` alone."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_split(pid))
 
 
 def rss_kib(pid: int, field: str) -> int:

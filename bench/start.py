@@ -35,23 +35,20 @@ from pathlib import Path
 
 import httpx
 
-from tests.serverproc import free_port
+from bench.common import cpu_split, free_port
+from tests.serverproc import server_env
 
 ROOT = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 120.0
 
 
 def env_for(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
-    if root != ROOT:
-        env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "client")])
-    return env
+    """The servers' clean environment; another checkout's `app` first on the path."""
+    if root == ROOT:
+        return server_env()
+    return server_env({"PYTHONPATH": os.pathsep.join([str(root), str(root / "client")])})
 
 
-def cpu_of(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
 def until_ready(argv: list[str], root: Path, port: int, path: str) -> tuple[float, float]:
@@ -74,7 +71,7 @@ def until_ready(argv: list[str], root: Path, port: int, path: str) -> tuple[floa
                 except httpx.TransportError:
                     pass
                 time.sleep(0.01)
-        return time.perf_counter() - started, cpu_of(proc.pid)
+        return time.perf_counter() - started, sum(cpu_split(proc.pid))
     finally:
         proc.terminate()
         try:
