@@ -2,7 +2,8 @@
 
 Owns the one way the tests run a server (`turnlog serve`, `turnlog gateway`,
 the fake SGLang, an installed wheel's console script) as a real process on a
-loopback port: a clean environment (no `TURNLOG_*` setting of the developer's),
+loopback port (a `python -m …` one forked from `tests/forkserver.py`'s helper,
+which has the libraries imported): a clean environment (no `TURNLOG_*` setting of the developer's),
 its stdout and stderr appended to one log file, a readiness poll with a
 deadline that fails with the log's tail (and stops early when the process
 exits), SIGTERM with a bounded wait then SIGKILL, and restarts on the same port.
@@ -27,6 +28,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from tests.forkserver import ForkedProcess, spawn
 
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
@@ -107,7 +110,7 @@ class ServerProcess:
         self.ready_path = ready_path
         self.env = dict(env) if env is not None else server_env()
         self.cwd = cwd or log_path.parent
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         self.starts = 0
 
     @property
@@ -127,10 +130,7 @@ class ServerProcess:
         assert not self.running(), f"{self.name}: already running"
         with self.log_path.open("ab") as log:
             log.write(f"--- start {self.starts} ---\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env,
-                                         stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT)
+        self.proc = spawn(self.argv, cwd=self.cwd, env=self.env, log=self.log_path)
         self.starts += 1
 
     def __enter__(self) -> ServerProcess:

@@ -1,0 +1,241 @@
+"""A fork server for the tests' `python -m …` processes: the libraries imported once.
+
+A test that runs `turnlog serve`, `turnlog gateway` or the fake SGLang as a real
+process paid ~2 s of CPU per start on the development machine, most of it
+importing the same third-party libraries (SQLAlchemy, numpy, pydantic, aiohttp,
+uvicorn, structlog…), and the gateway's and crash tests start hundreds of them.
+This module owns a helper process per test process (the "zygote") that imports
+those libraries once, then forks one child per start; the child sets its working
+directory, environment, argv and output exactly as `subprocess.Popen` would have
+them and runs the module as `python -m` does (`runpy`), ending through the
+interpreter's normal exit (non-daemon threads joined, `atexit` handlers run).
+Nothing of turnlog (`app.*`) is imported before the fork: each child imports
+and configures it from its own environment, as a fresh process does.
+
+Refuses what would make a forked child differ from a fresh interpreter: a
+command that is not `sys.executable -m <module>`, or an environment whose
+`PYTHON*` variables (read once, when an interpreter starts) differ from the
+zygote's — those are started with `subprocess.Popen` as before (`spawn`
+decides). `TURNLOG_FORKSERVER=0` turns it off for a run. The test that a
+process imports only what it needs (`tests/test_start_imports.py`) starts its
+own interpreters.
+
+The protocol: one JSON object a line on the zygote's stdin, one answer a line on
+its stdout; the zygote reaps its children and answers for their exit status.
+It exits when its stdin closes (the test process ended, however).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What every turnlog process imports at start (measured: ~1.5 s of the ~2 s of
+# CPU a gateway took to its first answer). Not `app.*`, not typer's help module
+# (it reads TERMINAL_WIDTH when imported).
+PRELOAD = (
+    "numpy", "msgspec", "sqlalchemy", "sqlalchemy.ext.asyncio", "sqlalchemy.dialects.sqlite",
+    "sqlalchemy.dialects.postgresql", "aiosqlite", "asyncpg", "alembic",
+    "alembic.runtime.migration", "pydantic", "pydantic_settings", "aiohttp", "uvicorn",
+    "uvicorn.protocols.http.h11_impl", "structlog", "httpx", "typer", "click", "zstandard",
+    "fastapi", "prometheus_client", "pybase64", "gzip", "http.client", "ctypes",
+)
+
+POLL = 0.02
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a library a later version may not need
+            continue
+
+
+def _run_child(request: Mapping[str, Any]) -> int:
+    """In the forked child: become `python -m module args…` and run it."""
+    import runpy
+
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # The zygote's pipes (fds 0 and 1) become /dev/null and the log: `sys.stdin`
+    # and `sys.stdout` are the same objects over the new files, as in a fresh
+    # process started with those (nothing is buffered: one request at a time).
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    module, args = request["module"], request["args"]
+    sys.argv = [module, *args]
+    sys.path[0] = os.getcwd()  # as `python -m` puts its working directory first
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        code = stop.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _zygote() -> None:
+    """The helper's main loop (`python -m tests.forkserver`)."""
+    _preload()
+    requests: IO[str] = sys.stdin
+    answers: IO[str] = sys.stdout
+    status: dict[int, int] = {}
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, raw = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            status[pid] = os.waitstatus_to_exitcode(raw)
+
+    for line in requests:
+        request = json.loads(line)
+        reap()
+        if request["op"] == "spawn":
+            pid = os.fork()
+            if pid == 0:
+                # Leave the loop: the child exits the way a fresh interpreter does.
+                raise SystemExit(_run_child(request))
+            answer: dict[str, Any] = {"pid": pid}
+        else:
+            answer = {"returncode": status.get(request["pid"])}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+class _Zygote:
+    """The test process's side: the helper started on first use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.forkserver"], cwd=ROOT, env=self.env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, bufsize=1)
+        atexit.register(self.close)
+
+    def ask(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the tests' fork server exited with {self.proc.poll()}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def accepts(self, env: Mapping[str, str]) -> bool:
+        """A child with `env` starts as a fresh interpreter would: the variables an
+        interpreter reads when it starts are the zygote's."""
+        def python_vars(e: Mapping[str, str]) -> dict[str, str]:
+            return {k: v for k, v in e.items() if k.startswith("PYTHON")}
+        return python_vars(env) == python_vars(self.env)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+_zygote_instance: _Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def _the_zygote() -> _Zygote:
+    global _zygote_instance
+    with _zygote_lock:
+        if _zygote_instance is None or _zygote_instance.proc.poll() is not None:
+            _zygote_instance = _Zygote()
+        return _zygote_instance
+
+
+class ForkedProcess:
+    """What the tests use of `subprocess.Popen` (`pid`, `returncode`, `poll`,
+    `wait`, `send_signal`, `terminate`, `kill`) for a child of the zygote."""
+
+    def __init__(self, zygote: _Zygote, pid: int, argv: Sequence[str]) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.args = list(argv)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.ask({"op": "status", "pid": self.pid})["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(POLL)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # a reaped child's pid may be another process's by now
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def spawn(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str],
+          log: Path) -> ForkedProcess | subprocess.Popen[bytes]:
+    """`argv` started with its output appended to `log`: forked from the zygote
+    when it is `sys.executable -m module …` and `env` allows it, else a Popen."""
+    forkable = (len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m"
+                and os.environ.get("TURNLOG_FORKSERVER", "1") != "0")
+    if forkable:
+        zygote = _the_zygote()
+        if zygote.accepts(env):
+            answer = zygote.ask({"op": "spawn", "module": argv[2], "args": list(argv[3:]),
+                                 "cwd": str(cwd), "env": dict(env), "log": str(log)})
+            return ForkedProcess(zygote, answer["pid"], argv)
+    with log.open("ab") as out:
+        return subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+if __name__ == "__main__":
+    _zygote()

@@ -1,0 +1,58 @@
+"""The tests' fork server (tests/forkserver.py) starts a child as `subprocess.Popen`
+would: its argv, working directory, environment, output and exit status, and
+turnlog not loaded before the child imports it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.forkserver import ROOT, ForkedProcess, spawn
+
+
+def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+           ) -> ForkedProcess | subprocess.Popen[bytes]:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FORKCHILD_VAR": "seen", **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if not k.startswith("TURNLOG_")}
+    return spawn([sys.executable, "-m", "tests.forkchild", *args], cwd=ROOT,
+                 env=full_env, log=tmp_path / "child.log")
+
+
+def test_a_forked_child_sees_its_own_start_and_its_exit_code_is_reported(tmp_path: Path) -> None:
+    child = _start(tmp_path, "one", "two", "3")
+    assert isinstance(child, ForkedProcess)
+    assert child.wait(timeout=30) == 3
+    seen = json.loads((tmp_path / "child.log").read_text())
+    assert seen["argv"][1:] == ["one", "two", "3"]
+    assert seen["argv"][0].endswith("forkchild.py")
+    assert seen["cwd"] == str(ROOT) == seen["path0"]
+    assert seen["var"] == "seen"
+    assert seen["stdin"] == ""
+    assert seen["name"] == "__main__"
+    assert seen["app_loaded"] is False, "turnlog is imported by the child, not before the fork"
+
+
+def test_a_signalled_child_reports_the_signal_as_popen_does(tmp_path: Path) -> None:
+    child = spawn([sys.executable, "-m", "tests.forksleep"], cwd=ROOT,
+                  env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
+                  | {"PYTHONUNBUFFERED": "1"}, log=tmp_path / "sleep.log")
+    assert isinstance(child, ForkedProcess)
+    assert child.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.2)
+    child.kill()
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    child.kill()  # a reaped child is not signalled again
+
+
+def test_an_interpreter_setting_of_its_own_starts_a_fresh_interpreter(tmp_path: Path) -> None:
+    child = _start(tmp_path, "0", env={"PYTHONHASHSEED": "7"})
+    assert isinstance(child, subprocess.Popen)
+    assert child.wait(timeout=60) == 0
+    assert json.loads((tmp_path / "child.log").read_text())["var"] == "seen"
