@@ -69,9 +69,9 @@ def _run_child(request: Mapping[str, Any]) -> int:
     """In the forked child: become `python -m module args…` and run it."""
     import runpy
 
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Signal dispositions are left as the zygote's, which installs no handler: they are
+    # what a fresh interpreter started by the test process would have (an ignored
+    # SIGINT, as in a shell's background job, stays ignored).
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

@@ -349,6 +349,12 @@ def test_two_exports_to_one_file_write_apart() -> None:
     assert partial_path(Path("/x/o.npz")).parent == Path("/x")
 
 
+def _interruptible() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_tail_stopped_by_ctrl_c_or_by_its_reader_ends_as_every_command(tmp_path):
     """`turnlog tail` follows until stopped. Ctrl-C: where to resume, `interrupted` and
     130; a reader that goes away (`| head -1`): 141, nothing on stderr but the cursor.
@@ -360,8 +366,10 @@ def test_tail_stopped_by_ctrl_c_or_by_its_reader_ends_as_every_command(tmp_path)
                     "--database-url", url], cwd=ROOT, check=True, capture_output=True)
     command = [sys.executable, "-m", "app", "tail", "--from-start", "--wait", "1",
                "--database-url", url]
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE) as proc:
+    # Ctrl-C reaches the command even when the tests run as a shell's background job
+    # (which starts them with SIGINT ignored, inherited by every child).
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          preexec_fn=_interruptible) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         assert proc.stdout.readline()  # following now
         proc.send_signal(signal.SIGINT)
