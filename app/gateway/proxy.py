@@ -133,6 +133,11 @@ PARSE_ASIDE_BYTES = 64 << 10
 # A recorded reply's buffer is allocated by its declared length up to this; past it, it
 # grows as the bytes arrive (a declared length is a claim, not bytes).
 PREALLOCATE = 64 << 20
+# Seconds a connection to the upstream is kept idle for the next request: below the
+# 5 s after which uvicorn (SGLang's HTTP server) closes an idle one. A connection the
+# upstream closes as the gateway takes it for a request fails that request (the
+# closing not yet read); closed here first, it is not taken.
+UPSTREAM_IDLE_S = 4.0
 # Request headers never sent on: hop-by-hop ones, and Host (aiohttp sets the upstream's).
 DROP_REQUEST = frozenset({b"host"})
 
@@ -198,7 +203,8 @@ class Gateway:
 
     async def startup(self) -> None:
         self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.config.max_connections),
+            connector=aiohttp.TCPConnector(limit=self.config.max_connections,
+                                           keepalive_timeout=UPSTREAM_IDLE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.upstream_timeout,
                                           sock_read=self.config.upstream_timeout),
             # Byte-transparent: the reply's bytes as sent, no cookie kept from one
@@ -600,14 +606,23 @@ class Gateway:
         try:
             async with head_by:
                 try:
-                    payload = _bounded(body, timeout, sent)
-                    if payload is None:
-                        head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
-                    response = await self.client.request(
-                        scope["method"], url, data=payload,
-                        headers=[(name.decode("latin-1"), _as_sent(value))
-                                 for name, value in headers],
-                        allow_redirects=False)
+                    for attempt in (1, 2):
+                        payload = _bounded(body, timeout, sent)
+                        if payload is None:
+                            head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
+                        try:
+                            response = await self.client.request(
+                                scope["method"], url, data=payload,
+                                headers=[(name.decode("latin-1"), _as_sent(value))
+                                         for name, value in headers],
+                                allow_redirects=False)
+                            break
+                        except aiohttp.ClientOSError as exc:
+                            if attempt == 2 or not _unsent(exc, body):
+                                raise
+                            log.info("upstream connection reset under a request body; "
+                                     "sending it again", upstream=self.shown,
+                                     error=str(exc.__cause__))
                 finally:
                     waiting[0] = False
             _ack_promptly(response)
@@ -830,6 +845,18 @@ class _BoundedBytes(_Bounded, aiohttp.payload.BytesPayload):
 
 class _BoundedStream(_Bounded, aiohttp.payload.AsyncIterablePayload):
     pass
+
+
+def _unsent(exc: aiohttp.ClientOSError, body: Any) -> bool:
+    """The request could be sent again: its body is held whole (bytes), and the
+    upstream reset the connection while the body was going up (aiohttp's "Can not
+    write request body", caused by the reset). An upstream that has not received a
+    request's whole body has not answered it (an HTTP server reads the body before
+    it calls the application): most often a kept-alive connection the upstream
+    closed as the gateway took it. Never a body streamed from the caller (it is
+    gone), nor a failure once the body was sent (the upstream may have run it)."""
+    return (isinstance(body, bytes | bytearray)
+            and isinstance(exc.__cause__, ConnectionResetError | BrokenPipeError))
 
 
 def _bounded(body: Any, timeout: float,
