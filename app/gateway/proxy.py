@@ -598,8 +598,10 @@ class Gateway:
         # silence, held the caller past --upstream-timeout, and an odd `199` forever.
         head_by = asyncio.timeout(None)
         waiting = [True]  # for the head; the body may still be going up after it came
+        body_sent = [False]  # this attempt's body all handed to the connection
 
         def sent() -> None:
+            body_sent[0] = True
             if waiting[0]:
                 head_by.reschedule(asyncio.get_running_loop().time() + timeout)
 
@@ -607,6 +609,7 @@ class Gateway:
             async with head_by:
                 try:
                     for attempt in (1, 2):
+                        body_sent[0] = False
                         payload = _bounded(body, timeout, sent)
                         if payload is None:
                             head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
@@ -618,7 +621,7 @@ class Gateway:
                                 allow_redirects=False)
                             break
                         except aiohttp.ClientOSError as exc:
-                            if attempt == 2 or not _unsent(exc, body):
+                            if attempt == 2 or body_sent[0] or not _unsent(exc, body):
                                 raise
                             log.info("upstream connection reset under a request body; "
                                      "sending it again", upstream=self.shown,
@@ -848,13 +851,14 @@ class _BoundedStream(_Bounded, aiohttp.payload.AsyncIterablePayload):
 
 
 def _unsent(exc: aiohttp.ClientOSError, body: Any) -> bool:
-    """The request could be sent again: its body is held whole (bytes), and the
-    upstream reset the connection while the body was going up (aiohttp's "Can not
-    write request body", caused by the reset). An upstream that has not received a
-    request's whole body has not answered it (an HTTP server reads the body before
-    it calls the application): most often a kept-alive connection the upstream
-    closed as the gateway took it. Never a body streamed from the caller (it is
-    gone), nor a failure once the body was sent (the upstream may have run it)."""
+    """The request could be sent again, if its body was not all sent (the caller
+    checks that: a reset while waiting for the reply raises the same error, and the
+    upstream may then be running the request): its body is held whole (bytes), and
+    the upstream reset the connection (aiohttp's "Can not write request body",
+    caused by the reset). An upstream that has not received a request's whole body
+    has not answered it (an HTTP server reads the body before it calls the
+    application): most often a kept-alive connection the upstream closed as the
+    gateway took it. Never a body streamed from the caller (it is gone)."""
     return (isinstance(body, bytes | bytearray)
             and isinstance(exc.__cause__, ConnectionResetError | BrokenPipeError))
 

@@ -17,6 +17,7 @@ import json
 import socket
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -31,6 +32,30 @@ def _turn_reply(extra_header: bytes) -> bytes:
                       "completion_tokens": 2}}]}).encode()
     return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra_header
             + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@contextlib.asynccontextmanager
+async def _listening(serve: Any) -> AsyncIterator[str]:
+    """A raw upstream: `serve(reader, writer)` for each connection, on a loopback port;
+    a connection the gateway ends (mid-request, too) is closed quietly."""
+    async def each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await serve(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(each, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+def _declared_length(head: bytes) -> int:
+    """A request head's Content-Length (0 without one)."""
+    return next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                 if line.lower().startswith(b"content-length:")), 0)
 
 
 # What the raw upstream answers, by request path.
@@ -81,10 +106,8 @@ async def odd_upstream() -> AsyncIterator[str]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        yield f"http://127.0.0.1:{port}"
+    async with _listening(serve) as url:
+        yield url
 
 
 async def _exchange(port: int, requests: bytes) -> bytes:
@@ -230,10 +253,8 @@ async def stalled_upstream() -> AsyncIterator[str]:
     async def serve(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        yield f"http://127.0.0.1:{port}"
+    async with _listening(serve) as url:
+        yield url
         for writer in held:
             writer.close()
 
@@ -294,8 +315,7 @@ async def early_upstream() -> AsyncIterator[str]:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = _declared_length(head)
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nearly")
                 await writer.drain()
                 if b"transfer-encoding: chunked" in head.lower():
@@ -312,9 +332,8 @@ async def early_upstream() -> AsyncIterator[str]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    async with server:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with _listening(serve) as url:
+        yield url
 
 
 async def test_a_reply_that_comes_before_the_body_is_sent_is_relayed_whole(
@@ -354,8 +373,7 @@ class Hangups:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             path = head.split(b" ", 2)[1]
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
+            length = _declared_length(head)
             await reader.readexactly(length)
             if path == b"/slow-stream":
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -465,10 +483,8 @@ async def late_reader_upstream() -> AsyncIterator[str]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        yield f"http://127.0.0.1:{port}"
+    async with _listening(serve) as url:
+        yield url
 
 
 async def test_an_upstream_slow_to_read_a_body_is_not_the_callers_slow_pace(
@@ -489,42 +505,46 @@ async def test_an_upstream_slow_to_read_a_body_is_not_the_callers_slow_pace(
     assert rest == b"ok"
 
 
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close the connection with a TCP reset (SO_LINGER 0), as a crashed or impatient
+    peer does."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                    (1).to_bytes(4, "little") + (0).to_bytes(4, "little"))
+    writer.transport.abort()
+
+
 @pytest.fixture
 async def resetting_upstream() -> AsyncIterator[tuple[str, list[str]]]:
     """An upstream that answers the first request of a connection, and resets the
     connection at the head of the next one, reading none of its body (a kept-alive
-    connection closed by the upstream just as the gateway sent a request on it). Also
-    yields what it did, in order."""
+    connection closed by the upstream just as the gateway sent a request on it); a
+    request to a path ending `?reset-after-body` it reads whole, then resets the
+    connection instead of answering. Also yields what it did, in order."""
     seen: list[str] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            for index in range(2):
-                head = await reader.readuntil(b"\r\n\r\n")
-                path = head.split(b" ", 2)[1].decode()
-                if index == 1:
-                    seen.append(f"reset {path}")
-                    sock = writer.get_extra_info("socket")
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                    (1).to_bytes(4, "little") + (0).to_bytes(4, "little"))
-                    writer.transport.abort()
-                    return
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
-                seen.append(f"answered {path} ({length} bytes)")
-                writer.write(REPLIES[b"/plain"] if path == "/plain"
-                             else _turn_reply(b""))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        for index in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ", 2)[1].decode()
+            if index == 1:
+                seen.append(f"reset {path}")
+                _reset(writer)
+                return
+            length = _declared_length(head)
+            await reader.readexactly(length)
+            if path.endswith("?reset-after-body"):  # it has the request: "generating"
+                seen.append(f"received {path} ({length} bytes), then reset")
+                await asyncio.sleep(0.3)
+                _reset(writer)
+                return
+            seen.append(f"answered {path} ({length} bytes)")
+            writer.write(REPLIES[b"/plain"] if path == "/plain"
+                         else _turn_reply(b""))
+            await writer.drain()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        yield f"http://127.0.0.1:{port}", seen
+    async with _listening(serve) as url:
+        yield url, seen
 
 
 async def test_a_turn_whose_kept_alive_connection_is_reset_is_sent_again_on_a_new_one(
@@ -564,3 +584,24 @@ async def test_a_connection_idle_past_the_upstreams_keep_alive_is_not_taken_agai
         assert (await http.get("/plain")).text == "hello"
     # A new connection: the first request of each was answered, none was reset.
     assert seen == ["answered /plain (0 bytes)"] * 2
+
+
+async def test_a_turn_reset_once_its_body_was_all_sent_is_a_502_never_sent_twice(
+        tmp_path, gateway_process, resetting_upstream):
+    """A review's finding: a reset while waiting for the reply is the same aiohttp error
+    as one while the body goes up, but the upstream may be generating by then: the
+    turn was sent again and ran twice. Sent again only if its body was not all sent."""
+    upstream, seen = resetting_upstream
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=upstream)
+    await gateway.wait_ready()
+    body = b'{"input_ids": [1, 2]}'
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        reply = await http.post("/v1/chat/completions?reset-after-body", content=body,
+                                headers={"content-type": "application/json",
+                                         "X-SMG-Routing-Key": "s-reset-late"})
+    assert reply.status_code == 502, reply.text[:300]
+    assert reply.json()["type"] == "urn:turnlog:upstream-unavailable"
+    await asyncio.sleep(0.5)  # a second sending would have reached the upstream by now
+    assert seen == [f"received /v1/chat/completions?reset-after-body ({len(body)} bytes), "
+                    "then reset"]
+    assert "sending it again" not in gateway.log_tail(300)
