@@ -28,11 +28,13 @@ It exits when its stdin closes (the test process ended, however).
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -54,6 +56,18 @@ PRELOAD = (
 
 POLL = 0.02
 
+# Environment variables read when an interpreter starts (PYTHON*, the locale, the
+# time zone, the user site's home) or when the preloaded libraries are imported
+# (their C extensions switched off, colours, prometheus' multiprocess mode, numpy's
+# settings): a child whose values differ is started fresh.
+READ_AT_START_PREFIXES = ("PYTHON", "LC_", "NPY_", "OPENBLAS_", "OMP_")
+READ_AT_START = frozenset({
+    "LANG", "LANGUAGE", "TZ", "HOME", "AIOHTTP_NO_EXTENSIONS", "YARL_NO_EXTENSIONS",
+    "MULTIDICT_NO_EXTENSIONS", "PROPCACHE_NO_EXTENSIONS", "FROZENLIST_NO_EXTENSIONS",
+    "NO_COLOR", "FORCE_COLOR", "TYPER_USE_RICH", "PROMETHEUS_MULTIPROC_DIR",
+    "PROMETHEUS_DISABLE_CREATED_SERIES", "SQLALCHEMY_WARN_20", "DISABLE_SQLALCHEMY_CEXT_RUNTIME",
+})
+
 
 def _preload() -> None:
     import importlib
@@ -72,12 +86,10 @@ def _run_child(request: Mapping[str, Any]) -> int:
     # Signal dispositions are left as the zygote's, which installs no handler: they are
     # what a fresh interpreter started by the test process would have (an ignored
     # SIGINT, as in a shell's background job, stays ignored).
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    # The zygote's pipes (fds 0 and 1) become /dev/null and the log: `sys.stdin`
-    # and `sys.stdout` are the same objects over the new files, as in a fresh
-    # process started with those (nothing is buffered: one request at a time).
+    # The zygote's pipes (fds 0 and 1) become /dev/null and the log, first (a failure
+    # after this is a traceback in the log): `sys.stdin` and `sys.stdout` are the same
+    # objects over the new files, as in a fresh process started with those (nothing
+    # is buffered: one request at a time).
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(null, 0)
@@ -85,6 +97,9 @@ def _run_child(request: Mapping[str, Any]) -> int:
     os.dup2(log, 2)
     os.close(null)
     os.close(log)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
     module, args = request["module"], request["args"]
     sys.argv = [module, *args]
     sys.path[0] = os.getcwd()  # as `python -m` puts its working directory first
@@ -121,14 +136,20 @@ def _zygote() -> None:
     for line in requests:
         request = json.loads(line)
         reap()
+        answer: dict[str, Any] = {"seq": request["seq"]}
         if request["op"] == "spawn":
-            pid = os.fork()
-            if pid == 0:
-                # Leave the loop: the child exits the way a fresh interpreter does.
-                raise SystemExit(_run_child(request))
-            answer: dict[str, Any] = {"pid": pid}
+            try:
+                pid = os.fork()
+            except OSError as exc:  # a process limit, memory: the test's error, not ours
+                answer["error"] = f"fork: {exc}"
+            else:
+                if pid == 0:
+                    # Leave the loop: the child exits the way a fresh interpreter does.
+                    raise SystemExit(_run_child(request))
+                status.pop(pid, None)  # a pid reused: not the exit of the one before
+                answer["pid"] = pid
         else:
-            answer = {"returncode": status.get(request["pid"])}
+            answer["returncode"] = status.get(request["pid"])
         answers.write(json.dumps(answer) + "\n")
         answers.flush()
 
@@ -140,29 +161,44 @@ class _Zygote:
         self.lock = threading.Lock()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
         self.env["PYTHONUNBUFFERED"] = "1"
+        self.seq = 0
+        # Its own errors (and a child's before its log is open), for `ask`'s message.
+        handle, name = tempfile.mkstemp(prefix="turnlog-forkserver-", suffix=".log")
+        self.errors = Path(name)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forkserver"], cwd=ROOT, env=self.env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=handle,
             text=True, bufsize=1)
+        os.close(handle)
         atexit.register(self.close)
 
     def ask(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The zygote's answer to `request`. Numbered: an answer left unread by an
+        earlier call (interrupted between writing and reading) is skipped, not taken
+        for this one's."""
         with self.lock:
             assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the tests' fork server exited with {self.proc.poll()}")
-        answer: dict[str, Any] = json.loads(line)
-        return answer
+            self.seq += 1
+            try:
+                self.proc.stdin.write(json.dumps({**request, "seq": self.seq}) + "\n")
+                self.proc.stdin.flush()
+                while line := self.proc.stdout.readline():
+                    answer: dict[str, Any] = json.loads(line)
+                    if answer["seq"] == self.seq:
+                        return answer
+            except BrokenPipeError:
+                pass
+        raise RuntimeError(f"the tests' fork server exited with {self.proc.wait()}: "
+                           f"{self.errors.read_text(errors='replace')[-2000:]}")
 
     def accepts(self, env: Mapping[str, str]) -> bool:
-        """A child with `env` starts as a fresh interpreter would: the variables an
-        interpreter reads when it starts are the zygote's."""
-        def python_vars(e: Mapping[str, str]) -> dict[str, str]:
-            return {k: v for k, v in e.items() if k.startswith("PYTHON")}
-        return python_vars(env) == python_vars(self.env)
+        """A child with `env` starts as a fresh interpreter would: the variables read
+        when an interpreter starts, or when the zygote imported the libraries, are
+        the zygote's."""
+        def read_at_start(e: Mapping[str, str]) -> dict[str, str]:
+            return {k: v for k, v in e.items()
+                    if k.startswith(READ_AT_START_PREFIXES) or k in READ_AT_START}
+        return read_at_start(env) == read_at_start(self.env)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -172,6 +208,7 @@ class _Zygote:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.errors.unlink(missing_ok=True)
 
 
 _zygote_instance: _Zygote | None = None
@@ -229,8 +266,16 @@ def spawn(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str],
     if forkable:
         zygote = _the_zygote()
         if zygote.accepts(env):
+            # What Popen would refuse at once, refused here too (the child would only
+            # exit 1 with nowhere to say why).
+            if not Path(cwd).is_dir():
+                raise FileNotFoundError(errno.ENOENT, "no such directory", str(cwd))
+            log.open("ab").close()
             answer = zygote.ask({"op": "spawn", "module": argv[2], "args": list(argv[3:]),
                                  "cwd": str(cwd), "env": dict(env), "log": str(log)})
+            if "error" in answer:
+                raise OSError(f"the tests' fork server could not start {argv}: "
+                              f"{answer['error']}")
             return ForkedProcess(zygote, answer["pid"], argv)
     with log.open("ab") as out:
         return subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,

@@ -56,3 +56,29 @@ def test_an_interpreter_setting_of_its_own_starts_a_fresh_interpreter(tmp_path: 
     assert isinstance(child, subprocess.Popen)
     assert child.wait(timeout=60) == 0
     assert json.loads((tmp_path / "child.log").read_text())["var"] == "seen"
+
+
+def test_a_directory_that_is_not_there_is_refused_at_once_as_by_popen(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        spawn([sys.executable, "-m", "tests.forkchild", "0"], cwd=tmp_path / "gone",
+              env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
+              | {"PYTHONUNBUFFERED": "1"}, log=tmp_path / "child.log")
+
+
+def test_an_answer_left_unread_is_not_taken_for_the_next_one(tmp_path: Path) -> None:
+    """A call interrupted between its request and its answer (Ctrl-C) leaves the
+    answer in the pipe: the next call skips it by its number."""
+    child = _start(tmp_path, "0")
+    assert isinstance(child, ForkedProcess)
+    assert child.wait(timeout=30) == 0
+    zygote = child.zygote
+    with zygote.lock:  # a status request whose answer nobody reads
+        assert zygote.proc.stdin is not None
+        zygote.seq += 1
+        zygote.proc.stdin.write(json.dumps({"op": "status", "pid": child.pid,
+                                            "seq": zygote.seq}) + "\n")
+        zygote.proc.stdin.flush()
+    # The next start reads its own answer (a pid), not the status left in the pipe.
+    other = _start(tmp_path, "7")
+    assert isinstance(other, ForkedProcess) and other.pid != child.pid
+    assert other.wait(timeout=30) == 7
