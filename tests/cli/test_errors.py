@@ -230,17 +230,24 @@ def test_a_real_pipe_closed_early_ends_with_141_and_nothing_on_stderr(tmp_path):
     assert "error" not in stderr and "Traceback" not in stderr, stderr
 
 
+@pytest.fixture(scope="module")
+def eighty_sessions(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A SQLite store of 80 demo sessions, only read by the tests that use it."""
+    url = sqlite_file(tmp_path_factory.mktemp("eighty"))
+    demo = run("demo", "--sessions", "80", "--database-url", url)
+    assert demo.exit_code == 0, demo.output
+    return url
+
+
 @pytest.mark.parametrize("as_json", [False, True])
-def test_a_reader_gone_during_one_large_write_is_141_not_0(tmp_path, as_json):
+def test_a_reader_gone_during_one_large_write_is_141_not_0(eighty_sessions, as_json):
     """A helper's finding: `turnlog sessions | head -1` exited 0 when the output was
     one large write. The kernel took part of it before the reader left; CPython's
     buffered stdout dropped the rest and reported success. (A pipe of 4 KB here, so a
     few sessions' listing is such a write.)"""
     import fcntl
 
-    url = sqlite_file(tmp_path)
-    demo = run("demo", "--sessions", "80", "--database-url", url)
-    assert demo.exit_code == 0, demo.output
+    url = eighty_sessions
     command = [sys.executable, "-m", "app", "sessions", "--limit", "80", "--database-url", url,
                *(["--json"] if as_json else [])]
     read_end, write_end = os.pipe()
