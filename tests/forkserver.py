@@ -223,6 +223,21 @@ def _the_zygote() -> _Zygote:
         return _zygote_instance
 
 
+# The exit status of a child whose zygote died before reporting it.
+UNKNOWN_EXIT = 255
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (its clock ticks since boot), None if no such
+    process is running (gone, or a zombie): a pid and this name one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
 class ForkedProcess:
     """What the tests use of `subprocess.Popen` (`pid`, `returncode`, `poll`,
     `wait`, `send_signal`, `terminate`, `kill`) for a child of the zygote."""
@@ -232,10 +247,19 @@ class ForkedProcess:
         self.pid = pid
         self.args = list(argv)
         self.returncode: int | None = None
+        self.started = _start_time(pid)
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.zygote.ask({"op": "status", "pid": self.pid})["returncode"]
+            try:
+                self.returncode = self.zygote.ask({"op": "status",
+                                                   "pid": self.pid})["returncode"]
+            except RuntimeError:
+                # The zygote is gone (killed from outside): its children were handed to
+                # init, which reaps them. Running while the pid is still this child;
+                # ended, with a status nobody can read any more, once it is not.
+                if self.started is None or _start_time(self.pid) != self.started:
+                    self.returncode = UNKNOWN_EXIT
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forkserver import ROOT, ForkedProcess, spawn
+from tests.forkserver import ROOT, UNKNOWN_EXIT, ForkedProcess, _Zygote, spawn
 
 
 def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
@@ -82,3 +82,23 @@ def test_an_answer_left_unread_is_not_taken_for_the_next_one(tmp_path: Path) -> 
     other = _start(tmp_path, "7")
     assert isinstance(other, ForkedProcess) and other.pid != child.pid
     assert other.wait(timeout=30) == 7
+
+
+def test_a_child_outliving_its_zygote_can_still_be_stopped(tmp_path: Path) -> None:
+    """The zygote killed from outside: its children's handles still see them running,
+    stop them, and then report them ended."""
+    zygote = _Zygote()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
+        answer = zygote.ask({"op": "spawn", "module": "tests.forksleep", "args": [],
+                             "cwd": str(ROOT), "env": env | {"PYTHONUNBUFFERED": "1"},
+                             "log": str(tmp_path / "sleep.log")})
+        child = ForkedProcess(zygote, answer["pid"], ["sleep"])
+        assert child.poll() is None
+        zygote.proc.kill()
+        zygote.proc.wait(timeout=10)
+        assert child.poll() is None  # still running: its pid is still this child
+        child.terminate()
+        assert child.wait(timeout=30) == UNKNOWN_EXIT
+    finally:
+        zygote.close()
