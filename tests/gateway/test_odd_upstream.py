@@ -37,13 +37,12 @@ def _turn_reply(extra_header: bytes) -> bytes:
 @contextlib.asynccontextmanager
 async def _listening(serve: Any) -> AsyncIterator[str]:
     """A raw upstream: `serve(reader, writer)` for each connection, on a loopback port;
-    a connection the gateway ends (mid-request, too) is closed quietly."""
+    a connection the gateway ends (mid-request, too) is closed quietly. One `serve`
+    returns from is left as it is (held open, say)."""
     async def each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await serve(reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
             writer.close()
 
     server = await asyncio.start_server(each, "127.0.0.1", 0)
