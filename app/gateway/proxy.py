@@ -621,7 +621,7 @@ class Gateway:
                                 allow_redirects=False)
                             break
                         except aiohttp.ClientOSError as exc:
-                            if attempt == 2 or body_sent[0] or not _unsent(exc, body):
+                            if attempt == 2 or not _unsent(exc, body, body_sent[0]):
                                 raise
                             log.info("upstream connection reset under a request body; "
                                      "sending it again", upstream=self.shown,
@@ -850,16 +850,16 @@ class _BoundedStream(_Bounded, aiohttp.payload.AsyncIterablePayload):
     pass
 
 
-def _unsent(exc: aiohttp.ClientOSError, body: Any) -> bool:
-    """The request could be sent again, if its body was not all sent (the caller
-    checks that: a reset while waiting for the reply raises the same error, and the
-    upstream may then be running the request): its body is held whole (bytes), and
-    the upstream reset the connection (aiohttp's "Can not write request body",
-    caused by the reset). An upstream that has not received a request's whole body
-    has not answered it (an HTTP server reads the body before it calls the
-    application): most often a kept-alive connection the upstream closed as the
-    gateway took it. Never a body streamed from the caller (it is gone)."""
-    return (isinstance(body, bytes | bytearray)
+def _unsent(exc: aiohttp.ClientOSError, body: Any, all_sent: bool) -> bool:
+    """The request may be sent again: the upstream reset the connection (aiohttp's
+    "Can not write request body", caused by the reset) before the body was all sent
+    (`all_sent`: a reset while waiting for the reply raises the same error, and the
+    upstream may then be running the request), and the body is held whole (bytes;
+    never a body streamed from the caller: it is gone). An upstream that has not
+    received a request's whole body has not answered it (an HTTP server reads the
+    body before it calls the application): most often a kept-alive connection the
+    upstream closed as the gateway took it."""
+    return (not all_sent and isinstance(body, bytes | bytearray)
             and isinstance(exc.__cause__, ConnectionResetError | BrokenPipeError))
 
 
