@@ -159,8 +159,10 @@ class _Zygote:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
-        self.env["PYTHONUNBUFFERED"] = "1"
+        # The servers' own clean environment; imported here, as serverproc imports this.
+        from tests.serverproc import server_env
+
+        self.env = server_env()
         self.seq = 0
         # Its own errors (and a child's before its log is open), for `ask`'s message.
         handle, name = tempfile.mkstemp(prefix="turnlog-forkserver-", suffix=".log")

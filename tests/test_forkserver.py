@@ -5,7 +5,6 @@ turnlog not loaded before the child imports it."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.forkserver import ROOT, UNKNOWN_EXIT, ForkedProcess, _Zygote, spawn
+from tests.serverproc import server_env
 
 
 def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
            ) -> ForkedProcess | subprocess.Popen[bytes]:
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FORKCHILD_VAR": "seen", **(env or {})}
-    full_env = {k: v for k, v in full_env.items() if not k.startswith("TURNLOG_")}
+    full_env = server_env({"FORKCHILD_VAR": "seen", **(env or {})})
     return spawn([sys.executable, "-m", "tests.forkchild", *args], cwd=ROOT,
                  env=full_env, log=tmp_path / "child.log")
 
@@ -40,8 +39,7 @@ def test_a_forked_child_sees_its_own_start_and_its_exit_code_is_reported(tmp_pat
 
 def test_a_signalled_child_reports_the_signal_as_popen_does(tmp_path: Path) -> None:
     child = spawn([sys.executable, "-m", "tests.forksleep"], cwd=ROOT,
-                  env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
-                  | {"PYTHONUNBUFFERED": "1"}, log=tmp_path / "sleep.log")
+                  env=server_env(), log=tmp_path / "sleep.log")
     assert isinstance(child, ForkedProcess)
     assert child.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
@@ -61,8 +59,7 @@ def test_an_interpreter_setting_of_its_own_starts_a_fresh_interpreter(tmp_path: 
 def test_a_directory_that_is_not_there_is_refused_at_once_as_by_popen(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         spawn([sys.executable, "-m", "tests.forkchild", "0"], cwd=tmp_path / "gone",
-              env={k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
-              | {"PYTHONUNBUFFERED": "1"}, log=tmp_path / "child.log")
+              env=server_env(), log=tmp_path / "child.log")
 
 
 def test_an_answer_left_unread_is_not_taken_for_the_next_one(tmp_path: Path) -> None:
@@ -89,9 +86,8 @@ def test_a_child_outliving_its_zygote_can_still_be_stopped(tmp_path: Path) -> No
     stop them, and then report them ended."""
     zygote = _Zygote()
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TURNLOG_")}
         answer = zygote.ask({"op": "spawn", "module": "tests.forksleep", "args": [],
-                             "cwd": str(ROOT), "env": env | {"PYTHONUNBUFFERED": "1"},
+                             "cwd": str(ROOT), "env": server_env(),
                              "log": str(tmp_path / "sleep.log")})
         child = ForkedProcess(zygote, answer["pid"], ["sleep"])
         assert child.poll() is None
