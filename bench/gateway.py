@@ -398,12 +398,13 @@ async def latency(args: argparse.Namespace, direct: str, gateway: str, pid: int,
           f"(two replies), load generator {(load1 - load0) / turns * 1000:.1f} ms", flush=True)
 
 
-def added_histogram(metrics: str) -> str:
+def histogram(metrics: str, name: str, labels: str = "") -> str:
+    """A histogram of the gateway's metrics page (`name{labels}`): its count and mean."""
     count = total = None
     for line in metrics.splitlines():
-        if line.startswith("turnlog_gateway_added_seconds_count"):
+        if line.startswith(f"{name}_count{labels} "):
             count = float(line.split()[-1])
-        elif line.startswith("turnlog_gateway_added_seconds_sum"):
+        elif line.startswith(f"{name}_sum{labels} "):
             total = float(line.split()[-1])
     if not count or total is None:
         return "not exposed"
@@ -474,7 +475,11 @@ async def main() -> None:
                 spy.wait(30)
             async with httpx.AsyncClient(timeout=30) as http:
                 metrics = (await http.get(gateway + "/turnlog/metrics")).text
-            print(f"gateway's own turnlog_gateway_added_seconds: {added_histogram(metrics)}")
+            recorded = '{outcome="recorded"}'
+            print("gateway's own turnlog_gateway_added_seconds: "
+                  f"{histogram(metrics, 'turnlog_gateway_added_seconds')}; of it the store's "
+                  f"write, turnlog_gateway_store_seconds{recorded}: "
+                  f"{histogram(metrics, 'turnlog_gateway_store_seconds', recorded)}")
             if args.relay:
                 # The same turns without the routing header: what relaying a reply of
                 # this size costs before anything is recorded.

@@ -9,14 +9,13 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from app.domain.body.gateway import UNRECORDED_REASONS
+from app.domain.body.gateway import STORE_OUTCOMES, UNRECORDED_REASONS
 from app.gateway.spool import CLOSE, REWARD
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Added latency is milliseconds on a healthy store, up to the store timeout on a sick one.
 ADDED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0)
-
 
 class GatewayMetrics:
     def __init__(self) -> None:
@@ -54,6 +53,13 @@ class GatewayMetrics:
             "turnlog_gateway_added_seconds",
             "Latency the gateway adds to a recorded turn: reply sent minus upstream reply "
             "complete", buckets=ADDED_BUCKETS, registry=self.registry)
+        self.store = Histogram(
+            "turnlog_gateway_store_seconds",
+            "The store's part of the added latency: a turn's write from its parsed reply to "
+            "the store's answer, by outcome (recorded, spooled, spool-full, or the store's "
+            "refusal)", ["outcome"], buckets=ADDED_BUCKETS, registry=self.registry)
+        for outcome in STORE_OUTCOMES:
+            self.store.labels(outcome)
 
     def watch_spool(self, turns: Callable[[], float], writes: Callable[[], float],
                     size: Callable[[], float], lag: Callable[[], float]) -> None:

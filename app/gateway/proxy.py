@@ -541,8 +541,10 @@ class Gateway:
             self.metrics.unrecorded.labels(reply.reason).inc()
             await _send_raw(send, status, headers, raw)
             return
+        writing = time.perf_counter()
         outcome = await self._record(scope, decision, reply, request_timestamp, timestamp,
                                      len(body) + len(raw))
+        self.metrics.store.labels(outcome).observe(time.perf_counter() - writing)
         if outcome == SPOOL_FULL:
             self.metrics.unrecorded.labels(SPOOL_FULL).inc()
             log.error("turn answered 503 spool-full, not stored", session_id=decision.session_id)

@@ -63,9 +63,11 @@ from app.domain.body.deadline import store_wait
 from app.domain.body.gateway import (
     IDLE_CLOSE,
     OPENED_BY,
+    RECORDED,
     REJECTED,
     SESSION_CLOSED,
     SPOOL_FULL,
+    SPOOLED,
     check_reward_order,
     reward_may_wait,
     reward_of_late_close,
@@ -90,9 +92,8 @@ from app.store.read.gateway import last_event_us, open_sessions_opened_by
 
 log = structlog.get_logger("turnlog.gateway")
 
-RECORDED = "recorded"
-SPOOLED = "spooled"
-# SPOOL_FULL (the domain's unrecorded reason) is an outcome too: the caller gets a 503.
+# A turn's outcomes: RECORDED, SPOOLED, and SPOOL_FULL (the caller gets a 503) or a verdict
+# (the domain's `STORE_OUTCOMES`).
 # `carry_out`'s answers for a close or a reward besides SPOOLED: done now, an identical
 # repeat.
 WRITTEN, REPEAT = "written", "repeat"

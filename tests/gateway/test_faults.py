@@ -100,6 +100,7 @@ async def test_a_locked_sqlite_file_spools_and_drains_in_order(tmp_path, gateway
             for conversation in (a, b, a, a):
                 assert (await conversation.turn(http)).status == 200
             assert await spooled(http) == 4
+            metrics = await scrape(http)
             ready = await http.get("/turnlog/readyz")
             assert ready.status_code == 503, ready.text
             assert len(list((tmp_path / "spool-0").glob("*.turn"))) == 4
@@ -107,6 +108,12 @@ async def test_a_locked_sqlite_file_spools_and_drains_in_order(tmp_path, gateway
         assert (await http.get("/turnlog/readyz")).status_code == 200
         assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 5
     assert not list((tmp_path / "spool-0").glob("*.turn"))
+    # The store's part of each turn's latency, by what became of it: a's first spooled
+    # turn waited the store timeout out (its later ones went behind it at once).
+    store = "turnlog_gateway_store_seconds"
+    assert metric(metrics, f"{store}_count", 'outcome="recorded"') == 1
+    assert metric(metrics, f"{store}_count", 'outcome="spooled"') == 4
+    assert metric(metrics, f"{store}_sum", 'outcome="spooled"') >= float(STORE_TIMEOUT)
     async with api(f"sqlite+aiosqlite:///{path}") as http:
         for conversation in (a, b):
             await check_stored(http, conversation)
@@ -219,6 +226,8 @@ async def test_a_full_spool_answers_503_and_stores_nothing_of_that_turn(tmp_path
         # Each refused turn is counted, by its reason.
         assert metric(metrics, "turnlog_gateway_unrecorded_total",
                       'reason="spool-full"') == len(refused)
+        assert metric(metrics, "turnlog_gateway_store_seconds_count",
+                      'outcome="spool-full"') == len(refused)
         await wait_for(lambda: drained(http), what="the spool to drain")
     async with api(f"sqlite+aiosqlite:///{path}") as http:
         await check_stored(http, a)  # the refused turns are not among them

@@ -61,6 +61,12 @@ async def test_recorded_turns_equal_the_wire(db_url, client, gateway_process, fa
             prompt = prompt + output + [20 + i, 21 + i]
         metrics = await scrape(http)
     assert metric(metrics, "turnlog_gateway_recorded_total") == 3
+    # Each turn's store write is timed, within the latency the gateway added to it.
+    store, added = "turnlog_gateway_store_seconds", "turnlog_gateway_added_seconds"
+    assert metric(metrics, f"{store}_count", 'outcome="recorded"') == 3
+    assert 0 < metric(metrics, f"{store}_sum", 'outcome="recorded"') \
+        < metric(metrics, f"{added}_sum")
+    assert metric(metrics, f"{store}_count", 'outcome="spooled"') == 0
 
     summary = (await client.get(f"/v1/sessions/{session}")).json()
     assert summary["opened_by"] == "gateway"
@@ -154,6 +160,8 @@ async def test_a_first_turn_refused_by_the_empty_tree_opens_no_session(db_url, c
         assert gap.status == 200, gap.reply
         metrics = await scrape(http)
         assert metric(metrics, "turnlog_gateway_unrecorded_total", 'reason="rejected"') == 1
+        assert metric(metrics, "turnlog_gateway_store_seconds_count",
+                      'outcome="rejected"') == 1
         assert (await client.get(f"/v1/sessions/{session}")).status_code == 404
         good = await send_turn(http, session, chat(prompt, return_routed_experts=True,
                                                    routed_experts_start_len=0))

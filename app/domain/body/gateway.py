@@ -66,6 +66,11 @@ SPOOL_FULL = "spool-full"
 CALLER_GONE = "caller-gone"
 UNRECORDED_REASONS = (NO_SESSION, NOT_TITO, STREAM, UPSTREAM_STATUS, NOT_JSON, SESSION_CLOSED,
                       REJECTED, UPSTREAM_UNAVAILABLE, SPOOL_FULL, CALLER_GONE)
+# What became of a turn held for the store: committed, or spooled; else SPOOL_FULL or the
+# store's refusal (REJECTED, SESSION_CLOSED).
+RECORDED = "recorded"
+SPOOLED = "spooled"
+STORE_OUTCOMES = (RECORDED, SPOOLED, SPOOL_FULL, REJECTED, SESSION_CLOSED)
 
 
 def check_reward_order(session_id: str, spooled_turns: int, spooled_close: bool) -> None:
