@@ -38,3 +38,17 @@ def test_a_command_starts_without_what_only_some_commands_use(library: str) -> N
     modules = imported_after("import app.cli.main")
     assert "app.cli.main" in modules
     assert library not in modules
+
+
+def test_a_command_checks_the_schema_without_alembic(tmp_path) -> None:
+    """Every command against a database first checks its schema is at head: read without
+    alembic (~0.2 s of imports: its DDL layer, Mako, Pygments), which stays for
+    migrating and for the refusals."""
+    from app.store.engine import migrate
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    migrate.upgrade(url)
+    modules = imported_after("from app.cli.common import check_database\n"
+                             f"check_database({url!r})")
+    assert "app.store.engine.revision" in modules  # the check ran
+    assert not {m for m in modules if m == "alembic" or m.startswith(("alembic.", "mako"))}

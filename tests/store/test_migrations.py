@@ -6,9 +6,10 @@ import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.util.exc import CommandError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.store.engine import migrate
+from app.store.engine import migrate, revision
 from app.store.engine.schema import metadata
 
 
@@ -162,3 +163,63 @@ async def test_writes_never_wait_for_a_migrating_process(db_url, client, sid):
             await guard.execute(sa.text(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})"))
     finally:
         await engine.dispose()
+
+
+# -- the revisions read without alembic (app/store/engine/revision.py) ------------------
+
+
+def test_the_scripts_head_read_from_their_text_is_alembics():
+    assert revision.scripts_head() == migrate.alembic_head() == revision.head_revision()
+
+
+def _script(name: str, rev: str, down: str | None) -> tuple[str, str]:
+    return name, (f'"""{name}"""\nrevision: str = "{rev}"\n'
+                  f"down_revision: str | None = {down and repr(down)}\n")
+
+
+@pytest.mark.parametrize(("scripts", "head"), [
+    ([_script("a.py", "0001", None), _script("b.py", "0002", "0001")], "0002"),
+    ([_script("a.py", "0001", None)], "0001"),
+    # Two heads, a parent no script holds, a revision given twice, a line missing, none:
+    # alembic's to answer.
+    ([_script("a.py", "0001", None), _script("b.py", "0002", "0001"),
+      _script("c.py", "0003", "0001")], None),
+    ([_script("a.py", "0001", None), _script("b.py", "0003", "0002")], None),
+    ([_script("a.py", "0001", None), _script("b.py", "0001", None)], None),
+    ([("a.py", 'revision = "0001"\n')], None),
+    ([], None),
+], ids=["chain", "one", "two-heads", "missing-parent", "twice", "no-down-line", "none"])
+def test_scripts_that_are_not_one_chain_are_left_to_alembic(tmp_path, scripts, head):
+    for name, text in scripts:
+        (tmp_path / name).write_text(text)
+    assert revision.scripts_head(tmp_path) == head
+
+
+def _alembic_current(connection: sa.Connection) -> str | None:
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+async def test_the_current_revision_read_by_one_query_is_alembics(empty_url):
+    """Not migrated, at head, downgraded, with an emptied version table: the same answer
+    as alembic's migration context; with two rows, alembic's refusal."""
+    def both() -> tuple[str | None, str | None]:
+        return (migrate.on_connection(empty_url, revision.current_revision),
+                migrate.on_connection(empty_url, _alembic_current))
+
+    assert await asyncio.to_thread(both) == (None, None)
+    await migrate.upgrade_async(empty_url)
+    assert await asyncio.to_thread(both) == (revision.head_revision(),) * 2
+    await asyncio.to_thread(migrate.downgrade, empty_url, "0005")
+    assert await asyncio.to_thread(both) == ("0005", "0005")
+    engine = create_async_engine(empty_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("INSERT INTO alembic_version VALUES ('0004')"))
+        with pytest.raises(CommandError, match="more than one head"):
+            await asyncio.to_thread(migrate.on_connection, empty_url,
+                                    revision.current_revision)
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("DELETE FROM alembic_version"))
+    finally:
+        await engine.dispose()
+    assert await asyncio.to_thread(both) == (None, None)

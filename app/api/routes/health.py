@@ -19,7 +19,7 @@ from fastapi import APIRouter
 from app.api.deps import ServicesDep
 from app.api.problems import JSONText, damaged_sqlite, problem_response
 from app.store.engine.disk import ROOM_AFTER_FULL
-from app.store.engine.migrate import current_revision, head_revision
+from app.store.engine.revision import current_revision, head_revision
 from app.store.engine.sqlite_files import DatabaseFileReplaced
 
 router = APIRouter(tags=["service"])

@@ -10,21 +10,16 @@ run the `alembic` command by hand.)
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
 from alembic import command
 from app.store.engine.dialect import normalize_url
-
-T = TypeVar("T")
+from app.store.engine.revision import current, current_revision, head_revision, on_connection
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "migrations"
 _lock = threading.Lock()
@@ -39,10 +34,9 @@ def config(url: str | None = None) -> Config:
     return cfg
 
 
-@functools.lru_cache(maxsize=1)
-def head_revision() -> str | None:
-    """The newest migration this turnlog ships. Read once: `/readyz` asks on every probe,
-    and reading the scripts takes ~5 ms of the event loop each time."""
+def alembic_head() -> str | None:
+    """The newest migration, as alembic reads the scripts (`revision.head_revision`
+    reads it without alembic, and asks this only when it cannot)."""
     return ScriptDirectory.from_config(config()).get_current_head()
 
 
@@ -61,10 +55,6 @@ def newer_schema(current: str) -> str:
     return (f"schema at revision {current}, which this turnlog does not know (its newest "
             f"is {head_revision()}): a newer turnlog migrated this database; upgrade "
             "turnlog, or use the one that migrated it")
-
-
-def current_revision(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
 
 
 class NotTurnlogDatabase(Exception):
@@ -158,29 +148,6 @@ def data_a_downgrade_drops(url: str, revision: str) -> list[tuple[str, int]]:
         return counts
 
     return on_connection(url, count) if tables else []
-
-
-def on_connection(url: str, work: Callable[[Connection], T]) -> T:
-    """`work` run on one connection of a short-lived engine on `url` (from a command,
-    outside any event loop)."""
-    result: list[T] = []
-
-    async def _run() -> None:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
-        engine = create_async_engine(normalize_url(url))
-        try:
-            async with engine.connect() as conn:
-                result.append(await conn.run_sync(work))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(_run())
-    return result[0]
-
-
-def current(url: str) -> str | None:
-    return on_connection(url, current_revision)
 
 
 def why_not_turnlog(url: str) -> str | None:
