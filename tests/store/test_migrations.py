@@ -188,11 +188,37 @@ def _script(name: str, rev: str, down: str | None) -> tuple[str, str]:
     ([_script("a.py", "0001", None), _script("b.py", "0001", None)], None),
     ([("a.py", 'revision = "0001"\n')], None),
     ([], None),
-], ids=["chain", "one", "two-heads", "missing-parent", "twice", "no-down-line", "none"])
+    # Read plainly or not at all: unannotated ids are read; a merge's tuple, an id
+    # assigned twice (a docstring line that looks like one included), a cycle beside
+    # the chain are alembic's.
+    ([("a.py", "revision = '0001'\ndown_revision = None  # the first\n"),
+      _script("b.py", "0002", "0001")], "0002"),
+    ([_script("a.py", "0001", None), _script("b.py", "0002", "0001"),
+      _script("c.py", "0003", "0001"),
+      ("m.py", 'revision = "0004"\ndown_revision = ("0002", "0003")\n')], None),
+    ([_script("a.py", "0001", None),
+      ("b.py", '"""\nrevision = "9999"\n"""\nrevision = "0002"\ndown_revision = "0001"\n')],
+     None),
+    ([_script("a.py", "0001", None),
+      ("b.py", 'revision = "0002"\ndown_revision = "0001"\nrevision = "0003"\n')], None),
+    ([_script("a.py", "0001", None), _script("b.py", "0002", "0001"),
+      _script("c.py", "0003", "0004"), _script("d.py", "0004", "0003")], None),
+    ([_script("a.py", "0001", None), _script("__init__.py", "0009", "0001")], "0001"),
+], ids=["chain", "one", "two-heads", "missing-parent", "twice", "no-down-line", "none",
+        "unannotated", "merge", "docstring", "reassigned", "cycle", "init-skipped"])
 def test_scripts_that_are_not_one_chain_are_left_to_alembic(tmp_path, scripts, head):
     for name, text in scripts:
         (tmp_path / name).write_text(text)
     assert revision.scripts_head(tmp_path) == head
+
+
+def test_an_editors_lock_file_or_an_unreadable_script_does_not_stop_the_reading(tmp_path):
+    for name, text in (_script("a.py", "0001", None), _script("b.py", "0002", "0001")):
+        (tmp_path / name).write_text(text)
+    (tmp_path / ".#b.py").symlink_to(tmp_path / "gone")  # Emacs' lock: a dangling link
+    assert revision.scripts_head(tmp_path) == "0002"
+    (tmp_path / "c.py").write_bytes(b'revision = "\xff"\n')
+    assert revision.scripts_head(tmp_path) is None
 
 
 def _alembic_current(connection: sa.Connection) -> str | None:
@@ -207,6 +233,15 @@ async def test_the_current_revision_read_by_one_query_is_alembics(empty_url):
                 migrate.on_connection(empty_url, _alembic_current))
 
     assert await asyncio.to_thread(both) == (None, None)
+    if not empty_url.startswith("sqlite"):
+        # Not a table: alembic does not take it for its version table, nor does this.
+        engine = create_async_engine(empty_url)
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("CREATE SEQUENCE alembic_version"))
+        assert await asyncio.to_thread(both) == (None, None)
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("DROP SEQUENCE alembic_version"))
+        await engine.dispose()
     await migrate.upgrade_async(empty_url)
     assert await asyncio.to_thread(both) == (revision.head_revision(),) * 2
     await asyncio.to_thread(migrate.downgrade, empty_url, "0005")

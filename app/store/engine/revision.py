@@ -31,11 +31,16 @@ from app.store.engine.dialect import normalize_url
 T = TypeVar("T")
 
 VERSIONS = Path(__file__).resolve().parents[1] / "migrations" / "versions"
-# alembic's default version table, in the connection's default schema.
+# alembic's default version table: the one the connection sees (its search path).
 VERSION_TABLE = "alembic_version"
-# A script's identifiers, as `script.py.mako` writes them (`revision: str = "0011"`).
-_REVISION = re.compile(r'^revision(?:\s*:\s*str)?\s*=\s*["\']([^"\']+)["\']', re.M)
-_DOWN = re.compile(r'^down_revision(?:\s*:[^=]+)?\s*=\s*(None|["\']([^"\']+)["\'])', re.M)
+# A script's identifiers, as `script.py.mako` writes them (`revision: str = "0011"`),
+# each alone on its line but for a comment. Any other form is not read (`scripts_head`).
+_REVISION = re.compile(
+    r'^revision(?:\s*:\s*str)?\s*=\s*["\']([\w.-]+)["\']\s*(?:#.*)?$', re.M)
+_DOWN = re.compile(
+    r'^down_revision(?:\s*:[^=\n]+)?\s*=\s*(None|["\']([\w.-]+)["\'])\s*(?:#.*)?$', re.M)
+# Any assignment to either name, read or not: one of each is all a script may hold.
+_ASSIGNED = re.compile(r'^(down_)?revision\b[^=\n]*=', re.M)
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,35 +56,43 @@ def head_revision() -> str | None:
 
 
 def scripts_head(versions: Path = VERSIONS) -> str | None:
-    """The one revision no script in `versions` names as its `down_revision`, read from
-    the scripts' text; None when they are not one chain this reading can follow."""
-    revisions: set[str] = set()
-    parents: set[str] = set()
+    """The revision at the head of the one chain the scripts in `versions` form, read
+    from their text; None when that reading is not sure of it (alembic answers then):
+    a script it cannot read, an id it cannot read plainly (given twice, a merge's
+    tuple, an expression), or scripts that are not one chain from a root to a head.
+    Skips the files alembic skips (editors' `.#` lock files, `__init__`)."""
+    down_of: dict[str, str | None] = {}
     for script in versions.glob("*.py"):
-        text = script.read_text(encoding="utf-8")
-        revision, down = _REVISION.search(text), _DOWN.search(text)
-        if revision is None or down is None or revision.group(1) in revisions:
+        if script.name.startswith((".#", "__init__")):
+            continue
+        try:
+            text = script.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
             return None
-        revisions.add(revision.group(1))
-        if down.group(2) is not None:
-            parents.add(down.group(2))
-    heads = revisions - parents
-    if len(heads) != 1 or not parents <= revisions:
+        revision, down = _REVISION.findall(text), _DOWN.findall(text)
+        if len(revision) != 1 or len(down) != 1 or revision[0] in down_of \
+                or len(_ASSIGNED.findall(text)) != 2:
+            return None
+        down_of[revision[0]] = down[0][1] if down[0][0] != "None" else None
+    heads = set(down_of) - set(down_of.values())
+    if len(heads) != 1:
         return None
-    return heads.pop()
+    # From the head down to a root, every script once: one chain, no cycle, no stray.
+    head = heads.pop()
+    node: str | None = head
+    seen: set[str] = set()
+    while node is not None and node not in seen and node in down_of:
+        seen.add(node)
+        node = down_of[node]
+    return head if node is None and seen == set(down_of) else None
 
 
 def current_revision(connection: Connection) -> str | None:
     """The revision the database's schema is at; None when it has no version table (or
     an empty one): not migrated by turnlog."""
-    if connection.dialect.name == "sqlite":
-        exists = connection.execute(sa.text(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :name"),
-            {"name": VERSION_TABLE}).first() is not None
-    else:
-        exists = connection.execute(sa.text("SELECT to_regclass(:name) IS NOT NULL"),
-                                    {"name": VERSION_TABLE}).scalar_one()
-    if not exists:
+    # The table looked up as alembic looks it up (SQLAlchemy's inspector: on SQLite the
+    # main and temp schemas, on PostgreSQL the tables and views the search path shows).
+    if not sa.inspect(connection).has_table(VERSION_TABLE):
         return None
     rows = connection.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
     if len(rows) > 1:  # several heads: alembic refuses them in its own words
