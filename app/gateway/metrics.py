@@ -17,6 +17,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ADDED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0)
 
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
