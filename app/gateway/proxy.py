@@ -1040,7 +1040,7 @@ async def _read_reply(response: aiohttp.ClientResponse,
     if not declared.isdigit():
         # No declared length: chunks joined once (a buffer grown chunk by chunk would
         # be copied again at each growth).
-        return await _gather(response.content.iter_any(), limit)
+        return await _gather(_pieces(response.content), limit)
     size = int(declared)
     if size > limit:
         return ()
@@ -1052,7 +1052,7 @@ async def _read_reply(response: aiohttp.ClientResponse,
     view = memoryview(buffer)
     filled = 0
     try:
-        async for chunk in response.content.iter_any():
+        async for chunk in _pieces(response.content):
             end = filled + len(chunk)
             if end > limit:
                 view.release()
@@ -1073,6 +1073,16 @@ async def _read_reply(response: aiohttp.ClientResponse,
     view.release()
     del buffer[filled:]
     return buffer
+
+
+async def _pieces(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """A reply's bytes in the pieces aiohttp received them, none empty. Not
+    `iter_any`: it joins the pieces waiting into one `bytes` first, a copy of every
+    byte of a reply that is then copied into its buffer anyway (the join was ~5 % of
+    the gateway's CPU per recorded 4.2 MB turn in a profile)."""
+    async for data, _ in content.iter_chunks():
+        if data:
+            yield data
 
 
 def _as_sent(value: bytes) -> str:
