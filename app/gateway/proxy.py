@@ -214,7 +214,8 @@ class Gateway:
             read_bufsize=1 << 18,
             # A reply head a direct client would read (aiohttp's defaults, 8 KB lines and
             # 128 headers, would turn a verbose upstream into a 502).
-            max_line_size=1 << 16, max_field_size=1 << 16, max_headers=1024)
+            max_line_size=1 << 16, max_field_size=1 << 16, max_headers=1024,
+            request_class=_AsSent)
         self.services = build_services(self.settings)
         spool = self.spool
         if spool is None:
@@ -801,6 +802,21 @@ UPLOAD_SLICE = 1 << 20
 
 class UploadStalled(TimeoutError):
     """The upstream took no more of a request body within the upstream timeout."""
+
+
+class _AsSent(aiohttp.ClientRequest):
+    """aiohttp's request less the `Content-Length: 0` it gives a request of any method
+    but GET, HEAD, OPTIONS and TRACE that has no body: the caller sent none (a POST
+    without a body, as an engine's `/add_worker` or curl's `-X POST` sends it, has no
+    body by HTTP/1.1's framing rules either way), and the gateway adds no header but
+    `X-Forwarded-For` (a review's finding). A `Content-Length` the caller sent goes
+    up as sent, as every end-to-end header does."""
+
+    def update_body_from_data(self, body: Any, *args: Any, **kwargs: Any) -> None:
+        sent = aiohttp.hdrs.CONTENT_LENGTH in self.headers
+        super().update_body_from_data(body, *args, **kwargs)
+        if body is None and not sent:
+            self.headers.popall(aiohttp.hdrs.CONTENT_LENGTH, None)
 
 
 class _BoundedWriter:

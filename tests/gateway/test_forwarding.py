@@ -116,6 +116,25 @@ async def test_hop_by_hop_headers_are_dropped(forwarder):
     assert json.loads(payload)["body"] == "hello world"
 
 
+@pytest.mark.parametrize("method", ["POST", "DELETE", "PUT", "PATCH", "PROPFIND"])
+async def test_a_request_sent_without_a_body_goes_up_without_one(forwarder, method):
+    """A review's finding: a POST sent with no body and no `Content-Length` (curl's
+    `-X POST`, an engine registering at `/add_worker`) reached the upstream with a
+    `Content-Length: 0` the caller never sent (aiohttp adds it). The gateway adds only
+    `X-Forwarded-For` (and `Host` is the upstream's)."""
+    request = (f"{method} /add_worker?url=http%3A%2F%2F127.0.0.1%3A1 HTTP/1.1\r\n"
+               "Host: localhost\r\nConnection: close\r\nX-A: 1\r\n\r\n").encode()
+    head, _, payload = raw_request(forwarder.port, request).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    echo = json.loads(payload)
+    assert (echo["method"], echo["body"]) == (method, "")
+    assert sorted(name for name, _ in echo["headers"]) == ["host", "x-a", "x-forwarded-for"]
+    # One sent with `Content-Length: 0` keeps it, as sent.
+    sent = request.replace(b"X-A: 1\r\n", b"X-A: 1\r\nContent-Length: 0\r\n")
+    echo = json.loads(raw_request(forwarder.port, sent).partition(b"\r\n\r\n")[2])
+    assert dict(echo["headers"])["content-length"] == "0"
+
+
 async def test_a_browser_page_elsewhere_is_refused(forwarder):
     """A tester's findings: the gateway served any `Host` (a page's own name resolved to
     127.0.0.1 — DNS rebinding — recorded turns with its labels and read the upstream's
