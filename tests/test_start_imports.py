@@ -58,7 +58,7 @@ def test_a_command_checks_the_schema_without_alembic(tmp_path) -> None:
 def test_the_commands_import_out_of_the_collectors_sight(collecting: bool) -> None:
     """Importing the commands (what the `turnlog` script does first) runs without the
     collector's passes and leaves what it built frozen, the collector on again only if
-    it was on (~0.25 s of CPU less a command: docs/operations.md)."""
+    it was on (~0.1-0.3 s of CPU less a command: docs/development.md)."""
     probe = (f"import gc\n{'' if collecting else 'gc.disable()'}\nimport app.cli\n"
              "print(gc.isenabled(), gc.get_freeze_count() > 10000)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

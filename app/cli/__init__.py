@@ -6,10 +6,12 @@
 
 import gc
 
-# Importing the commands builds ~200k objects (SQLAlchemy, pydantic, typer, numpy,
-# turnlog's own tables and types), none of them garbage: the collector's passes over
-# them while they are built cost ~0.15-0.2 s of every command's start. Off while
-# they are imported, on again after (and off only if it was on).
+# Importing the commands builds ~50k objects the collector tracks (typer, pydantic,
+# numpy, turnlog's own types), none of them garbage: its passes over them while they
+# are built, and again in every collection the command itself causes later (its
+# database driver's imports, its query), cost ~0.1-0.3 s of a command's CPU
+# (docs/development.md). Off while they are imported, frozen after, and on again
+# only if it was on.
 _collecting = gc.isenabled()
 gc.disable()
 try:
