@@ -58,12 +58,14 @@ import msgspec
 
 from bench.common import (
     ROOT,
+    WARM_WAL_MB,
     cpu_split,
     free_port,
     postgres,
     py_spy_exe,
     show_durability,
     start_py_spy,
+    warm_wal,
 )
 from tests.pg import create_database
 
@@ -276,7 +278,8 @@ def percentile(values: list[float], q: float) -> float:
 
 async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway: str,
                   out: list[tuple[float, float, int]], recorded: bool = True,
-                  think_s: float = 0.0, first: list[float] | None = None) -> None:
+                  think_s: float = 0.0, first: list[float] | None = None,
+                  which: list[tuple[float, int, int, float]] | None = None) -> None:
     """One session's turns, each sent straight and through the gateway; `recorded`
     False leaves the routing header out, so the gateway relays the turns unrecorded.
     `think_s` > 0: the fake SGLang takes about that long to answer each turn
@@ -312,6 +315,8 @@ async def session(index: int, turns: int, turn_tokens: int, direct: str, gateway
             tokens = input_ids + [entry[1] for entry in meta.output_token_logprobs]
             if turn > 0:  # the first turn warms connections and the session's open
                 out.append((t_direct, t_gateway, len(r_direct)))
+                if which is not None:  # (added, session, turn, when it ended)
+                    which.append((t_gateway - t_direct, index, turn, time.perf_counter()))
             elif first is not None:
                 first.append(t_gateway - t_direct)
 
@@ -368,8 +373,10 @@ async def latency(args: argparse.Namespace, direct: str, gateway: str, pid: int,
                   args.think_ms / 1000)
     user0, system0 = cpu_split(pid)
     upstream0, load0 = cpu_seconds(upstream_pid), time.process_time()
+    which: list[tuple[float, int, int, float]] = []
+    started = time.perf_counter()
     await asyncio.gather(*(session(i, args.turns, args.turn_tokens, direct, gateway, pairs,
-                                   recorded, args.think_ms / 1000, first)
+                                   recorded, args.think_ms / 1000, first, which)
                            for i in range(args.sessions)))
     user1, system1 = cpu_split(pid)
     upstream1, load1 = cpu_seconds(upstream_pid), time.process_time()
@@ -384,6 +391,10 @@ async def latency(args: argparse.Namespace, direct: str, gateway: str, pid: int,
     targets = (" (target <= 20)", " (target <= 60)") if recorded else ("", "")
     print(f"added per turn ({len(added)} turns): p50 {percentile(added, .5) * 1000:.1f} ms"
           f"{targets[0]}, p99 {percentile(added, .99) * 1000:.1f} ms{targets[1]}")
+    # Where the tail is: a run's p99 is its slowest turn or two.
+    print("slowest turns: " + ", ".join(
+        f"{added_s * 1000:.1f} ms (session {i} turn {turn}, at {at - started:.2f} s)"
+        for added_s, i, turn, at in sorted(which, reverse=True)[:4]))
     if recorded:
         # Not in the figures above: the session's open, and new connections both ways.
         print(f"first turn of each session (auto-open; {len(first)} turns): added p50 "
@@ -429,6 +440,11 @@ async def main() -> None:
                         help="the fake SGLang's mean time to answer a turn (X-Sim-Delay, "
                              "0.5-1.5 x), both ways: an engine's generation time, which "
                              "spaces a session's turns (0: at once, sessions back to back)")
+    parser.add_argument("--warm-wal-mb", type=int, default=None, metavar="MB",
+                        help="before measuring, write MB of WAL and checkpoint it, so "
+                             "new WAL segments are recycled ones as on a server in service "
+                             f"(default {WARM_WAL_MB} on the cluster the bench starts, 0 on "
+                             "--postgres-url's; 0: measure a fresh cluster)")
     parser.add_argument("--big-reply-mb", type=int, default=100, help="0 = skip")
     parser.add_argument("--py-spy", metavar="FILE",
                         help="record a py-spy profile (raw format) of the gateway during "
@@ -444,6 +460,9 @@ async def main() -> None:
 
     server = postgres(args.postgres_url, durable=True)
     print(f"PostgreSQL: {await show_durability(server.url)}", flush=True)
+    warm = args.warm_wal_mb if args.warm_wal_mb is not None else \
+        (0 if args.postgres_url else WARM_WAL_MB)
+    print(await warm_wal(server.url, warm), flush=True)
     from app.store.engine import migrate
 
     url = create_database(server, f"bench_gateway_{uuid.uuid4().hex[:6]}")
