@@ -54,6 +54,8 @@ def test_app_waits_for_a_healthy_postgres_and_serves_on_loopback_only():
 def test_postgres_is_durable():
     command = yaml.safe_load(COMPOSE.read_text())["services"]["postgres"]["command"]
     assert {"fsync=on", "full_page_writes=on", "synchronous_commit=on"} <= set(command)
+    # Retired WAL segments kept for reuse: no turn waits on a zero-filled new one.
+    assert "min_wal_size=1GB" in command
 
 
 CITUS = ("citus-coordinator", "citus-worker1", "citus-worker2", "citus-register", "app-citus")
