@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import shutil
@@ -84,6 +85,23 @@ async def warm_wal(url: str, megabytes: int = WARM_WAL_MB) -> str:
         await conn.close()
     return (f"WAL warmed: {megabytes} MB written and checkpointed in "
             f"{time.perf_counter() - started:.1f} s, {segments} segments ready to recycle")
+
+
+def add_warm_wal_option(parser: argparse.ArgumentParser) -> None:
+    """`--warm-wal-mb`, read by `warm_wal_for`."""
+    parser.add_argument("--warm-wal-mb", type=int, default=None, metavar="MB",
+                        help="before measuring, write MB of WAL and checkpoint it, so "
+                             "new WAL segments are recycled ones as on a server in service "
+                             f"(default {WARM_WAL_MB} on the cluster the bench starts, 0 on "
+                             "--postgres-url's; 0: measure a fresh cluster)")
+
+
+async def warm_wal_for(args: argparse.Namespace, url: str) -> None:
+    """`warm_wal` as `--warm-wal-mb` asks (a server of the caller's is left alone unless
+    asked), printing what was done."""
+    megabytes = args.warm_wal_mb if args.warm_wal_mb is not None else \
+        (0 if args.postgres_url else WARM_WAL_MB)
+    print(await warm_wal(url, megabytes), flush=True)
 
 
 def pg_dsn(url: str) -> str:

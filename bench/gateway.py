@@ -58,14 +58,14 @@ import msgspec
 
 from bench.common import (
     ROOT,
-    WARM_WAL_MB,
+    add_warm_wal_option,
     cpu_split,
     free_port,
     postgres,
     py_spy_exe,
     show_durability,
     start_py_spy,
-    warm_wal,
+    warm_wal_for,
 )
 from tests.pg import create_database
 
@@ -440,11 +440,7 @@ async def main() -> None:
                         help="the fake SGLang's mean time to answer a turn (X-Sim-Delay, "
                              "0.5-1.5 x), both ways: an engine's generation time, which "
                              "spaces a session's turns (0: at once, sessions back to back)")
-    parser.add_argument("--warm-wal-mb", type=int, default=None, metavar="MB",
-                        help="before measuring, write MB of WAL and checkpoint it, so "
-                             "new WAL segments are recycled ones as on a server in service "
-                             f"(default {WARM_WAL_MB} on the cluster the bench starts, 0 on "
-                             "--postgres-url's; 0: measure a fresh cluster)")
+    add_warm_wal_option(parser)
     parser.add_argument("--big-reply-mb", type=int, default=100, help="0 = skip")
     parser.add_argument("--py-spy", metavar="FILE",
                         help="record a py-spy profile (raw format) of the gateway during "
@@ -460,9 +456,7 @@ async def main() -> None:
 
     server = postgres(args.postgres_url, durable=True)
     print(f"PostgreSQL: {await show_durability(server.url)}", flush=True)
-    warm = args.warm_wal_mb if args.warm_wal_mb is not None else \
-        (0 if args.postgres_url else WARM_WAL_MB)
-    print(await warm_wal(server.url, warm), flush=True)
+    await warm_wal_for(args, server.url)
     from app.store.engine import migrate
 
     url = create_database(server, f"bench_gateway_{uuid.uuid4().hex[:6]}")

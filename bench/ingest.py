@@ -65,8 +65,8 @@ import numpy as np
 
 from bench.common import (
     ROOT,
-    WARM_WAL_MB,
     RawHttp,
+    add_warm_wal_option,
     cpu_split,
     free_port,
     pg_dsn,
@@ -76,7 +76,7 @@ from bench.common import (
     start_py_spy,
     start_server,
     stop_server,
-    warm_wal,
+    warm_wal_for,
 )
 from tests.pg import create_database, drop_database
 from turnlog_client.async_client import _encode_turn
@@ -600,11 +600,7 @@ async def main() -> None:
                              "e.g. 0,1000: phases 'inproc gc<window>'")
     parser.add_argument("--fast-unsafe", action="store_true",
                         help="keep the test cluster's fsync=off (default: durable settings)")
-    parser.add_argument("--warm-wal-mb", type=int, default=None, metavar="MB",
-                        help="before measuring, write MB of WAL and checkpoint it, so "
-                             "new WAL segments are recycled ones as on a server in service "
-                             f"(default {WARM_WAL_MB} on the cluster the bench starts, 0 on "
-                             "--postgres-url's; 0: measure a fresh cluster)")
+    add_warm_wal_option(parser)
     parser.add_argument("--sqlite", action="store_true",
                         help="only the turnlog phases (and --baseline), each on a fresh SQLite "
                              "file: turns/s and server CPU per turn, no references")
@@ -621,9 +617,7 @@ async def main() -> None:
     server = postgres(args.postgres_url, durable=not args.fast_unsafe)
     WAL_DSN.append(pg_dsn(server.url))
     print(f"PostgreSQL: {await show_durability(server.url)}", flush=True)
-    warm = args.warm_wal_mb if args.warm_wal_mb is not None else \
-        (0 if args.postgres_url else WARM_WAL_MB)
-    print(await warm_wal(server.url, warm), flush=True)
+    await warm_wal_for(args, server.url)
     rng = np.random.default_rng(7)
     print(f"generating {args.sessions} sessions x {args.turns} turns ...", flush=True)
     plans = [make_session(rng, args.turns, args.new_tokens) for _ in range(args.sessions)]
