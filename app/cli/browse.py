@@ -150,6 +150,8 @@ def show(
         ("spec decoding", "on" if body["spec"] else "off"),
         ("max_trim_tokens", body["max_trim_tokens"]),
         ("labels", _labels_text(body["labels"])),
+        # Who opened it when the open said (the recording gateway does: "gateway").
+        ("opened by", body.get("opened_by") or "-"),
         ("created", body["created_at"]),
         ("closed", body["closed_at"] or "-"),
     ):

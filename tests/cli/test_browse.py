@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from tests.cli.support import (
     one_error_line,
+    open_body,
     run,
     two_turns,
 )
@@ -76,6 +77,7 @@ async def test_sessions_show_and_replay_read_like_text(client, db_url):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0] == f"{sid} (closed)"
+    assert "  opened by: -" in lines  # opened through the API, naming no opener
     assert any(line.strip().startswith("#0  tokens") for line in lines)
     assert any(line.startswith("    #1  tokens") for line in lines)  # child indented
     shown = json.loads((await asyncio.to_thread(run, "show", prefix, "--json",
@@ -86,6 +88,17 @@ async def test_sessions_show_and_replay_read_like_text(client, db_url):
     assert result.exit_code == 0, result.output
     assert "{'" not in result.stdout and "checkpoint_token_ids: " in result.stdout
     assert "samples" in result.stdout
+
+
+async def test_show_names_the_gateway_that_opened_a_session(client, db_url):
+    import asyncio
+
+    sid = f"gw-{uuid.uuid4().hex}"
+    body = {**open_body(sid, f"gw-{uuid.uuid4().hex[:8]}"), "opened_by": "gateway"}
+    assert (await client.post("/v1/sessions", json=body)).status_code == 201
+    result = await asyncio.to_thread(run, "show", sid, "--database-url", db_url)
+    assert result.exit_code == 0, result.output
+    assert "  opened by: gateway" in result.stdout.splitlines()
 
 
 @pytest.mark.parametrize("page", [1, 2, 1000])
