@@ -51,24 +51,30 @@ async def show_durability(url: str) -> str:
         await conn.close()
 
 
-# A fresh cluster has only the WAL segments initdb made: each further 16 MB segment is
+# A fresh cluster differs from a server in service in two ways that cost a recorded
+# turn here. Its WAL has only the segments initdb made: each further 16 MB segment is
 # created and zero-filled (and fsynced) by the backend that first needs it, a 30-50 ms
-# stall every ~19 recorded 2k-token turns here. A server in service recycles the
-# segments a checkpoint retired instead (renamed, not written), so a benchmark that
-# starts its own cluster first writes this much WAL and checkpoints it away: the
-# figures are a running server's, not a just-initialized one's.
+# stall every ~18 recorded 2k-token turns; a server in service renames the segments a
+# checkpoint retired instead. And its shared buffers were never touched: each first
+# use of one of their pages is a page fault (~0.7-0.9 ms of a backend's CPU per 0.8 MB
+# R3 patch here, measured). So a benchmark that starts its own cluster first writes
+# this much WAL, reads it through the shared buffers (`pg_prewarm`) and checkpoints it
+# away: the figures are a running server's, not a just-initialized one's.
 WARM_WAL_MB = 384
 
 
 async def warm_wal(url: str, megabytes: int = WARM_WAL_MB) -> str:
-    """Write ~`megabytes` of WAL in a scratch table and checkpoint twice, so PostgreSQL
-    keeps that many recycled segments ready; returns a line saying what was done."""
+    """Write ~`megabytes` of WAL in a scratch table, read the table through the shared
+    buffers, and checkpoint twice, so PostgreSQL keeps that many recycled segments
+    ready and no buffer is touched for the first time later; returns a line saying
+    what was done."""
     import time
 
     import asyncpg
 
     if megabytes <= 0:
-        return "WAL not warmed (--warm-wal-mb 0): a fresh cluster creates each segment"
+        return ("WAL not warmed (--warm-wal-mb 0): a fresh cluster creates each segment "
+                "and touches each shared buffer for the first time while measured")
     conn = await asyncpg.connect(pg_dsn(url))
     started = time.perf_counter()
     try:
@@ -77,21 +83,31 @@ async def warm_wal(url: str, megabytes: int = WARM_WAL_MB) -> str:
         await conn.execute("DROP TABLE IF EXISTS bench_warm_wal")
         await conn.execute("CREATE TABLE bench_warm_wal AS SELECT g, repeat(md5(g::text), 8) "
                            f"AS s FROM generate_series(1, {rows}) g")
+        try:
+            # Larger than the default shared_buffers: every buffer is used once.
+            await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm")
+            blocks = await conn.fetchval("SELECT pg_prewarm('bench_warm_wal')")
+            buffers = f"{blocks} blocks read through the shared buffers"
+        except asyncpg.PostgresError as exc:  # no contrib modules: say so, go on
+            buffers = f"shared buffers not prewarmed ({type(exc).__name__})"
         await conn.execute("CHECKPOINT")
         await conn.execute("DROP TABLE bench_warm_wal")
         await conn.execute("CHECKPOINT")
         segments = await conn.fetchval("SELECT count(*) FROM pg_ls_waldir()")
     finally:
         await conn.close()
-    return (f"WAL warmed: {megabytes} MB written and checkpointed in "
-            f"{time.perf_counter() - started:.1f} s, {segments} segments ready to recycle")
+    return (f"warmed: {megabytes} MB of WAL written and checkpointed, {buffers}, in "
+            f"{time.perf_counter() - started:.1f} s; {segments} WAL segments ready to "
+            "recycle")
 
 
 def add_warm_wal_option(parser: argparse.ArgumentParser) -> None:
     """`--warm-wal-mb`, read by `warm_wal_for`."""
     parser.add_argument("--warm-wal-mb", type=int, default=None, metavar="MB",
-                        help="before measuring, write MB of WAL and checkpoint it, so "
-                             "new WAL segments are recycled ones as on a server in service "
+                        help="before measuring, write MB of WAL, read it through the "
+                             "shared buffers and checkpoint it, so new WAL segments are "
+                             "recycled ones and every buffer was used, as on a server in "
+                             "service "
                              f"(default {WARM_WAL_MB} on the cluster the bench starts, 0 on "
                              "--postgres-url's; 0: measure a fresh cluster)")
 
