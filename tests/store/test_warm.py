@@ -34,9 +34,9 @@ async def test_warm_opens_the_whole_driver_pool_and_keeps_it(settings):
 @pytest.mark.postgres_only
 async def test_the_driver_pool_plans_once_on_postgresql_and_as_citus_does_on_citus(
         settings, backend):
-    """Its calls carry a 0.8 MB R3 patch that a custom plan copies into itself, for the
-    first five calls on each connection (`dialect.GENERIC_PLANS`); Citus routes by
-    the parameters, so its connections keep the server's default."""
+    """Its calls carry a 0.8 MB R3 patch, and PostgreSQL's default plans each of a
+    connection's first five calls anew for its values (`dialect.GENERIC_PLANS`); Citus
+    routes by the parameters, so its connections keep the server's default."""
     db = Database(settings.store.database_url, settings)
     try:
         pool = await db.driver_pool()

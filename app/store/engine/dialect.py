@@ -273,8 +273,9 @@ async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | Non
 # `turnlog_append` the values include a 0.8 MB R3 patch. Measured in the PostgreSQL
 # log with the gateway's benchmark (8 sessions, three runs): a connection's first five
 # appends took 1.8-2.6 ms to bind and 8.3-10.0 ms to run; with generic plans from the
-# first call 0.4-0.7 and 6.0-7.8; later calls cost the same either way (docs/ingest.md). Every
-# statement these functions run looks rows up by key, so one plan fits every call.
+# first call 0.4-0.7 and 6.0-7.8; later calls cost the same either way
+# (docs/ingest.md). Every statement these functions run looks rows up by key, so one
+# plan fits every call.
 # Citus plans a distributed statement's route from its parameters; its functions keep
 # the server's default.
 GENERIC_PLANS = ("SELECT set_config('plan_cache_mode', 'force_generic_plan', false) "
