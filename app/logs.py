@@ -52,6 +52,15 @@ class _Stderr(logging.StreamHandler):
 
 
 LOG_FORMATS = ("auto", "json", "console")
+# `json` asked for by name (`--log-format json`, TURNLOG_LOG_FORMAT=json): then the
+# commands' own stderr lines go out as log records too (`app.cli.common.say`), so that
+# stderr is JSON lines throughout. `auto` leaves them as the text a person reads.
+_json_asked = [False]
+
+
+def json_asked() -> bool:
+    """Whether the last `configure_logging` was given `json` by name."""
+    return _json_asked[0]
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -73,6 +82,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
     if level.lower() not in LOG_LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, not {level!r}")
+    _json_asked[0] = fmt == "json"
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     renderer: Processor = (structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
                            if console else structlog.processors.JSONRenderer())

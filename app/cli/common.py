@@ -174,7 +174,29 @@ def table(title: str | None = None) -> Table:
 
 
 def warn(message: str) -> None:
-    err().print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+    if not _as_log_record("warning", message):
+        err().print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def say(message: str) -> None:
+    """A line of the command's own on stderr (a server's start line, a migration done):
+    as written, or a log record when JSON logs were asked for by name."""
+    if not _as_log_record("info", message):
+        err().print(escape(message), soft_wrap=True)
+
+
+def _as_log_record(level: str, message: str) -> bool:
+    """With `--log-format json` (by name), `message` goes out as a log record of
+    `level`, one JSON object like every other line on stderr (a log shipper that takes
+    JSON lines reads them all); True when it went so."""
+    import app.logs
+
+    if not app.logs.json_asked():
+        return False
+    import structlog
+
+    getattr(structlog.get_logger("turnlog.cli"), level)(message)
+    return True
 
 
 def echo_json(value: Any) -> None:
@@ -263,7 +285,7 @@ def check_database(url: str, *, creating: bool = False) -> None:
                            "the file to a writable folder)")
         if not path.exists():
             if creating:
-                err().print(f"creating a new SQLite database at {escape(str(path))}")
+                say(f"creating a new SQLite database at {path}")
                 return
             raise CliError(f"no database at {path}: run `turnlog migrate` to create one, or "
                            "point --database-url / TURNLOG_DATABASE_URL at yours")
@@ -443,7 +465,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def fail(exc: BaseException) -> NoReturn:
-    err().print(f"[bold red]error:[/] {escape(describe_failure(exc))}", soft_wrap=True)
+    if not _as_log_record("error", describe_failure(exc)):
+        err().print(f"[bold red]error:[/] {escape(describe_failure(exc))}", soft_wrap=True)
     raise typer.Exit(2)
 
 

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from app.cli import common
-from app.cli.common import CliError, DatabaseUrl, err, mask, resolve_url
+from app.cli.common import CliError, DatabaseUrl, mask, resolve_url
 
 
 class Version(StrEnum):
@@ -140,8 +140,8 @@ def gateway(
                            idle_close_seconds=idle_close_seconds, spool_dir=spool_dir,
                            spool_max_bytes=spool_max_bytes, bind_host=host)
     store = common.sqlite_path(url) or mask(url)  # a SQLite file by its absolute path
-    err().print(f"turnlog gateway on http://{host}:{port} → {mask(upstream)} "
-                f"(store {store}, spool {spool_dir})")
+    common.say(f"turnlog gateway on http://{host}:{port} → {mask(upstream)} "
+               f"(store {store}, spool {spool_dir})")
     settings = common.settings_for(url)
     from app.access import is_loopback
 
@@ -157,9 +157,9 @@ def gateway(
                     "the tokens turnlog serve has)")
     if len(spool):
         others = len(spool) - spool.turns
-        err().print(f"{spool.turns} spooled turns"
-                    + (f" and {others} closes or rewards" if others else "")
-                    + f" ({spool.bytes} bytes) are written as soon as the store answers")
+        common.say(f"{spool.turns} spooled turns"
+                   + (f" and {others} closes or rewards" if others else "")
+                   + f" ({spool.bytes} bytes) are written as soon as the store answers")
     from app.allocator import keep_turn_buffers_resident
 
     keep_turn_buffers_resident()

@@ -149,7 +149,7 @@ def serve(
     if migrate and settings.store.migrate_on_start:
         check_database(url, creating=True)
         migrations.upgrade(url)
-        err().print(f"schema at head on {mask(url)}")
+        common.say(f"schema at head on {mask(url)}")
     else:
         check_database(url)
     run_server(uvicorn_config(settings, workers))

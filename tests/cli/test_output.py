@@ -326,3 +326,54 @@ def test_the_readme_client_script_says_when_turnlog_is_not_there():
     assert result.returncode == 1
     assert result.stderr.startswith("turnlog: connection-failed: cannot reach turnlog at"), \
         result.stderr
+
+
+def test_with_json_logs_asked_for_every_stderr_line_is_json(db_url, tmp_path):
+    """`--log-format json` by name: the command's own warnings and its failure go out as
+    log records too, so a shipper that takes JSON lines reads all of stderr (a new
+    user's walkthrough found the gateway's start lines plain among its JSON logs)."""
+    body = {"coordinate": {"test_path": f"t/{uuid.uuid4().hex}", "backend": "b", "suite": "s"},
+            "run_id": "r1", "attempt": 0, "trusted": True,
+            "points": [{"metric": "train/my_new_metric", "step": 0, "value": 1.0}]}
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(body))
+    result = run("--log-format", "json", "history", "submit", str(path), "--json",
+                 "--database-url", db_url)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stderr.strip().splitlines()]
+    assert any(r["level"] == "warning" and "dropped 1 metric(s)" in r["event"]
+               for r in records), records
+    failed = run("--log-format", "json", "show", f"no-{uuid.uuid4().hex}",
+                 "--database-url", db_url)
+    assert failed.exit_code == 2 and failed.stdout == ""
+    (record,) = [json.loads(line) for line in failed.stderr.strip().splitlines()]
+    assert record["level"] == "error" and "no session" in record["event"].lower(), record
+    # Without the name (auto, here no terminal) they stay the text a person reads.
+    plain = run("show", f"no-{uuid.uuid4().hex}", "--database-url", db_url)
+    assert plain.stderr.startswith("error: ")
+
+
+def test_a_servers_start_line_is_a_log_record_only_when_json_is_asked_for(capsys):
+    """`common.say` (the gateway's and serve's start lines): JSON with `json` by name,
+    the text itself with `auto`, which is JSON for log records off a terminal too."""
+    import logging
+
+    import structlog
+
+    from app.cli import common
+    from app.logs import configure_logging
+
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    try:
+        configure_logging("info", "json")
+        common.say("turnlog gateway on http://127.0.0.1:1 [x]")
+        record = json.loads(capsys.readouterr().err.strip())
+        assert (record["level"], record["event"]) == ("info",
+                                                      "turnlog gateway on http://127.0.0.1:1 [x]")
+        configure_logging("info", "auto")  # pytest's stderr is no terminal
+        common.say("turnlog gateway on http://127.0.0.1:1 [x]")
+        assert capsys.readouterr().err.strip() == "turnlog gateway on http://127.0.0.1:1 [x]"
+    finally:
+        root.handlers, root.level = saved
+        structlog.reset_defaults()
