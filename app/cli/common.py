@@ -489,12 +489,15 @@ class TurnlogGroup(typer.core.TyperGroup):
             message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
             where = getattr(exc, "ctx", None)
             hint = "" if where is None else f" (see `{where.command_path} --help`)"
-            err().print(f"[bold red]error:[/] {escape(message)}{escape(hint)}", soft_wrap=True)
+            if not _as_log_record("error", message + hint):
+                err().print(f"[bold red]error:[/] {escape(message)}{escape(hint)}",
+                            soft_wrap=True)
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             # What the command wrote stays (each write is whole, an export's file is not
             # left half-written); say it stopped, with the status a SIGINT gives.
-            err().print("interrupted", soft_wrap=True)
+            if not _as_log_record("warning", "interrupted"):
+                err().print("interrupted", soft_wrap=True)
             raise typer.Exit(130) from None
         except BrokenPipeError:
             # The reader of the output went away (`turnlog sessions | head`): stop quietly,

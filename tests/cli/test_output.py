@@ -348,6 +348,9 @@ def test_with_json_logs_asked_for_every_stderr_line_is_json(db_url, tmp_path):
     assert failed.exit_code == 2 and failed.stdout == ""
     (record,) = [json.loads(line) for line in failed.stderr.strip().splitlines()]
     assert record["level"] == "error" and "no session" in record["event"].lower(), record
+    usage = run("--log-format", "json", "show", "x", "--no-such-option")
+    (record,) = [json.loads(line) for line in usage.stderr.strip().splitlines()]
+    assert record["level"] == "error" and "--no-such-option" in record["event"], record
     # Without the name (auto, here no terminal) they stay the text a person reads.
     plain = run("show", f"no-{uuid.uuid4().hex}", "--database-url", db_url)
     assert plain.stderr.startswith("error: ")
