@@ -7,11 +7,16 @@ import asyncio
 
 import asyncpg
 import pytest
+from sqlalchemy.engine import make_url
 
+from app.services import build_services
 from app.settings import Settings
+from app.store.append import warm
 from app.store.engine import db as db_module
 from app.store.engine.db import Database
 from app.store.engine.dialect import IDLE_LIFETIME_S
+from tests.factory import turn
+from tests.pg.admin import connect
 from tests.serverproc import free_port
 
 
@@ -89,3 +94,65 @@ async def test_a_shutdown_while_warming_gives_every_connection_back(settings, mo
         await warming
     assert pool.get_size() == pool.get_idle_size() == 5  # every held one given back
     await asyncio.wait_for(db.dispose(), 10)
+
+
+@pytest.mark.postgres_only
+async def test_each_new_driver_connection_runs_the_functions_once_and_writes_nothing(
+        settings, backend, monkeypatch):
+    """A connection's first `turnlog_open` / `turnlog_append` compile and plan the
+    functions (5-10 ms more than later calls, `app/store/append/warm.py`): every new
+    connection of the writer's pool runs both once, for a throwaway session, rolled
+    back. Citus connections are left as they are (its calls route by their values)."""
+    ran: list[bool] = []
+    real = warm.warm_connection
+
+    async def watched(conn: asyncpg.Connection, max_nodes: int) -> bool:
+        ran.append(await real(conn, max_nodes))
+        return ran[-1]
+
+    monkeypatch.setattr(warm, "warm_connection", watched)
+    services = build_services(settings.replace(pool_size=2))
+    try:
+        await services.db.warm()
+        assert ran == ([] if backend == "citus" else [True, True])
+        pool = await services.db.driver_pool()
+        async with pool.acquire() as conn:
+            for table in ("sessions", "session_labels", "events", "nodes", "r3_patches"):
+                left = await conn.fetchval(
+                    f"SELECT count(*) FROM {table} WHERE session_id LIKE $1",  # noqa: S608
+                    warm.PREFIX + "%")
+                assert left == 0, table
+        # The warmed connections append as any other.
+        await services.writer.open({"session_id": "after-warm", "version": "v2"})
+        written = await services.writer.append_turn("after-warm", turn([1, 2], [3]))
+        assert written.created
+    finally:
+        await services.db.dispose()
+
+
+@pytest.mark.postgres_only
+async def test_a_server_that_refuses_the_warm_calls_leaves_the_connection_usable(settings):
+    """Functions missing (a schema without them on the search path): not warmed, no
+    error, and the connection's transaction is rolled back for its next call."""
+    conn = await connect(make_url(settings.store.database_url))
+    try:
+        await conn.execute("CREATE SCHEMA IF NOT EXISTS warm_test_empty")
+        await conn.execute("SET search_path = warm_test_empty")
+        assert await warm.warm_connection(conn, max_nodes=100) is False
+        assert not conn.is_in_transaction()
+        assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await conn.execute("DROP SCHEMA IF EXISTS warm_test_empty")
+        await conn.close()
+
+
+def test_the_throwaway_calls_follow_the_rules_of_a_real_open_and_append():
+    """Built by the domain, as `Writer.open` and the one-trip append build theirs: a v2
+    session with one label, its first turn with R3 (every statement of both runs)."""
+    open_args, append_args = warm.calls(max_nodes=100)
+    session_id = open_args[0]
+    assert session_id.startswith(warm.PREFIX) and append_args[0] == session_id
+    assert open_args[-3:-1] == (["warm"], ["1"])  # the label's key and value
+    assert append_args[1] == 0 and append_args[2] == 0  # expected nodes, seq
+    assert append_args[13] is not None  # the R3 patch's bytes
+    assert warm.calls(max_nodes=100)[0][0] != session_id  # a new session each time

@@ -73,7 +73,7 @@ from app.domain.projection.rows import (
 )
 from app.domain.projection.samples import build_samples
 from app.domain.wire import jsonio
-from app.store.append import fastpath, sqlite_path
+from app.store.append import fastpath, sqlite_path, warm
 from app.store.append.group import GroupCommit
 from app.store.engine.db import Database, now_us
 from app.store.engine.dialect import CITUS_DETECT
@@ -166,6 +166,8 @@ class Writer:
         self.db = db
         self.cache = cache
         self.max_nodes = max_nodes
+        # A new connection of the append's pool calls the functions once, rolled back.
+        db.warm_connection = functools.partial(warm.warm_connection, max_nodes=max_nodes)
         # Where the one-round-trip call goes: the pool it was decided for, and the
         # pool itself (one transaction per append) or the group commit on it.
         self._via: tuple[asyncpg.Pool, asyncpg.Pool | GroupCommit] | None = None

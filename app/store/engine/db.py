@@ -30,6 +30,7 @@ from app.settings import Settings
 from app.store.engine import sqlite_files
 from app.store.engine.dialect import (
     SQLITE_BUSY_S,
+    ConnectionWarmer,
     backend,
     busy_pragma,
     create_driver_pool,
@@ -108,6 +109,8 @@ class Database:
         self.disk = DiskWatch(self._sqlite_path) if self.dialect == "sqlite" else None
         self._driver_pool: asyncpg.Pool | None = None
         self._driver_pool_lock = asyncio.Lock()
+        # Run on each new driver-pool connection: set by the writer, whose calls it warms.
+        self.warm_connection: ConnectionWarmer | None = None
 
     @property
     def one_trip_appends(self) -> bool:
@@ -120,7 +123,8 @@ class Database:
         if self._driver_pool is None:
             async with self._driver_pool_lock:
                 if self._driver_pool is None:
-                    pool = await create_driver_pool(self.url, self.settings)
+                    pool = await create_driver_pool(self.url, self.settings,
+                                                    self.warm_connection)
                     assert pool is not None, "only PostgreSQL has a driver pool"
                     self._driver_pool = pool
         return self._driver_pool

@@ -42,7 +42,8 @@ whose COMMIT PREPARED follows the coordinator's commit; turnlog has none.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -238,7 +239,8 @@ def create_engines(url: str, settings: Settings) -> tuple[AsyncEngine, AsyncEngi
     return engine, engine
 
 
-async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | None:
+async def create_driver_pool(url: str, settings: Settings,
+                             warm: ConnectionWarmer | None = None) -> asyncpg.Pool | None:
     """A plain asyncpg pool for the append's one-round-trip call (PostgreSQL; None on
     SQLite), with the engine's session settings.
 
@@ -254,7 +256,8 @@ async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | Non
     closes and replaced on the next acquire; the 30 minutes bound how long a
     flow a middlebox dropped silently is kept. Its transactions are READ
     COMMITTED whatever the database's default, as the engine's are: the
-    functions rely on it (a conflicting open reads the row that won).
+    functions rely on it (a conflicting open reads the row that won). `warm`: run
+    on each new connection after its plan setting (PostgreSQL, not Citus).
     """
     if backend(url) != "postgresql":
         return None
@@ -264,7 +267,8 @@ async def create_driver_pool(url: str, settings: Settings) -> asyncpg.Pool | Non
         max_inactive_connection_lifetime=IDLE_LIFETIME_S,
         server_settings={**_server_settings(settings),
                          "default_transaction_isolation": "read committed"},
-        init=_prepare_driver_connection, reset=_nothing_to_reset)
+        init=functools.partial(_prepare_driver_connection, warm=warm),
+        reset=_nothing_to_reset)
 
 
 # The driver pool's calls plan once (PostgreSQL; not Citus). A parameterized statement
@@ -282,10 +286,18 @@ GENERIC_PLANS = ("SELECT set_config('plan_cache_mode', 'force_generic_plan', fal
                  "WHERE NOT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
 
 
-async def _prepare_driver_connection(conn: asyncpg.Connection) -> None:
-    """A new driver-pool connection: the clock checked (`reclock`), generic plans."""
+# What makes a new driver-pool connection's first calls as quick as its later ones
+# (`app/store/append/warm.py`), given by the writer that owns the calls.
+ConnectionWarmer = Callable[[asyncpg.Connection], Awaitable[object]]
+
+
+async def _prepare_driver_connection(conn: asyncpg.Connection,
+                                     warm: ConnectionWarmer | None = None) -> None:
+    """A new driver-pool connection: the clock checked (`reclock`), generic plans, and
+    its functions run once (`warm`), on PostgreSQL but not Citus."""
     await reclock(conn)
-    await conn.execute(GENERIC_PLANS)
+    if await conn.fetchval(GENERIC_PLANS) is not None and warm is not None:
+        await warm(conn)
 
 
 async def _nothing_to_reset(_conn: asyncpg.Connection) -> None:
