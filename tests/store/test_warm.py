@@ -4,6 +4,7 @@ kept while idle, and a database that is down at start is no error."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import asyncpg
 import pytest
@@ -117,14 +118,22 @@ async def test_each_new_driver_connection_runs_the_functions_once_and_writes_not
         assert ran == ([] if backend == "citus" else [True, True])
         pool = await services.db.driver_pool()
         async with pool.acquire() as conn:
+            if backend != "citus":  # the three calls are prepared here, their plans made
+                planned = {row["statement"].split("(")[0]: row["generic_plans"]
+                           for row in await conn.fetch(
+                               "SELECT statement, generic_plans FROM pg_prepared_statements")}
+                for call in ("SELECT turnlog_open", "SELECT turnlog_append",
+                             "SELECT turnlog_try_append"):
+                    assert planned.get(call, 0) >= 1, (call, planned)
             for table in ("sessions", "session_labels", "events", "nodes", "r3_patches"):
                 left = await conn.fetchval(
                     f"SELECT count(*) FROM {table} WHERE session_id LIKE $1",  # noqa: S608
                     warm.PREFIX + "%")
                 assert left == 0, table
         # The warmed connections append as any other.
-        await services.writer.open({"session_id": "after-warm", "version": "v2"})
-        written = await services.writer.append_turn("after-warm", turn([1, 2], [3]))
+        sid = f"after-warm-{uuid.uuid4().hex}"
+        await services.writer.open({"session_id": sid, "version": "v2"})
+        written = await services.writer.append_turn(sid, turn([1, 2], [3]))
         assert written.created
     finally:
         await services.db.dispose()
@@ -156,3 +165,23 @@ def test_the_throwaway_calls_follow_the_rules_of_a_real_open_and_append():
     assert append_args[1] == 0 and append_args[2] == 0  # expected nodes, seq
     assert append_args[13] is not None  # the R3 patch's bytes
     assert warm.calls(max_nodes=100)[0][0] != session_id  # a new session each time
+
+
+@pytest.mark.postgres_only
+async def test_a_warm_up_that_fails_leaves_appends_working(settings, monkeypatch):
+    """Best effort: a failure of the warm-up itself (here a bug building its calls)
+    costs the speed-up, never the connection: it opens, and appends go through."""
+    def broken(max_nodes: int) -> tuple[tuple[object, ...], tuple[object, ...]]:
+        raise RuntimeError("a bug in the warm-up")
+
+    monkeypatch.setattr(warm, "calls", broken)
+    services = build_services(settings.replace(pool_size=1))
+    try:
+        sid = f"warm-failed-{uuid.uuid4().hex}"
+        await services.writer.open({"session_id": sid, "version": "v2"})
+        written = await services.writer.append_turn(sid, turn([1, 2], [3]))
+        assert written.created
+        pool = await services.db.driver_pool()
+        assert pool.get_size() == 1
+    finally:
+        await services.db.dispose()

@@ -9,13 +9,18 @@ fell on the turns of a rollout's start, when eight sessions open together and
 each connection makes its first call; those were the benchmark's slowest turns.
 So each new connection of the driver pool (`dialect._prepare_driver_connection`)
 calls both functions for a throwaway session, with one label and one turn
-with R3 so that every statement runs, in a transaction it rolls back: nothing
-is written, the only trace is one transaction id used.
+with R3 so that every statement runs, and group commit's wrapper
+`turnlog_try_append`, in a transaction it rolls back. Nothing is committed; it
+leaves what any rolled-back write leaves: a transaction id and a session-row id
+used (positions and ids already have gaps), dead row versions for vacuum, a
+few KB of WAL and one rollback in `pg_stat_database`.
 
 The calls' arguments are built by the same domain rules as a real open and
-append (`Writer.open`, `Writer._append_one_trip`); a refusal of them by the
-server (an error in the functions, a schema older than them) leaves the
-connection as it was, and its first real call pays the cost as before.
+append (`Writer.open`, `Writer._append_one_trip`). Any failure (the server
+refuses them: a schema older than the functions, no write privilege; or a bug
+here) leaves the connection as it was, logged once as a warning, and its first
+real call pays the cost as before: a quicker first call is never worth a
+failed one.
 
 Owns: the throwaway session and the rolled-back calls. Refuses: anything that
 commits; Citus (its connections are not warmed: `dialect`), SQLite (no
@@ -24,6 +29,7 @@ functions).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 from typing import Any
@@ -34,12 +40,12 @@ import structlog
 
 from app.domain.body.session import parse_open
 from app.domain.body.turn import parse_turn
-from app.domain.errors import DomainError
 from app.domain.log.events import encode_turn
 from app.domain.log.tree import SessionState
 from app.domain.projection.rows import label_rows, node_row, session_definition, session_head
 from app.domain.wire import jsonio
 from app.store.append import fastpath
+from app.store.append.group import TRY_APPEND
 from app.store.engine.db import now_us
 
 log = structlog.get_logger(__name__)
@@ -85,24 +91,45 @@ def calls(max_nodes: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
 
 
 async def warm_connection(conn: asyncpg.Connection, max_nodes: int) -> bool:
-    """Call both functions on `conn` in a transaction rolled back: True when both ran
-    (the append wrote its turn, then undone). A server error leaves it unwarmed
-    (False, logged), and so does a refusal by the rules; a lost connection raises, as
-    any call on it would."""
-    try:
-        open_args, append_args = calls(max_nodes)
-    except DomainError as exc:  # the rules refuse the throwaway turn: a bug, not a failure
-        log.warning("driver connection not warmed", error=type(exc).__name__,
-                    detail=exc.detail)
-        return False
+    """Call the functions on `conn` in a transaction rolled back: True when the open and
+    the append both ran (the append wrote its turn, then undone). Best effort: any
+    failure short of a lost connection leaves the connection unwarmed (False, logged),
+    as it was before; a lost connection raises, as any call on it would, and a cancel
+    (a shutdown while the pool opens) drops the connection without waiting for a
+    rollback."""
     transaction = conn.transaction()
     await transaction.start()
+    warmed = False
     try:
-        if await conn.fetchval(fastpath.OPEN, *open_args) is not None:
-            return False  # the id existed (cannot happen: a fresh uuid)
-        return await conn.fetchval(fastpath.APPEND, *append_args) is not None
-    except asyncpg.PostgresError as exc:
-        log.debug("driver connection not warmed", error=type(exc).__name__, detail=str(exc))
-        return False
-    finally:
-        await transaction.rollback()
+        open_args, append_args = calls(max_nodes)
+        if await conn.fetchval(fastpath.OPEN, *open_args) is None:  # None: it opened it
+            warmed = await conn.fetchval(fastpath.APPEND, *append_args) is not None
+            # Group commit's wrapper (migration 0009) too: the session now holds the
+            # turn, so this call of the same turn writes nothing and answers NULL.
+            await conn.fetchval(TRY_APPEND, *append_args)
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise
+    except Exception as exc:  # noqa: BLE001 - a quicker first call is not worth an error
+        if conn.is_closed():
+            raise
+        _not_warmed(exc)
+        warmed = False
+    await transaction.rollback()  # raises only if the connection is lost
+    return warmed
+
+
+_warned = False
+
+
+def _not_warmed(exc: Exception) -> None:
+    """Say why once per process as a warning (a schema older than the functions, no
+    write privilege, a bug), then at debug level: every new connection would repeat it."""
+    global _warned
+    detail = getattr(exc, "detail", None) or str(exc)
+    if _warned:
+        log.debug("driver connection not warmed", error=type(exc).__name__, detail=detail)
+        return
+    _warned = True
+    log.warning("driver connections are not warmed: their first calls will be slower",
+                error=type(exc).__name__, detail=detail)

@@ -118,13 +118,19 @@ class Database:
         (and Citus), of one function on aiosqlite's thread on SQLite."""
         return True
 
+    async def _warm_connection(self, conn: asyncpg.Connection) -> None:
+        """`warm_connection`, looked up when each connection opens (set after the pool
+        was made, it still applies)."""
+        if self.warm_connection is not None:
+            await self.warm_connection(conn)
+
     async def driver_pool(self) -> asyncpg.Pool:
         """The asyncpg pool of the one-round-trip append, opened on first use."""
         if self._driver_pool is None:
             async with self._driver_pool_lock:
                 if self._driver_pool is None:
                     pool = await create_driver_pool(self.url, self.settings,
-                                                    self.warm_connection)
+                                                    self._warm_connection)
                     assert pool is not None, "only PostgreSQL has a driver pool"
                     self._driver_pool = pool
         return self._driver_pool
