@@ -186,6 +186,7 @@ class Gateway:
         self.base_path = self.upstream.raw_path.split(b"?", 1)[0].rstrip(b"/")
         self.origin = f"{self.upstream.scheme}://{self.upstream.netloc.decode('ascii')}"
         self.client: aiohttp.ClientSession | None = None
+        self.fresh_client: aiohttp.ClientSession | None = None
         self.services: Services | None = None
         self.recorder: Recorder | None = None
         self.tokens = TokenTable(settings.access.api_tokens)
@@ -202,20 +203,13 @@ class Gateway:
     # -- lifespan --------------------------------------------------------------------
 
     async def startup(self) -> None:
-        self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.config.max_connections,
-                                           keepalive_timeout=UPSTREAM_IDLE_S),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.upstream_timeout,
-                                          sock_read=self.config.upstream_timeout),
-            # Byte-transparent: the reply's bytes as sent, no cookie kept from one
-            # caller for the next, no header the caller did not send.
-            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            read_bufsize=1 << 18,
-            # A reply head a direct client would read (aiohttp's defaults, 8 KB lines and
-            # 128 headers, would turn a verbose upstream into a 502).
-            max_line_size=1 << 16, max_field_size=1 << 16, max_headers=1024,
-            request_class=_AsSent)
+        self.client = self._upstream_session(aiohttp.TCPConnector(
+            limit=self.config.max_connections, keepalive_timeout=UPSTREAM_IDLE_S))
+        # A request sent again after a reset goes on a new connection: the other idle
+        # ones to the upstream may be as stale as the one that was reset (an upstream
+        # that closed them all after the same idle time).
+        self.fresh_client = self._upstream_session(aiohttp.TCPConnector(
+            limit=self.config.max_connections, force_close=True))
         self.services = build_services(self.settings)
         spool = self.spool
         if spool is None:
@@ -231,6 +225,21 @@ class Gateway:
                  record_paths=list(self.config.record_paths), spooled_turns=spool.turns,
                  spooled_writes=len(spool))
 
+    def _upstream_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.upstream_timeout,
+                                          sock_read=self.config.upstream_timeout),
+            # Byte-transparent: the reply's bytes as sent, no cookie kept from one
+            # caller for the next, no header the caller did not send.
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            read_bufsize=1 << 18,
+            # A reply head a direct client would read (aiohttp's defaults, 8 KB lines and
+            # 128 headers, would turn a verbose upstream into a 502).
+            max_line_size=1 << 16, max_field_size=1 << 16, max_headers=1024,
+            request_class=_AsSent)
+
     async def shutdown(self) -> None:
         if self._warming is not None:
             self._warming.cancel()
@@ -239,8 +248,9 @@ class Gateway:
         if self.recorder is not None:
             await self.recorder.stop()
             self.recorder.spool.close()
-        if self.client is not None:
-            await self.client.close()
+        for client in (self.client, self.fresh_client):
+            if client is not None:
+                await client.close()
         if self.services is not None:
             await self.services.db.dispose()
 
@@ -592,7 +602,7 @@ class Gateway:
         """Send a request upstream (`body`: bytes, an `_Upload` or None): its reply with
         the head read, the body not yet. UpstreamUnavailable when it does not answer;
         ClientGone when the caller went away while its body was going up."""
-        assert self.client is not None
+        assert self.client is not None and self.fresh_client is not None
         url, headers = self._target(scope)
         timeout = self.config.upstream_timeout
         # The final head is due `timeout` after the body is sent (without a body: after
@@ -617,7 +627,8 @@ class Gateway:
                         if payload is None:
                             head_by.reschedule(asyncio.get_running_loop().time() + 2 * timeout)
                         try:
-                            response = await self.client.request(
+                            client = self.client if attempt == 1 else self.fresh_client
+                            response = await client.request(
                                 scope["method"], url, data=payload,
                                 headers=[(name.decode("latin-1"), _as_sent(value))
                                          for name, value in headers],

@@ -537,8 +537,10 @@ async def resetting_upstream() -> AsyncIterator[tuple[str, list[str]]]:
                 await asyncio.sleep(0.3)
                 _reset(writer)
                 return
+            if path == "/plain?slow":  # callers at once: each on a connection of its own
+                await asyncio.sleep(0.3)
             seen.append(f"answered {path} ({length} bytes)")
-            writer.write(REPLIES[b"/plain"] if path == "/plain"
+            writer.write(REPLIES[b"/plain"] if path.startswith("/plain")
                          else _turn_reply(b""))
             await writer.drain()
 
@@ -567,6 +569,28 @@ async def test_a_turn_whose_kept_alive_connection_is_reset_is_sent_again_on_a_ne
                     f"answered /v1/chat/completions ({len(body)} bytes)"]
     assert "sending it again" in gateway.log_tail(300)
     assert "Traceback" not in gateway.log_tail(300)
+
+
+async def test_a_turn_sent_again_after_a_reset_takes_a_new_connection_not_another_idle_one(
+        tmp_path, gateway_process, resetting_upstream):
+    """An upstream that closes its idle connections closes them all: the request sent
+    again after a reset on one of them went on the next idle one, was reset too, and
+    was a 502. The second sending opens a connection of its own."""
+    upstream, seen = resetting_upstream
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", upstream=upstream)
+    await gateway.wait_ready()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as one, \
+            httpx.AsyncClient(base_url=gateway.url, timeout=60) as two:
+        # Two connections to the upstream, both idle in the gateway's pool after.
+        replies = await asyncio.gather(one.get("/plain?slow"), two.get("/plain?slow"))
+        assert [reply.text for reply in replies] == ["hello", "hello"]
+        body = b'{"input_ids": [1, 2], "pad": "' + b"x" * (24 << 20) + b'"}'
+        reply = await one.post("/v1/chat/completions", content=body,
+                               headers={"content-type": "application/json",
+                                        "X-SMG-Routing-Key": "s-reset-twice"})
+    assert reply.status_code == 200, reply.text[:300]
+    assert seen == ["answered /plain?slow (0 bytes)"] * 2 + [
+        "reset /v1/chat/completions", f"answered /v1/chat/completions ({len(body)} bytes)"]
 
 
 async def test_a_connection_idle_past_the_upstreams_keep_alive_is_not_taken_again(
