@@ -188,6 +188,14 @@ def session_definition(definition: SessionDefinition, created_us: int) -> dict[s
     }
 
 
+def open_rows(definition: SessionDefinition, created_us: int) -> tuple[dict[str, Any], str]:
+    """What an open writes: the new session's whole `sessions` row (no turn yet) and
+    its `session_opened` event's payload."""
+    row = {**session_definition(definition, created_us),
+           **session_head(SessionState(definition=definition))}
+    return row, jsonio.dumps({"session": definition.body()})
+
+
 def session_summary(row: Mapping[Any, Any]) -> dict[str, Any]:
     """A session as opened plus its status: the reply of open and list."""
     layers = row["num_layers"]

@@ -42,8 +42,7 @@ from app.domain.body.session import parse_open
 from app.domain.body.turn import parse_turn
 from app.domain.log.events import encode_turn
 from app.domain.log.tree import SessionState
-from app.domain.projection.rows import label_rows, node_row, session_definition, session_head
-from app.domain.wire import jsonio
+from app.domain.projection.rows import label_rows, node_row, open_rows, session_head
 from app.store.append import fastpath
 from app.store.append.group import TRY_APPEND
 from app.store.engine.db import now_us
@@ -75,10 +74,9 @@ def calls(max_nodes: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     definition = parse_open({"session_id": session_id, "version": "v2",
                              "r3": {"num_layers": _LAYERS}, "labels": {"warm": "1"}})
     recorded = now_us()
+    row, payload = open_rows(definition, recorded)
+    open_args = fastpath.open_args(row, label_rows(definition), payload)
     state = SessionState(definition=definition)
-    row = {**session_definition(definition, recorded), **session_head(state)}
-    open_args = fastpath.open_args(row, label_rows(definition),
-                                   jsonio.dumps({"session": definition.body()}))
     body = parse_turn(_turn(uuid.uuid4().hex), definition, None)
     attachment = state.attach(body, max_nodes)
     stored = encode_turn(body, attachment, definition.num_layers)

@@ -66,8 +66,8 @@ from app.domain.projection.rows import (
     iso_us,
     label_rows,
     node_row,
+    open_rows,
     sample_row,
-    session_definition,
     session_head,
     session_summary,
 )
@@ -212,9 +212,7 @@ class Writer:
         """
         definition = parse_open(raw)
         recorded = now_us()
-        row = {**session_definition(definition, recorded),
-               **session_head(SessionState(definition=definition))}
-        payload = jsonio.dumps({"session": definition.body()})
+        row, payload = open_rows(definition, recorded)
         if self.db.dialect == "sqlite":
             stored = await self._open_locked(definition, row, payload)
         else:
