@@ -37,6 +37,60 @@ BACKENDS = ("sqlite", "postgres", "citus")
 # The in-process clients talk to "http://turnlog": without tokens the app answers only
 # loopback host names and TURNLOG_ALLOWED_HOSTS (tests/fuzz/test_hardening.py checks that).
 os.environ.setdefault("TURNLOG_ALLOWED_HOSTS", "turnlog")
+
+
+def _one_default_tls_context() -> None:
+    """Every `httpx.Client()` / `AsyncClient()` built with the default `verify` shares
+    one TLS context in the test processes.
+
+    httpx builds a context per client, loading the whole CA bundle (~40 ms of CPU here),
+    even for a plain-http URL or an in-process ASGI app; the tests build thousands of
+    clients (each `wait_ready`, each `client` fixture), and a profile of a suite worker
+    showed 8-14 % of its CPU there. A context is only read once built, so one serves
+    every client. Anything but the defaults goes to httpx unchanged."""
+    from httpx._transports import default
+
+    build = default.create_ssl_context
+    shared: list[object] = []
+
+    def create_ssl_context(verify: object = True, cert: object = None,
+                           trust_env: bool = True) -> object:
+        if verify is not True or cert is not None or not trust_env:
+            return build(verify=verify, cert=cert, trust_env=trust_env)  # type: ignore[arg-type]
+        if not shared:
+            shared.append(build())
+        return shared[0]
+
+    default.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+
+
+_one_default_tls_context()
+
+
+def _one_click_command_per_app() -> None:
+    """`CliRunner.invoke(app, …)` builds the click command of a typer app once per app
+    in the test processes, not once per call.
+
+    Typer rebuilds the whole command tree from the functions' signatures on every
+    `invoke` (~50 ms of CPU for `turnlog`'s), and the command-line tests invoke it
+    hundreds of times; a click command holds no state between invocations (each gets a
+    new context), as `turnlog`'s own `main` reuses one for its single call."""
+    import weakref
+
+    import typer.testing
+
+    build = typer.testing._get_command
+    built: weakref.WeakKeyDictionary[typer.Typer, object] = weakref.WeakKeyDictionary()
+
+    def get_command(app: typer.Typer) -> object:
+        if app not in built:
+            built[app] = build(app)
+        return built[app]
+
+    typer.testing._get_command = get_command  # type: ignore[assignment]
+
+
+_one_click_command_per_app()
 # Database URLs handed out on the Citus cluster (they look like any PostgreSQL URL).
 CITUS_URLS: set[str] = set()
 

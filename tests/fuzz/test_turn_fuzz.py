@@ -13,8 +13,9 @@ non-finite numbers in the raw bytes, over-deep nesting, a wrong type at a
 validated path, a missing required key; MessagePack adds what only it can
 carry (a bin / an ext / a timestamp / a non-string key at any path, trailing
 or missing bytes). The domain property runs the pure parse + attach on many
-examples; the HTTP properties run the real append, each example on a fresh
-session, and then check that the session still has one node and two events.
+examples; the HTTP properties run the real append and then check that the session
+still has one node and two events (the rejection property sends a test's examples to
+one session, as nothing is stored; the any-value property opens one per example).
 Any value at any path is either stored losslessly (read back as JSON carries
 it, and then a repeat of its JSON twin) or rejected with nothing stored.
 """
@@ -460,12 +461,23 @@ async def test_the_uncorrupted_turn_is_appended(client, wire):
     assert r.json()["r3"] == {"start": 4, "end": 7}
 
 
+@pytest.fixture
+def one_session() -> dict[str, str]:
+    """The session a test's examples share (function scope: hypothesis reuses it)."""
+    return {}
+
+
 @pytest.mark.parametrize(("wire", "kind"), WIRE_KINDS)
 @HTTP
 @given(data=st.data())
-async def test_append_rejects_corruption_and_stores_nothing(client, wire, kind, data):
+async def test_append_rejects_corruption_and_stores_nothing(client, wire, kind, data,
+                                                            one_session):
     raw = data.draw(CORRUPTIONS[wire.name][kind])
-    sid = await fresh_session(client, wire)
+    # A rejected turn stores nothing, so every example of a test is sent to one session
+    # and the check after each (still one node, two events) sees anything one stored.
+    if "sid" not in one_session:
+        one_session["sid"] = await fresh_session(client, wire)
+    sid = one_session["sid"]
     assert_problem(await post_raw(client, sid, wire, raw))
     num_nodes, events = await stored(client, sid)
     assert num_nodes == 1 and len(events) == 2
