@@ -8,12 +8,14 @@ error path for every command is `TurnlogGroup` in `app.cli.common`.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import socket
 import sys
+import threading
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
@@ -290,18 +292,49 @@ def _help_width() -> None:
             os.environ["TERMINAL_WIDTH"] = str(HELP_WIDTH)
 
 
-def main() -> None:
+def main() -> NoReturn:
     _help_width()
+    code: str | int | None = 0
     try:
         cli()
     except SystemExit as exc:
+        code = exc.code
         # rich and click end a write to a reader that went away with 1; every other
         # such end is 141, as a SIGPIPE gives (TurnlogGroup.invoke).
         # (click wraps stdout in its `_PacifyFlushWrapper` when it met the EPIPE.)
         pacified = type(sys.stdout).__name__.endswith("PacifyFlushWrapper")
-        if exc.code == 1 and (reader_gone[0] or pacified):
-            raise SystemExit(141) from None
-        raise
+        if code == 1 and (reader_gone[0] or pacified):
+            code = 141
+    end(code)
+
+
+def end(code: str | int | None) -> NoReturn:
+    """End the process as `sys.exit(code)` would, without tearing the interpreter down.
+
+    A normal exit joins the other threads, runs the `atexit` handlers and flushes the
+    standard streams, and then frees every module and object one at a time: 0.25-0.4 s
+    of a 1.3 s command on the development machine, which nothing of a finished command
+    needs. Where no other non-daemon thread is alive, this does the first three and
+    ends with `os._exit`; otherwise (a thread still working) it exits the normal way."""
+    if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
+           if thread is not threading.main_thread()):
+        raise SystemExit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # what `sys.exit("message")` does
+        print(code, file=sys.stderr)
+        status = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:  # the reader went away: as a SIGPIPE ends it
+            status = 141 if status == 0 else status
+        except (OSError, ValueError):  # closed, or no file: nothing left to write
+            pass
+    os._exit(status & 0xFF)
 
 
 if __name__ == "__main__":
