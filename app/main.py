@@ -20,6 +20,7 @@ from app.api.middleware.limits import BodyLimit, WriteDeadline
 from app.api.middleware.methods import HeadAsGet
 from app.api.problems import JSONText
 from app.api.routes import (
+    add_routes,
     analytics,
     consumers,
     docs_ui,
@@ -102,7 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        "use plain HTTP (the feed long-polls: GET /v1/events?wait=…)")
     for module in (health, metrics, sessions, samples, feed, analytics, history, gates,
                    docs_ui, consumers, retention):
-        app.include_router(module.router)
+        add_routes(app, module.router)
     # Appends first: the bare hot path answers POST …/turns before FastAPI's route of
     # the same path (which documents it and answers its other methods).
     app.router.routes.insert(0, hotpath.AppendRoute(svc, app.state.uploads))

@@ -15,9 +15,10 @@ from fastapi.staticfiles import StaticFiles
 
 
 def install(app: FastAPI) -> None:
+    from app.api.routes import add_routes
     from app.ui.pages import STATIC, router
 
-    app.include_router(router)
+    add_routes(app, router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -56,7 +56,7 @@ FINE_BUCKET_S = 600
 FEED_WAIT = 25.0
 LOGIN_FORM_BYTES = 8192
 
-router = APIRouter(prefix="/ui", include_in_schema=False)
+router = APIRouter(prefix="/ui", include_in_schema=False, default_response_class=JSONText)
 
 
 @router.get("", response_model=None)

@@ -15,7 +15,7 @@ from app.api.problems import JSONText
 from app.api.routes.sessions import label_filters
 from app.domain.body.queries import GROUP_BY_VALUES, parse_group_by
 
-router = APIRouter(prefix="/v1", tags=["analytics"])
+router = APIRouter(prefix="/v1", tags=["analytics"], default_response_class=JSONText)
 SPEC_PARAMS = frozenset({"group_by"})
 ROLLOUT_PARAMS = frozenset({"strict"})
 

@@ -16,7 +16,7 @@ from app.api.problems import JSONText
 from app.domain.body.queries import ACKS_PAGE
 from app.domain.handoff.consumers import parse_step_filter
 
-router = APIRouter(prefix="/v1/consumers", tags=["consumers"])
+router = APIRouter(prefix="/v1/consumers", tags=["consumers"], default_response_class=JSONText)
 
 # null as absent: every session of the claim (the server takes both).
 _SESSIONS = {"type": ["array", "null"], "items": {"type": "string"}}

@@ -15,9 +15,10 @@ from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redi
 from fastapi.responses import FileResponse, HTMLResponse
 from swagger_ui_bundle import swagger_ui_path
 
+from app.api.problems import JSONText
 from app.domain.errors import InvalidRequest
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, default_response_class=JSONText)
 ASSETS = {
     "swagger-ui-bundle.js": "text/javascript",
     "swagger-ui.css": "text/css",

@@ -10,7 +10,7 @@ from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
 from app.api.problems import JSONText
 from app.domain.body.queries import FEED_PAGE, parse_wait
 
-router = APIRouter(prefix="/v1", tags=["feed"])
+router = APIRouter(prefix="/v1", tags=["feed"], default_response_class=JSONText)
 
 
 @router.get("/events")

@@ -8,7 +8,7 @@ from app.api.deps import BodyDep, ServicesDep
 from app.api.problems import JSONText
 from app.domain.ci.gate_definitions import parse_check
 
-router = APIRouter(prefix="/v1/gates", tags=["gates"])
+router = APIRouter(prefix="/v1/gates", tags=["gates"], default_response_class=JSONText)
 
 EVALUATE_BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": {"type": "object", "required": ["coordinate", "run_id"],

@@ -22,7 +22,7 @@ from app.store.engine.disk import ROOM_AFTER_FULL
 from app.store.engine.revision import current_revision, head_revision
 from app.store.engine.sqlite_files import DatabaseFileReplaced
 
-router = APIRouter(tags=["service"])
+router = APIRouter(tags=["service"], default_response_class=JSONText)
 # How long `/readyz` waits for the database's answer before it says "not ready".
 READY_TIMEOUT_S = 5.0
 log = structlog.get_logger("turnlog.api")

@@ -10,7 +10,8 @@ from app.api.deps import BodyDep, ServicesDep
 from app.api.problems import JSONText
 from app.domain.ci.metric_history import parse_coordinate, parse_rollout_record, parse_submission
 
-router = APIRouter(prefix="/v1/metric-history", tags=["metric history"])
+router = APIRouter(prefix="/v1/metric-history", tags=["metric history"],
+                   default_response_class=JSONText)
 
 _VALUE = {"oneOf": [{"type": "number"}, {"enum": ["NaN", "Infinity", "-Infinity"]}]}
 _COORDINATE = {"type": "object", "required": ["test_path", "backend", "suite"],

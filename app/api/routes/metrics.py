@@ -15,12 +15,13 @@ import structlog
 from fastapi import APIRouter, Response
 
 from app.api.deps import ServicesDep
+from app.api.problems import JSONText
 from app.metrics import CONTENT_TYPE
 from app.services import Services
 from app.store.engine.db import now_us
 from app.store.engine.dialect import fence_lag_seconds
 
-router = APIRouter(tags=["service"])
+router = APIRouter(tags=["service"], default_response_class=JSONText)
 log = structlog.get_logger("turnlog.api")
 SCRAPE_DB_TIMEOUT = 2.0  # seconds; Prometheus' default scrape timeout is 10
 

@@ -16,7 +16,7 @@ from app.api.problems import JSONText
 from app.domain.handoff.retention import parse_r3_retention
 from app.domain.projection.rows import iso_us
 
-router = APIRouter(prefix="/v1/retention", tags=["retention"])
+router = APIRouter(prefix="/v1/retention", tags=["retention"], default_response_class=JSONText)
 
 R3_BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": {"type": "object", "additionalProperties": False,

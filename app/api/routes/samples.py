@@ -15,7 +15,7 @@ from app.api.routes.docs import CLOSE_BODY, REWARD_BODY
 from app.domain.errors import InvalidRequest
 from app.domain.projection.samples_wire import MEDIA_TYPE as SAFETENSORS
 
-router = APIRouter(prefix="/v1/sessions", tags=["samples"])
+router = APIRouter(prefix="/v1/sessions", tags=["samples"], default_response_class=JSONText)
 FORMATS = ("json", "safetensors")
 
 

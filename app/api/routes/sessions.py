@@ -37,7 +37,7 @@ from app.store.read.reader import EventsPage
 # first (`Blank`) and a bound on `int | None` cannot apply to None (that was a 500).
 Position = Annotated[int, Field(ge=0, lt=2**63)]
 Seq = Annotated[int, Field(ge=0, lt=2**31)]
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], default_response_class=JSONText)
 LIST_PARAMS = frozenset({"status", "after", "limit"})
 JSON = "application/json"
 EVENTS_BATCH = 32  # events rendered per worker-thread call (and the largest unstreamed page)
