@@ -91,6 +91,7 @@ def _one_click_command_per_app() -> None:
 
 
 _one_click_command_per_app()
+
 # Database URLs handed out on the Citus cluster (they look like any PostgreSQL URL).
 CITUS_URLS: set[str] = set()
 
