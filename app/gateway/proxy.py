@@ -30,7 +30,7 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -106,7 +106,7 @@ from app.gateway.errors import (
 )
 from app.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from app.gateway.recorder import REPEAT, SPOOL_FULL, SPOOLED, WRITTEN, Recorder
-from app.gateway.spool import CLOSE, REWARD, Spool
+from app.gateway.spool import CLOSE, REWARD, Reservation, Spool, turn_file_bound
 from app.services import Services, build_services
 from app.settings import Settings
 from app.settle import settle
@@ -158,6 +158,11 @@ class GatewayConfig:
     # The address it listens on: on a loopback one only loopback Host names (and
     # TURNLOG_ALLOWED_HOSTS) are answered (`Gateway._refusal`). None: not checked.
     bind_host: str | None = None
+
+
+class TurnNotKept(Exception):
+    """A turn whose reply had begun could be neither stored nor spooled: raised to end
+    the request unanswered where the server offers no cut (`CUT_CONNECTION`)."""
 
 
 class ClientGone(Exception):
@@ -552,9 +557,16 @@ class Gateway:
             self.metrics.unrecorded.labels(reply.reason).inc()
             await _send_raw(send, status, headers, raw)
             return
-        writing = time.perf_counter()
-        outcome = await self._record(scope, decision, reply, request_timestamp, timestamp,
-                                     len(body) + len(raw))
+        writing, size = time.perf_counter(), len(body) + len(raw)
+        reservation = self._early_room(decision.session_id, size, len(raw))
+        recording = self._record(scope, decision, reply, request_timestamp, timestamp, size,
+                                 reservation)
+        if reservation is not None:
+            await self._answer_while_recording(scope, send, decision.session_id, status,
+                                               headers, raw, recording,
+                                               reservation, writing, timestamp)
+            return
+        outcome = await recording
         self.metrics.store.labels(outcome).observe(time.perf_counter() - writing)
         if outcome == SPOOL_FULL:
             self.metrics.unrecorded.labels(SPOOL_FULL).inc()
@@ -564,6 +576,58 @@ class Gateway:
                 "the turn was not recorded and its reply is withheld (a retry is a new turn)"))
             return
         await _send_raw(send, status, headers, raw)
+        self.metrics.added.observe(time.time() - timestamp)
+
+    def _early_room(self, session_id: str, size: int, reply_bytes: int) -> Reservation | None:
+        """Room in the spool promised to a turn whose reply may go out while it is
+        written (`_answer_while_recording`), or None: when the store is failing or
+        hanging, when the session has writes spooled (the turn will be spooled too, and
+        the spool may be full), when the spool has not room for the turn beside its
+        files and the other promises — then the turn may still be answered 503
+        `spool-full`, so its reply waits for the outcome — and for a reply of one byte."""
+        assert self.recorder is not None
+        recorder, spool = self.recorder, self.recorder.spool
+        if reply_bytes < 2 or recorder.drain_failing or recorder.store_hangs() \
+                or spool.holds(session_id):
+            return None
+        return spool.reserve(turn_file_bound(size))
+
+    async def _answer_while_recording(self, scope: dict[str, Any], send: Any, session_id: str,
+                                      status: int,
+                                      headers: list[Any], raw: bytes | bytearray,
+                                      recording: Coroutine[Any, Any, str],
+                                      reservation: Reservation, writing: float,
+                                      timestamp: float) -> None:
+        """The reply's head and all but its last byte sent while the turn is written,
+        the last byte once it is durable (committed or spooled): the caller holds no
+        complete reply before then, and the reply's ~ms of relaying overlap the
+        store's write. The spool's room promised to the turn (`reservation`) means it
+        can be spooled whatever comes; were it refused anyway (the spool's disk
+        failing as the store does), the connection is cut before the last byte: the
+        caller sees a broken reply, never an answer whose turn was lost."""
+        task = asyncio.ensure_future(recording)
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": memoryview(raw)[:-1],
+                        "more_body": True})
+        finally:
+            try:
+                # The write goes on if this request is cancelled (a shutdown): it was begun.
+                outcome = await asyncio.shield(task)
+            finally:
+                reservation.release()
+        self.metrics.store.labels(outcome).observe(time.perf_counter() - writing)
+        if outcome == SPOOL_FULL:
+            self.metrics.unrecorded.labels(SPOOL_FULL).inc()
+            log.error("turn neither stored nor spooled after its reply began; the caller's "
+                      "connection is cut before the reply's last byte",
+                      session_id=session_id)
+            cut = scope.get("extensions", {}).get(CUT_CONNECTION)
+            if cut is None:
+                raise TurnNotKept("the turn was neither stored nor spooled")
+            cut(scope)
+            return
+        await send({"type": "http.response.body", "body": bytes(raw[-1:])})
         self.metrics.added.observe(time.time() - timestamp)
 
     async def _open_while_there(self, scope: dict[str, Any], body: Any, receive: Any,
@@ -707,7 +771,8 @@ class Gateway:
         return raw
 
     async def _record(self, scope: dict[str, Any], decision: Candidate, reply: Any,
-                      request_timestamp: float, timestamp: float, size: int) -> str:
+                      request_timestamp: float, timestamp: float, size: int,
+                      reservation: Reservation | None = None) -> str:
         assert self.recorder is not None
         record = build_record(scope["path"], decision.request, reply, request_timestamp,
                               timestamp)
@@ -722,7 +787,7 @@ class Gateway:
         opening = open_body(decision.session_id, self.config.defaults, header_labels)
         return await self.recorder.record(decision.session_id,
                                           turn_body(uuid.uuid4().hex, record), opening, size,
-                                          decision.prompt)
+                                          decision.prompt, reservation)
 
 
 # -- ASGI helpers ------------------------------------------------------------------------

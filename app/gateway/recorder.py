@@ -85,7 +85,7 @@ from app.domain.errors import (
 from app.domain.log.tree import check_first_turn
 from app.gateway.errors import SpoolFull, StoreUnavailable
 from app.gateway.metrics import GatewayMetrics
-from app.gateway.spool import CLOSE, REWARD, TURN, Spool, Spooled
+from app.gateway.spool import CLOSE, REWARD, TURN, Reservation, Spool, Spooled
 from app.services import Services
 from app.store.append.writes import Opened, Written
 from app.store.read.gateway import last_event_us, open_sessions_opened_by
@@ -198,15 +198,19 @@ class Recorder:
 
     async def record(self, session_id: str, body: dict[str, Any],
                      open_body: dict[str, Any], size: int = 0,
-                     prompt: np.ndarray | None = None) -> str:
-        """`prompt`: the turn's `input_ids` already validated (`Candidate.prompt`)."""
+                     prompt: np.ndarray | None = None,
+                     reservation: Reservation | None = None) -> str:
+        """`prompt`: the turn's `input_ids` already validated (`Candidate.prompt`);
+        `reservation`: room in the spool promised to this turn, which it takes if it
+        is spooled (the caller releases it after)."""
         if self.spool.holds(session_id):
-            return await self._spool(TURN, session_id, body, open_body)  # behind its earlier turns
+            # Behind its earlier turns.
+            return await self._spool(TURN, session_id, body, open_body, reservation)
         if self.store_hangs():
             # Another attempt would wait the whole store timeout too: the caller is
             # answered now, and the drainer appends the turn once the store answers.
             log.warning("the store is not answering; spooling the turn", session_id=session_id)
-            return await self._spool(TURN, session_id, body, open_body)
+            return await self._spool(TURN, session_id, body, open_body, reservation)
         write = asyncio.ensure_future(self._store(session_id, body, open_body, size, prompt))
         try:
             created = await within(write, self.store_timeout)
@@ -214,7 +218,7 @@ class Recorder:
             if self._is_verdict(exc):
                 return self._verdict(session_id, exc)
             # Connection, I/O, timeout, 5xx: the store gave no verdict.
-            outcome = await self._no_verdict(session_id, body, open_body, exc)
+            outcome = await self._no_verdict(session_id, body, open_body, exc, reservation)
             if outcome == SPOOL_FULL and not write.done():
                 return await self._outcome_of(session_id, write)
             if outcome == SPOOLED:
@@ -336,19 +340,21 @@ class Recorder:
         return reason
 
     async def _no_verdict(self, session_id: str, body: dict[str, Any],
-                          open_body: dict[str, Any], exc: BaseException) -> str:
+                          open_body: dict[str, Any], exc: BaseException,
+                          reservation: Reservation | None = None) -> str:
         log.warning("store gave no verdict; spooling the turn", session_id=session_id,
                     error=type(exc).__name__, detail=str(exc)[:200])
         self.drain_failing = True  # not ready until a drain gets through
-        return await self._spool(TURN, session_id, body, open_body)
+        return await self._spool(TURN, session_id, body, open_body, reservation)
 
     async def _spool(self, kind: str, session_id: str, body: dict[str, Any],
-               open_body: dict[str, Any] | None = None) -> str:
+                     open_body: dict[str, Any] | None = None,
+                     reservation: Reservation | None = None) -> str:
         """Write a turn (with how to open its session), a close or a reward to the spool:
         SPOOLED, or SPOOL_FULL."""
         try:
             try:
-                await self.spool.add_async(session_id, body, open_body, kind)
+                await self.spool.add_async(session_id, body, open_body, kind, reservation)
             finally:
                 # Also when the caller was cancelled: the spool finishes a write it began,
                 # and the drainer must not sleep on it.

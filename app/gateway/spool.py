@@ -96,6 +96,39 @@ def _prepare(session_id: str, body: dict[str, Any], open_body: dict[str, Any] | 
     return _Prepared(session_id, kind, _event_id(body), spooled_at, data)
 
 
+# What a turn's file may take beyond the bytes of its request and reply: the record's
+# other fields, the open body (the label header within the header bounds) and the
+# file's own fields.
+_TURN_FILE_EXTRA = 1 << 20
+# A turn's file holds its request and reply re-encoded: strings and integers as long
+# as they came or shorter, a float at most ~4.5x (`1e15` is written
+# `1000000000000000.0`), so five times their bytes bound it.
+_TURN_FILE_FACTOR = 5
+
+
+def turn_file_bound(size: int) -> int:
+    """The most bytes a turn whose request and reply took `size` bytes can take in the
+    spool (what `Spool.reserve` is asked for)."""
+    return _TURN_FILE_FACTOR * size + _TURN_FILE_EXTRA
+
+
+class Reservation:
+    """Room promised in the spool (`Spool.reserve`) to one turn, so that the turn can be
+    spooled whatever the spool holds by then: the gateway sends a reply's head and all
+    but its last byte while the turn is written, and such a turn can no longer be
+    answered 503 `spool-full`. Used when the turn is spooled, or released."""
+
+    def __init__(self, spool: Spool, size: int) -> None:
+        self.spool = spool
+        self.size = size
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.spool.reserved -= self.size
+
+
 class SpoolInUse(Exception):
     """Another live gateway holds this spool directory."""
 
@@ -119,6 +152,7 @@ class Spool:
                              "give each gateway its own --spool-dir") from None
         self.entries: deque[Spooled] = deque()
         self.bytes = 0
+        self.reserved = 0  # bytes promised to turns being written (`reserve`)
         self.turns = 0  # the entries that are turns
         # Per session, its entries of each kind (a session with none is not a key).
         self.per_session: dict[str, Counter[str]] = {}
@@ -197,16 +231,27 @@ class Spool:
     def oldest_age(self) -> float:
         return 0.0 if not self.entries else max(0.0, time.time() - self.entries[0].spooled_at)
 
+    def reserve(self, size: int) -> Reservation | None:
+        """`size` bytes promised to one turn (`Reservation`), or None when its files and
+        the promises already made leave less room. A write that holds no promise
+        counts the promises as taken (`add`)."""
+        if self.bytes + self.reserved + size > self.max_bytes:
+            return None
+        self.reserved += size
+        return Reservation(self, size)
+
     def add(self, session_id: str, body: dict[str, Any], open_body: dict[str, Any] | None,
-            kind: str = TURN) -> Spooled:
-        """Write one write durably (file and directory fsynced), or SpoolFull."""
+            kind: str = TURN, reservation: Reservation | None = None) -> Spooled:
+        """Write one write durably (file and directory fsynced), or SpoolFull. With
+        `reservation`, the write may take the room promised to it."""
         prepared = _prepare(session_id, body, open_body, kind)
-        sequence = self._reserve(prepared)
+        sequence = self._reserve(prepared, reservation)
         self._write(sequence, prepared.data)
-        return self._track_new(sequence, prepared)
+        return self._track_new(sequence, prepared, reservation)
 
     async def add_async(self, session_id: str, body: dict[str, Any],
-                        open_body: dict[str, Any] | None, kind: str = TURN) -> Spooled:
+                        open_body: dict[str, Any] | None, kind: str = TURN,
+                        reservation: Reservation | None = None) -> Spooled:
         """`add`, with the encoding, the write and the fsyncs on a worker thread: a few
         MB turn's take milliseconds, on the event loop every session's relaying
         shares, and a store outage sends every turn here.
@@ -234,7 +279,7 @@ class Spool:
         try:
             async with self._writing:
                 written = asyncio.ensure_future(self._written(session_id, body, open_body,
-                                                              kind, settle))
+                                                              kind, settle, reservation))
                 try:
                     return await asyncio.shield(written)
                 except asyncio.CancelledError:
@@ -248,20 +293,24 @@ class Spool:
 
     async def _written(self, session_id: str, body: dict[str, Any],
                        open_body: dict[str, Any] | None, kind: str,
-                       settle: Callable[[], None]) -> Spooled:
+                       settle: Callable[[], None],
+                       reservation: Reservation | None = None) -> Spooled:
         prepared = await anyio.to_thread.run_sync(_prepare, session_id, body, open_body, kind)
-        sequence = self._reserve(prepared)
+        sequence = self._reserve(prepared, reservation)
         await anyio.to_thread.run_sync(self._write, sequence, prepared.data)
-        entry = self._track_new(sequence, prepared)
+        entry = self._track_new(sequence, prepared, reservation)
         settle()  # in the same step: the write is never counted twice, nor not at all
         return entry
 
-    def _reserve(self, prepared: _Prepared) -> int:
-        """The write's sequence number, or SpoolFull."""
-        if self.bytes + len(prepared.data) > self.max_bytes:
-            raise SpoolFull(f"spool holds {self.bytes} bytes; this {prepared.kind} needs "
-                            f"{len(prepared.data)} more than the bound {self.max_bytes} "
-                            "allows")
+    def _reserve(self, prepared: _Prepared, reservation: Reservation | None = None) -> int:
+        """The write's sequence number, or SpoolFull: the room promised to other turns
+        is not this write's, its own promise (`reservation`) is."""
+        promised = self.reserved - (reservation.size if reservation and reservation.held
+                                    else 0)
+        if self.bytes + promised + len(prepared.data) > self.max_bytes:
+            raise SpoolFull(f"spool holds {self.bytes} bytes and promised {promised} more; "
+                            f"this {prepared.kind} needs {len(prepared.data)} more than the "
+                            f"bound {self.max_bytes} allows")
         sequence = self.next_sequence
         self.next_sequence += 1
         return sequence
@@ -287,10 +336,13 @@ class Spool:
             path.unlink(missing_ok=True)  # renamed but not known durable: not spooled
             raise
 
-    def _track_new(self, sequence: int, prepared: _Prepared) -> Spooled:
+    def _track_new(self, sequence: int, prepared: _Prepared,
+                   reservation: Reservation | None = None) -> Spooled:
         entry = Spooled(sequence, prepared.session_id, prepared.event_id, len(prepared.data),
                         prepared.spooled_at, prepared.kind)
         self._track(entry)
+        if reservation is not None:
+            reservation.release()  # in the same step: its bytes are counted as held now
         return entry
 
     def read(self, entry: Spooled) -> SpooledBody:
