@@ -46,6 +46,10 @@ class GatewayMetrics:
         self.spooled_bytes = Gauge(
             "turnlog_gateway_spooled_bytes", "Bytes of the writes waiting in the spool",
             registry=self.registry)
+        self.promised_bytes = Gauge(
+            "turnlog_gateway_spool_promised_bytes",
+            "Room in the spool promised to turns whose reply went out while they were "
+            "written (counted as taken by every other write)", registry=self.registry)
         self.drain_lag = Gauge(
             "turnlog_gateway_drain_lag_seconds",
             "Age of the oldest write waiting in the spool (0 when it is empty)",
@@ -63,8 +67,10 @@ class GatewayMetrics:
             self.store.labels(outcome)
 
     def watch_spool(self, turns: Callable[[], float], writes: Callable[[], float],
-                    size: Callable[[], float], lag: Callable[[], float]) -> None:
+                    size: Callable[[], float], lag: Callable[[], float],
+                    promised: Callable[[], float] = lambda: 0.0) -> None:
         self.spooled_turns.set_function(turns)
+        self.promised_bytes.set_function(promised)
         self.spooled_writes.set_function(writes)
         self.spooled_bytes.set_function(size)
         self.drain_lag.set_function(lag)

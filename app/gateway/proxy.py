@@ -551,14 +551,15 @@ class Gateway:
             await _send_raw(send, status, headers, raw)
             return
         # Its R3 payload decoded once, from the bytes: never a 4 MB str.
-        reply = parse_reply(status, text)
+        reply, decoded = parse_reply(status, text), len(text)
         del text
         if isinstance(reply, Unrecorded):
             self.metrics.unrecorded.labels(reply.reason).inc()
             await _send_raw(send, status, headers, raw)
             return
         writing, size = time.perf_counter(), len(body) + len(raw)
-        reservation = self._early_room(decision.session_id, size, len(raw))
+        # The spool's file holds the reply decoded (a compressed one may be far larger).
+        reservation = self._early_room(decision.session_id, len(body) + max(decoded, len(raw)))
         recording = self._record(scope, decision, reply, request_timestamp, timestamp, size,
                                  reservation)
         if reservation is not None:
@@ -578,17 +579,17 @@ class Gateway:
         await _send_raw(send, status, headers, raw)
         self.metrics.added.observe(time.time() - timestamp)
 
-    def _early_room(self, session_id: str, size: int, reply_bytes: int) -> Reservation | None:
-        """Room in the spool promised to a turn whose reply may go out while it is
-        written (`_answer_while_recording`), or None: when the store is failing or
-        hanging, when the session has writes spooled (the turn will be spooled too, and
-        the spool may be full), when the spool has not room for the turn beside its
-        files and the other promises — then the turn may still be answered 503
-        `spool-full`, so its reply waits for the outcome — and for a reply of one byte."""
+    def _early_room(self, session_id: str, size: int) -> Reservation | None:
+        """Room in the spool promised to a turn (its request and decoded reply `size`
+        bytes) whose reply may go out while it is written (`_answer_while_recording`),
+        or None: when the store is failing or hanging, when the session has writes
+        spooled (the turn will be spooled too, and the spool may be full), or when the
+        spool has not room for the turn beside its files, the writes under way and the
+        other promises — then the turn may still be answered 503 `spool-full`, so its
+        reply waits for the outcome."""
         assert self.recorder is not None
         recorder, spool = self.recorder, self.recorder.spool
-        if reply_bytes < 2 or recorder.drain_failing or recorder.store_hangs() \
-                or spool.holds(session_id):
+        if recorder.drain_failing or recorder.store_hangs() or spool.holds(session_id):
             return None
         return spool.reserve(turn_file_bound(size))
 
@@ -598,18 +599,20 @@ class Gateway:
                                       recording: Coroutine[Any, Any, str],
                                       reservation: Reservation, writing: float,
                                       timestamp: float) -> None:
-        """The reply's head and all but its last byte sent while the turn is written,
-        the last byte once it is durable (committed or spooled): the caller holds no
-        complete reply before then, and the reply's ~ms of relaying overlap the
-        store's write. The spool's room promised to the turn (`reservation`) means it
-        can be spooled whatever comes; were it refused anyway (the spool's disk
-        failing as the store does), the connection is cut before the last byte: the
-        caller sees a broken reply, never an answer whose turn was lost."""
+        """The reply's head and the body up to its last significant byte sent while the
+        turn is written (`_held_back`), the rest once it is durable (committed or
+        spooled): the caller holds no complete reply before then, and the reply's ~ms
+        of relaying overlap the store's write. The spool's room promised to the turn
+        (`reservation`) means it can be spooled whatever comes; were it refused anyway
+        (the spool's disk failing as the store does), the connection is cut before the
+        rest: the caller sees a broken reply, never an answer whose turn was lost."""
         task = asyncio.ensure_future(recording)
+        early = len(raw) - _held_back(raw, headers)
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": memoryview(raw)[:-1],
-                        "more_body": True})
+            if early:
+                await send({"type": "http.response.body", "body": memoryview(raw)[:early],
+                            "more_body": True})
         finally:
             try:
                 # The write goes on if this request is cancelled (a shutdown): it was begun.
@@ -627,7 +630,7 @@ class Gateway:
                 raise TurnNotKept("the turn was neither stored nor spooled")
             cut(scope)
             return
-        await send({"type": "http.response.body", "body": bytes(raw[-1:])})
+        await send({"type": "http.response.body", "body": memoryview(raw)[early:]})
         self.metrics.added.observe(time.time() - timestamp)
 
     async def _open_while_there(self, scope: dict[str, Any], body: Any, receive: Any,
@@ -1268,6 +1271,24 @@ def _zstd(raw: bytes | bytearray, limit: int) -> bytes | None:
 
 DECODERS = {"gzip": _zlib(16 + zlib.MAX_WBITS), "x-gzip": _zlib(16 + zlib.MAX_WBITS),
             "deflate": _deflate, "br": _brotli, "zstd": _zstd}
+
+
+_BLANK = frozenset(b" \t\r\n")
+
+
+def _held_back(raw: bytes | bytearray, headers: list[Any]) -> int:
+    """How many of a held reply's last bytes wait for its turn to be durable: from its
+    last significant byte on (a JSON document is incomplete without its closing
+    bracket, whatever whitespace follows it), or the whole body when it is encoded
+    (gzip's last bytes are a checksum: a decoder has the whole document before them)."""
+    for name, value in headers:
+        if name.lower() == b"content-encoding" and value.strip().lower() not in (
+                b"", b"identity"):
+            return len(raw)
+    end = len(raw)
+    while end > 0 and raw[end - 1] in _BLANK:
+        end -= 1
+    return len(raw) - max(end - 1, 0)
 
 
 async def _send_raw(send: Any, status: int, headers: list[Any],

@@ -170,7 +170,7 @@ class Recorder:
         # created —, monotonic time it began).
         self._attempt: tuple[Any, asyncio.Future[Any], float] | None = None
         metrics.watch_spool(lambda: spool.turns, lambda: len(spool), lambda: spool.bytes,
-                            spool.oldest_age)
+                            spool.oldest_age, lambda: spool.reserved)
 
     # -- lifecycle ----------------------------------------------------------------
 

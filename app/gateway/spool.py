@@ -153,6 +153,7 @@ class Spool:
         self.entries: deque[Spooled] = deque()
         self.bytes = 0
         self.reserved = 0  # bytes promised to turns being written (`reserve`)
+        self.writing = 0  # bytes of writes past `_reserve`, not yet tracked in `bytes`
         self.turns = 0  # the entries that are turns
         # Per session, its entries of each kind (a session with none is not a key).
         self.per_session: dict[str, Counter[str]] = {}
@@ -235,7 +236,7 @@ class Spool:
         """`size` bytes promised to one turn (`Reservation`), or None when its files and
         the promises already made leave less room. A write that holds no promise
         counts the promises as taken (`add`)."""
-        if self.bytes + self.reserved + size > self.max_bytes:
+        if self.bytes + self.writing + self.reserved + size > self.max_bytes:
             return None
         self.reserved += size
         return Reservation(self, size)
@@ -246,7 +247,10 @@ class Spool:
         `reservation`, the write may take the room promised to it."""
         prepared = _prepare(session_id, body, open_body, kind)
         sequence = self._reserve(prepared, reservation)
-        self._write(sequence, prepared.data)
+        try:
+            self._write(sequence, prepared.data)
+        finally:
+            self.writing -= len(prepared.data)
         return self._track_new(sequence, prepared, reservation)
 
     async def add_async(self, session_id: str, body: dict[str, Any],
@@ -297,20 +301,27 @@ class Spool:
                        reservation: Reservation | None = None) -> Spooled:
         prepared = await anyio.to_thread.run_sync(_prepare, session_id, body, open_body, kind)
         sequence = self._reserve(prepared, reservation)
-        await anyio.to_thread.run_sync(self._write, sequence, prepared.data)
+        try:
+            await anyio.to_thread.run_sync(self._write, sequence, prepared.data)
+        finally:
+            self.writing -= len(prepared.data)  # and `bytes` takes it, in the same step
         entry = self._track_new(sequence, prepared, reservation)
         settle()  # in the same step: the write is never counted twice, nor not at all
         return entry
 
     def _reserve(self, prepared: _Prepared, reservation: Reservation | None = None) -> int:
-        """The write's sequence number, or SpoolFull: the room promised to other turns
-        is not this write's, its own promise (`reservation`) is."""
+        """The write's sequence number, or SpoolFull: the room promised to other turns,
+        and the writes under way, are not this write's; its own promise
+        (`reservation`) is. From here until it is tracked (or fails) the write's bytes
+        count as `writing`."""
         promised = self.reserved - (reservation.size if reservation and reservation.held
                                     else 0)
-        if self.bytes + promised + len(prepared.data) > self.max_bytes:
-            raise SpoolFull(f"spool holds {self.bytes} bytes and promised {promised} more; "
+        taken = self.bytes + self.writing
+        if taken + promised + len(prepared.data) > self.max_bytes:
+            raise SpoolFull(f"spool holds {taken} bytes and promised {promised} more; "
                             f"this {prepared.kind} needs {len(prepared.data)} more than the "
                             f"bound {self.max_bytes} allows")
+        self.writing += len(prepared.data)
         sequence = self.next_sequence
         self.next_sequence += 1
         return sequence

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ import pytest
 
 from app.gateway.errors import SpoolFull
 from app.gateway.metrics import GatewayMetrics
-from app.gateway.proxy import Gateway, TurnNotKept
+from app.gateway.proxy import Gateway, TurnNotKept, _held_back
 from app.gateway.recorder import RECORDED, SPOOL_FULL
 from app.gateway.spool import Spool, turn_file_bound
 from tests.factory import turn
@@ -77,6 +78,37 @@ def test_a_promised_turn_is_spooled_where_an_unpromised_write_is_refused(
         assert [e.event_id for e in reread.entries] == ["e0", entry.event_id]
     finally:
         reread.close()
+
+
+async def test_a_write_under_way_takes_its_room_from_the_promises(tmp_path: Path,
+                                                                 monkeypatch: Any) -> None:
+    """A write past its check but not yet on disk counts as taken: a promise made
+    meanwhile cannot overcommit the spool (a promised turn must find its room)."""
+    size = len(json.dumps(body(0)))
+    spool = Spool(tmp_path / "spool", 3 * size)
+    started, release = threading.Event(), threading.Event()
+    real = spool._write
+
+    def slow_write(sequence: int, data: bytes) -> None:
+        started.set()
+        release.wait(10)
+        real(sequence, data)
+
+    monkeypatch.setattr(spool, "_write", slow_write)
+    try:
+        writing = asyncio.create_task(spool.add_async("s-1", body(0), None))
+        await asyncio.to_thread(started.wait, 10)
+        assert spool.bytes == 0 and spool.writing > 0
+        assert spool.reserve(3 * size - spool.writing + 1) is None
+        promise = spool.reserve(2 * size)
+        assert promise is not None
+        release.set()
+        await writing
+        assert spool.writing == 0 and spool.bytes + spool.reserved <= 3 * size
+        spool.add("s-2", body(1), None, reservation=promise)  # its room is there
+    finally:
+        release.set()
+        spool.close()
 
 
 async def test_a_promised_async_write_counts_its_promise_once(tmp_path: Path) -> None:
@@ -141,7 +173,8 @@ def answering(outcome: str, seen: list[int], sends: Sends) -> Any:
     return recording()
 
 
-async def answer(tmp_path: Path, outcome: str, scope: dict[str, Any]
+async def answer(tmp_path: Path, outcome: str, scope: dict[str, Any],
+                 headers: tuple[tuple[bytes, bytes], ...] = ()
                  ) -> tuple[Sends, list[int], Any, Any]:
     spool = Spool(tmp_path / "spool", 1 << 30)
     promise = spool.reserve(1000)
@@ -151,12 +184,23 @@ async def answer(tmp_path: Path, outcome: str, scope: dict[str, Any]
     raw = b'{"choices": [1, 2, 3]}'
     try:
         await Gateway._answer_while_recording(
-            gateway, scope, sends, "s-1", 200, [(b"content-length", b"22")], raw,
+            gateway, scope, sends, "s-1", 200, [(b"content-length", b"22"), *headers], raw,
             answering(outcome, seen, sends), promise, 0.0, 0.0)
     finally:
         assert spool.reserved == 0  # released whatever the outcome
         spool.close()
     return sends, seen, gateway.metrics, raw
+
+
+@pytest.mark.parametrize(("raw", "headers", "held"), [
+    (b'{"a": 1}', [], 1),
+    (b'{"a": 1}\r\n \n', [], 5),  # a document is incomplete without its last bracket
+    (b'{"a": 1}', [(b"content-encoding", b"identity")], 1),
+    (b"\x1f\x8b compressed", [(b"Content-Encoding", b"gzip")], 13),  # all of it
+    (b"  ", [], 2),
+], ids=["json", "trailing-blank", "identity", "gzip", "blank"])
+def test_what_waits_for_the_turn(raw: bytes, headers: list[Any], held: int) -> None:
+    assert _held_back(raw, headers) == held
 
 
 async def test_the_last_byte_goes_out_once_the_turn_is_durable(tmp_path: Path) -> None:
@@ -170,6 +214,15 @@ async def test_the_last_byte_goes_out_once_the_turn_is_durable(tmp_path: Path) -
     assert sends.messages[2] == {"type": "http.response.body", "body": raw[-1:]}
     assert sends.body() == raw
     assert metrics.added._sum.get() > 0
+
+
+async def test_an_encoded_reply_sends_only_its_head_while_the_turn_is_written(
+        tmp_path: Path) -> None:
+    sends, seen, _, raw = await answer(tmp_path, RECORDED, {},
+                                       ((b"content-encoding", b"br"),))
+    assert seen == [1]  # the head alone
+    assert sends.messages[1] == {"type": "http.response.body", "body": memoryview(raw)}
+    assert sends.body() == raw
 
 
 async def test_a_turn_neither_stored_nor_spooled_is_never_completed(tmp_path: Path) -> None:
@@ -222,12 +275,17 @@ async def test_a_caller_holds_all_but_the_last_byte_until_the_turn_commits(
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(0.5)
                 assert len(held) == length - 1  # the last byte waits for the commit
+                promised = metric(await scrape(http), "turnlog_gateway_spool_promised_bytes")
                 before = [row[0] for row in lock.execute(types, (session,))]
                 lock.execute("ROLLBACK")  # the lock goes: the turn commits
                 await asyncio.wait_for(reading, 30)
         assert len(held) == length
         assert before == ["session_opened", "turn_recorded"]  # not the held turn
-        assert metric(await scrape(http), "turnlog_gateway_recorded_total") == 2
+        page = await scrape(http)
+        assert metric(page, "turnlog_gateway_recorded_total") == 2
+        # Room was promised while the turn was written, and given back after.
+        assert promised >= 5 * length
+        assert metric(page, "turnlog_gateway_spool_promised_bytes") == 0
         # Straight from the upstream: the same bytes.
         straight = await http.post(f"{fake_sglang.url}/v1/chat/completions", json=request)
     with sqlite3.connect(path) as db:
