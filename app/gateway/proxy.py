@@ -179,6 +179,8 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.record_paths = frozenset(config.record_paths)
+        # What an auto-open adds to a spooled turn's file beyond the request and reply.
+        self.default_labels_bytes = len(jsonio.dumps_bytes(config.defaults.labels))
         self.session_header = config.session_header.lower().encode("latin-1")
         # A turn (request and reply) above the store's body limit could never be stored.
         self.max_turn_bytes = settings.limits.max_body_bytes
@@ -558,8 +560,12 @@ class Gateway:
             await _send_raw(send, status, headers, raw)
             return
         writing, size = time.perf_counter(), len(body) + len(raw)
-        # The spool's file holds the reply decoded (a compressed one may be far larger).
-        reservation = self._early_room(decision.session_id, len(body) + max(decoded, len(raw)))
+        # The spool's file holds the reply decoded (a compressed one may be far larger)
+        # and the labels an auto-open would give the session.
+        labels = _header(scope, LABELS_HEADER.lower().encode()) or ""
+        reservation = self._early_room(
+            decision.session_id, len(body) + max(decoded, len(raw)) + len(labels.encode())
+            + self.default_labels_bytes)
         recording = self._record(scope, decision, reply, request_timestamp, timestamp, size,
                                  reservation)
         if reservation is not None:

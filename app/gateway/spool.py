@@ -96,19 +96,19 @@ def _prepare(session_id: str, body: dict[str, Any], open_body: dict[str, Any] | 
     return _Prepared(session_id, kind, _event_id(body), spooled_at, data)
 
 
-# What a turn's file may take beyond the bytes of its request and reply: the record's
-# other fields, the open body (the label header within the header bounds) and the
-# file's own fields.
-_TURN_FILE_EXTRA = 1 << 20
-# A turn's file holds its request and reply re-encoded: strings and integers as long
-# as they came or shorter, a float at most ~4.5x (`1e15` is written
+# What a turn's file may take beyond its request, reply and labels: the record's
+# other fields (timestamps, method, path, status, event id), the open body's
+# settings and the file's own fields.
+_TURN_FILE_EXTRA = 64 << 10
+# A turn's file holds its request, reply and labels re-encoded: strings and integers
+# as long as they came or shorter, a float at most ~4.5x (`1e15` is written
 # `1000000000000000.0`), so five times their bytes bound it.
 _TURN_FILE_FACTOR = 5
 
 
 def turn_file_bound(size: int) -> int:
-    """The most bytes a turn whose request and reply took `size` bytes can take in the
-    spool (what `Spool.reserve` is asked for)."""
+    """The most bytes a turn whose request, reply and labels (the auto-open's) took
+    `size` bytes can take in the spool (what `Spool.reserve` is asked for)."""
     return _TURN_FILE_FACTOR * size + _TURN_FILE_EXTRA
 
 

@@ -137,13 +137,16 @@ def test_a_turn_s_file_stays_within_the_bound_promised(tmp_path: Path, text: str
     record = {"timestamp": 1.0, "request_timestamp": 0.5, "method": "POST",
               "path": "/v1/chat/completions", "status_code": 200,
               "request": json.loads(request), "response": json.loads(reply_text)}
-    opening = {"session_id": "s-1", "labels": {"k" * 60: "v" * 4000}}
+    # The labels as a header would carry them, numbers at their shortest.
+    header = "{" + ",".join([f'"{"k" * 60}":"{"v" * 4000}"',
+                             *(f'"n{i}":1e15' for i in range(500))]) + "}"
+    opening = {"session_id": "s-1", "labels": json.loads(header)}
     spool = Spool(tmp_path / "spool", 1 << 30)
     try:
         entry = spool.add("s-1", {"event_id": uuid.uuid4().hex, "record": record}, opening)
     finally:
         spool.close()
-    assert entry.size <= turn_file_bound(len(request) + len(reply_text))
+    assert entry.size <= turn_file_bound(len(request) + len(reply_text) + len(header))
     if text.startswith("1e"):
         assert entry.size > 2 * len(reply_text)  # the case the factor is for
 
