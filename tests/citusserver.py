@@ -67,7 +67,7 @@ class _Cluster:
 
 
 __all__ = ["CitusCluster", "CitusUnavailable", "create_citus_database",
-           "drop_citus_database", "start_citus"]
+           "start_citus"]
 
 BINDIR = Path("/usr/lib/postgresql/15/bin")
 INSTALLER = Path(__file__).resolve().parent / "citus" / "install.sh"
@@ -243,17 +243,3 @@ def create_citus_database(cluster: CitusCluster, name: str) -> str:
     _run_in_thread(work)
     return make_url(cluster.coordinator).set(database=name).render_as_string(
         hide_password=False)
-
-
-def drop_citus_database(cluster: CitusCluster, name: str) -> None:
-    ident = _quote_ident(name)
-
-    async def work() -> None:
-        for node in cluster.nodes:
-            conn: Any = await _connect(make_url(node))
-            try:
-                await _terminate_and_drop(conn, name, ident)
-            finally:
-                await conn.close()
-
-    _run_in_thread(work)
