@@ -586,8 +586,8 @@ class Gateway:
         self.metrics.added.observe(time.time() - timestamp)
 
     def _early_room(self, session_id: str, size: int) -> Reservation | None:
-        """Room in the spool promised to a turn (its request and decoded reply `size`
-        bytes) whose reply may go out while it is written (`_answer_while_recording`),
+        """Room in the spool promised to a turn (its request, decoded reply and labels
+        `size` bytes) whose reply may go out while it is written (`_answer_while_recording`),
         or None: when the store is failing or hanging, when the session has writes
         spooled (the turn will be spooled too, and the spool may be full), or when the
         spool has not room for the turn beside its files, the writes under way and the

@@ -114,8 +114,8 @@ def turn_file_bound(size: int) -> int:
 
 class Reservation:
     """Room promised in the spool (`Spool.reserve`) to one turn, so that the turn can be
-    spooled whatever the spool holds by then: the gateway sends a reply's head and all
-    but its last byte while the turn is written, and such a turn can no longer be
+    spooled whatever the spool holds by then: the gateway sends a reply's head (and its
+    body but the end) while the turn is written, and such a turn can no longer be
     answered 503 `spool-full`. Used when the turn is spooled, or released."""
 
     def __init__(self, spool: Spool, size: int) -> None:
