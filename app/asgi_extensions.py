@@ -15,3 +15,7 @@ DIRECT_BODY = "turnlog.direct_body"
 # (a relayed reply whose upstream broke off): the caller sees the cut, and the server
 # logs nothing of its own about an unfinished answer.
 CUT_CONNECTION = "turnlog.cut_connection"
+# An `asyncio.Event` set when the server begins its graceful shutdown (SIGTERM): a
+# request that only waits (the feed's long poll) answers at once instead of holding the
+# shutdown for the rest of its wait.
+SERVER_CLOSING = "turnlog.server_closing"

@@ -35,7 +35,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from app.api.http_errors import Overloaded, RequestTimeout
 from app.api.middleware.guards import headers_too_large
-from app.asgi_extensions import CUT_CONNECTION, DIRECT_BODY
+from app.asgi_extensions import CUT_CONNECTION, DIRECT_BODY, SERVER_CLOSING
 from app.domain.errors import DomainError, InvalidRequest
 from app.domain.wire import jsonio
 from app.settings import ServerSettings
@@ -152,8 +152,26 @@ class GuardedHttpTools(HttpToolsProtocol):
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
             # By a weak reference: the scope holds this, and the cycle holds the scope.
             extensions[CUT_CONNECTION] = functools.partial(self._cut, weakref.ref(cycle))
+            extensions[SERVER_CLOSING] = self._closing()
             if self.scope["method"] == "POST":
                 extensions[DIRECT_BODY] = DirectBody(self, cycle)
+
+    def _closing(self) -> asyncio.Event:
+        """`SERVER_CLOSING`: one event per server, kept in the state its connections
+        share (uvicorn's `ServerState`)."""
+        state = self.server_state
+        event: asyncio.Event | None = getattr(state, "turnlog_closing", None)
+        if event is None:
+            event = asyncio.Event()
+            state.turnlog_closing = event  # type: ignore[attr-defined]
+        return event
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown reaches each connection here: requests that only
+        wait are told (`SERVER_CLOSING`), then uvicorn's own handling (an idle
+        connection closed, a busy one closed after its answer)."""
+        self._closing().set()
+        super().shutdown()
 
     def _cut(self, cycle_ref: weakref.ref[RequestResponseCycle], _scope: Any = None) -> None:
         """`CUT_CONNECTION`: close the connection under this request's answer, left

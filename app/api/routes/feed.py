@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
 from app.api.problems import JSONText
+from app.asgi_extensions import SERVER_CLOSING
 from app.domain.body.queries import FEED_PAGE, parse_wait
 
 router = APIRouter(prefix="/v1", tags=["feed"], default_response_class=JSONText)
@@ -15,10 +16,15 @@ router = APIRouter(prefix="/v1", tags=["feed"], default_response_class=JSONText)
 
 @router.get("/events")
 async def feed(
+    request: Request,
     svc: ServicesDep,
     after: OptStr = None,
     limit: OptLimit = None,
     wait: Annotated[float | None, Blank, Query(
         description="long-poll seconds (clamped to 30)")] = None,
 ) -> JSONText:
-    return JSONText(await svc.reader.feed(after, FEED_PAGE.parse(limit), parse_wait(wait)))
+    # A long poll in progress when the server shuts down is answered at once (its page
+    # as it stands) rather than holding the shutdown for the rest of its wait.
+    closing = request.scope.get("extensions", {}).get(SERVER_CLOSING)
+    return JSONText(await svc.reader.feed(after, FEED_PAGE.parse(limit), parse_wait(wait),
+                                          closing))

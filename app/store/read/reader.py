@@ -274,10 +274,12 @@ class Reader:
         return cursor.encode(*(last if last is not None else cursor.decode(None, 2)))
 
     async def feed(
-        self, after: str | None, limit: int, wait: float | None
+        self, after: str | None, limit: int, wait: float | None,
+        closing: asyncio.Event | None = None,
     ) -> dict[str, Any]:
         """At most `limit` events after the cursor, waiting up to `wait` seconds for one
-        (both parsed: `FEED_PAGE`, `parse_wait`)."""
+        (both parsed: `FEED_PAGE`, `parse_wait`), or until `closing` is set (the server
+        is shutting down: the page as it stands)."""
         start = cursor.decode(after, 2)
         if after and start != cursor.START and not await self._names_an_event(start):
             # Well formed but made up (or another store's): its page would stay empty
@@ -288,7 +290,7 @@ class Reader:
             wakeup = self.new_events
             rows = await self._feed_page(start, limit)
             remaining = deadline - time.monotonic()
-            if rows or remaining <= 0:
+            if rows or remaining <= 0 or (closing is not None and closing.is_set()):
                 break
             # Local appends wake us at once; other writers are seen by polling.
             with contextlib.suppress(TimeoutError):

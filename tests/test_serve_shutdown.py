@@ -1,0 +1,58 @@
+"""`turnlog serve` stopped (SIGTERM) while a feed reader long-polls: the poll is answered
+at once with its page as it stands, and the server exits on its own, instead of
+holding the shutdown for the rest of the poll's wait (up to 30 s: a deploy's grace
+period, and every test process's end, waited for it).
+
+Oracle: the poll's answer and the server's exit status (it ended by itself, on the
+SIGTERM uvicorn passes on once it has shut down; a SIGKILL after the stop's timeout
+would show as -9)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.serverproc import turnlog_serve
+
+WAIT_S = 30  # the longest poll the feed holds
+STOP_TIMEOUT_S = 20  # shorter than the poll: a server waiting it out is killed
+
+
+def test_a_long_poll_does_not_hold_the_shutdown(tmp_path: Path) -> None:
+    server = turnlog_serve(f"sqlite:///{tmp_path / 'feed.db'}", tmp_path / "serve.log")
+    server.start()
+    try:
+        server.wait_ready_sync()
+        first = httpx.get(f"{server.url}/v1/events", timeout=10)
+        assert first.status_code == 200, first.text
+        cursor = first.json()["next"]
+        answer: dict[str, Any] = {}
+
+        def poll() -> None:
+            try:
+                reply = httpx.get(f"{server.url}/v1/events",
+                                  params={"after": cursor, "wait": WAIT_S}, timeout=60)
+                answer["reply"] = reply
+            except httpx.HTTPError as exc:
+                answer["error"] = exc
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        time.sleep(1.0)  # the poll is waiting on the server
+        assert poller.is_alive()
+        server.stop(timeout=STOP_TIMEOUT_S)
+        poller.join(10)
+        assert server.proc is not None
+        assert server.proc.returncode in (0, -signal.SIGTERM), server.log_tail()
+        assert "error" not in answer, answer
+        reply = answer["reply"]
+        assert reply.status_code == 200, reply.text
+        # Nothing arrived: the page is empty, and the cursor to poll again is the same.
+        assert reply.json() == {"events": [], "next": cursor}
+    finally:
+        server.stop()
