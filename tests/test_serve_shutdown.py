@@ -1,5 +1,6 @@
 """`turnlog serve` stopped (SIGTERM) while a feed reader long-polls: the poll is answered
-at once with its page as it stands, and the server exits on its own, instead of
+at once with its page as it stands (the API's feed and the UI's live list alike), and
+the server exits on its own, instead of
 holding the shutdown for the rest of the poll's wait (up to 30 s: a deploy's grace
 period, and every test process's end, waited for it).
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.serverproc import turnlog_serve
 
@@ -23,7 +25,8 @@ WAIT_S = 30  # the longest poll the feed holds
 STOP_TIMEOUT_S = 20  # shorter than the poll: a server waiting it out is killed
 
 
-def test_a_long_poll_does_not_hold_the_shutdown(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["/v1/events", "/ui/feed"])  # the API's, the live list's
+def test_a_long_poll_does_not_hold_the_shutdown(tmp_path: Path, path: str) -> None:
     server = turnlog_serve(f"sqlite:///{tmp_path / 'feed.db'}", tmp_path / "serve.log")
     server.start()
     try:
@@ -35,7 +38,7 @@ def test_a_long_poll_does_not_hold_the_shutdown(tmp_path: Path) -> None:
 
         def poll() -> None:
             try:
-                reply = httpx.get(f"{server.url}/v1/events",
+                reply = httpx.get(f"{server.url}{path}",
                                   params={"after": cursor, "wait": WAIT_S}, timeout=60)
                 answer["reply"] = reply
             except httpx.HTTPError as exc:

@@ -18,6 +18,7 @@ from pydantic import BeforeValidator
 
 from app.allocator import unfilled_bytearray
 from app.api.http_errors import Overloaded, RequestTimeout
+from app.asgi_extensions import SERVER_CLOSING
 from app.domain.body.pace import MinPace
 from app.domain.errors import UnsupportedMediaType
 from app.domain.wire import jsonio, msgpackio, r3text
@@ -363,3 +364,11 @@ def _blank_is_absent(value: Any) -> Any:
 Blank = BeforeValidator(_blank_is_absent)
 OptStr = Annotated[str | None, Blank, Query()]
 OptLimit = Annotated[int | None, Blank, Query(description="page size (clamped to the maximum)")]
+
+
+def server_closing(request: Request) -> asyncio.Event | None:
+    """The server's shutdown signal (`SERVER_CLOSING`) for a long poll: set once a
+    graceful shutdown begins; None from a server that offers none (a test's
+    in-process transport)."""
+    closing: asyncio.Event | None = request.scope.get("extensions", {}).get(SERVER_CLOSING)
+    return closing

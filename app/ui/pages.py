@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 
 from app.access import TokenTable
-from app.api.deps import Blank, OptStr, ServicesDep
+from app.api.deps import Blank, OptStr, ServicesDep, server_closing
 from app.api.problems import JSONText
 from app.api.routes.sessions import label_filters
 from app.domain.body.labels import (
@@ -157,10 +157,12 @@ async def new_rows(request: Request, svc: ServicesDep, after: OptStr = None,
 
 
 @router.get("/feed")
-async def feed(svc: ServicesDep, after: OptStr = None,
+async def feed(request: Request, svc: ServicesDep, after: OptStr = None,
                wait: Annotated[float | None, Blank, Query()] = None) -> JSONText:
-    """The feed's long-poll (`GET /v1/events`), under `/ui` where the login cookie counts."""
-    return JSONText(await svc.reader.feed(after, 1000, parse_wait(wait, FEED_WAIT) or 0.0))
+    """The feed's long-poll (`GET /v1/events`), under `/ui` where the login cookie counts;
+    answered at once when the server begins to shut down, as the API's is."""
+    return JSONText(await svc.reader.feed(after, 1000, parse_wait(wait, FEED_WAIT) or 0.0,
+                                          server_closing(request)))
 
 
 @router.get("/sessions/{session_id}", response_model=None)

@@ -6,9 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from app.api.deps import Blank, OptLimit, OptStr, ServicesDep
+from app.api.deps import Blank, OptLimit, OptStr, ServicesDep, server_closing
 from app.api.problems import JSONText
-from app.asgi_extensions import SERVER_CLOSING
 from app.domain.body.queries import FEED_PAGE, parse_wait
 
 router = APIRouter(prefix="/v1", tags=["feed"], default_response_class=JSONText)
@@ -25,6 +24,5 @@ async def feed(
 ) -> JSONText:
     # A long poll in progress when the server shuts down is answered at once (its page
     # as it stands) rather than holding the shutdown for the rest of its wait.
-    closing = request.scope.get("extensions", {}).get(SERVER_CLOSING)
     return JSONText(await svc.reader.feed(after, FEED_PAGE.parse(limit), parse_wait(wait),
-                                          closing))
+                                          server_closing(request)))
