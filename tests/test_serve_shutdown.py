@@ -1,8 +1,8 @@
-"""`turnlog serve` stopped (SIGTERM) while a feed reader long-polls: the poll is answered
-at once with its page as it stands (the API's feed and the UI's live list alike), and
-the server exits on its own, instead of
-holding the shutdown for the rest of the poll's wait (up to 30 s: a deploy's grace
-period, and every test process's end, waited for it).
+"""`turnlog serve` stopped (SIGTERM) while a request only waits: a feed's long poll (the
+API's feed and the UI's live list alike) is answered at once with its page as it
+stands, a trainer's waiting claim as when its wait runs out, and the server exits on
+its own, instead of holding the shutdown for the rest of the wait (up to 30 s: a
+deploy's grace period, and every test process's end, waited for it).
 
 Oracle: the poll's answer and the server's exit status (it ended by itself, on the
 SIGTERM uvicorn passes on once it has shut down; a SIGKILL after the stop's timeout
@@ -57,5 +57,40 @@ def test_a_long_poll_does_not_hold_the_shutdown(tmp_path: Path, path: str) -> No
         assert reply.status_code == 200, reply.text
         # Nothing arrived: the page is empty, and the cursor to poll again is the same.
         assert reply.json() == {"events": [], "next": cursor}
+    finally:
+        server.stop()
+
+
+def test_a_waiting_claim_does_not_hold_the_shutdown(tmp_path: Path) -> None:
+    """A trainer's claim waiting for a closed session is answered as when its wait runs
+    out: an empty claim, 201."""
+    server = turnlog_serve(f"sqlite:///{tmp_path / 'claims.db'}", tmp_path / "serve.log")
+    server.start()
+    try:
+        server.wait_ready_sync()
+        made = httpx.put(f"{server.url}/v1/consumers/trainer", json={"labels": {}}, timeout=10)
+        assert made.status_code in (200, 201), made.text
+        answer: dict[str, Any] = {}
+
+        def claim() -> None:
+            try:
+                answer["reply"] = httpx.post(
+                    f"{server.url}/v1/consumers/trainer/claims",
+                    json={"claim_id": "step-1", "limit": 4, "wait": WAIT_S}, timeout=60)
+            except httpx.HTTPError as exc:
+                answer["error"] = exc
+
+        claimer = threading.Thread(target=claim, daemon=True)
+        claimer.start()
+        time.sleep(1.0)  # the claim is waiting on the server
+        assert claimer.is_alive()
+        server.stop(timeout=STOP_TIMEOUT_S)
+        claimer.join(10)
+        assert server.proc is not None
+        assert server.proc.returncode in (0, -signal.SIGTERM), server.log_tail()
+        assert "error" not in answer, answer
+        reply = answer["reply"]
+        assert reply.status_code == 201, reply.text
+        assert reply.json()["sessions"] == []
     finally:
         server.stop()

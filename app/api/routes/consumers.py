@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
-from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep
+from app.api.deps import Blank, BodyDep, OptLimit, OptStr, ServicesDep, server_closing
 from app.api.problems import JSONText
 from app.domain.body.queries import ACKS_PAGE
 from app.domain.handoff.consumers import parse_step_filter
@@ -61,8 +61,9 @@ async def get_group(group: str, svc: ServicesDep) -> JSONText:
 
 
 @router.post("/{group}/claims", status_code=201, openapi_extra=CLAIM_BODY)
-async def claim(group: str, svc: ServicesDep, body: BodyDep) -> JSONText:
-    claimed = await svc.consumers.claim(group, body)
+async def claim(request: Request, group: str, svc: ServicesDep, body: BodyDep) -> JSONText:
+    # A claim waiting at shutdown is answered at once, as the feed's long poll is.
+    claimed = await svc.consumers.claim(group, body, server_closing(request))
     return JSONText(claimed.body, status_code=201 if claimed.created else 200)
 
 

@@ -250,7 +250,11 @@ class Consumers:
 
     # -- claims ---------------------------------------------------------------
 
-    async def claim(self, group: str, raw: Any) -> Claimed:
+    async def claim(self, group: str, raw: Any, closing: asyncio.Event | None = None
+                    ) -> Claimed:
+        """Claim sessions of `group`, waiting up to the body's `wait` for one; the wait
+        ends early, as if it had run out, once `closing` is set (the server is shutting
+        down)."""
         known_group(group)
         try:
             request = parse_claim(raw)
@@ -264,7 +268,7 @@ class Consumers:
         first = True
         while True:
             wakeup = self.wakeup() if self.wakeup is not None else None
-            final = time.monotonic() >= deadline
+            final = time.monotonic() >= deadline or (closing is not None and closing.is_set())
             try:
                 # While waiting, a read probes first: an empty attempt would take the
                 # write lock (SQLite) for nothing on every wake-up.
