@@ -138,8 +138,13 @@ PREALLOCATE = 64 << 20
 # upstream closes as the gateway takes it for a request fails that request (the
 # closing not yet read); closed here first, it is not taken.
 UPSTREAM_IDLE_S = 4.0
-# Request headers never sent on: hop-by-hop ones, and Host (aiohttp sets the upstream's).
-DROP_REQUEST = frozenset({b"host"})
+# Request headers never sent on: hop-by-hop ones, Host (aiohttp sets the upstream's), and
+# Expect. A caller's `100-continue` is answered here (uvicorn sends the 100 when the body
+# is first read); sent on, it made aiohttp hold the body back until the upstream's own
+# 100, which an upstream need not send: the request then waited for ever, past
+# --upstream-timeout (a tester's finding, with curl's uploads over 1 KB). Without it the
+# upstream gets the body at once, as from any client that does not ask.
+DROP_REQUEST = frozenset({b"host", b"expect"})
 
 
 @dataclass(frozen=True)

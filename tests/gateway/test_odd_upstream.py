@@ -73,6 +73,7 @@ REPLIES = {
     # A verbose head: 300 headers and one line of 20 KB (a direct client reads it).
     # A chat turn's reply whose head carries a control character in a header value.
     b"/v1/chat/completions?control": _turn_reply(b"X-Bin: \x01\r\n"),
+    b"/v1/chat/completions?expect": _turn_reply(b""),
     b"/control-value": b"HTTP/1.1 200 OK\r\nX-Bin: a\x7fb\r\nContent-Length: 2\r\n\r\nok",
     b"/verbose": (b"HTTP/1.1 200 OK\r\n"
                   + b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(300))
@@ -167,6 +168,39 @@ async def test_an_interim_head_without_a_final_one_is_a_502_at_the_upstream_time
     assert problem["type"] == "urn:turnlog:upstream-unavailable"
     assert "no final reply head" in problem["detail"], problem
     assert "Traceback" not in gateway.log_tail(300)
+
+
+@pytest.mark.parametrize("path", [b"/plain", b"/v1/chat/completions?expect"])
+async def test_a_caller_expecting_100_continue_is_answered_though_the_upstream_sends_none(
+        tmp_path, gateway_process, odd_upstream, path):
+    """A tester's finding: `Expect: 100-continue` (curl sends it with any body over 1 KB)
+    went up as it came, and the gateway then held the body back until the upstream's
+    own 100, which this one (like many servers) never sends: the caller waited for ever,
+    past --upstream-timeout. The gateway answers the expectation itself; the upstream
+    gets the body without being asked."""
+    gateway = gateway_process(f"sqlite:///{tmp_path / 'g.db'}", "--upstream-timeout", "5",
+                              upstream=odd_upstream)
+    await gateway.wait_ready()
+    body = json.dumps({"input_ids": list(range(1, 600))}).encode()
+    head = (b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            b"X-SMG-Routing-Key: s-expect\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+
+    def run() -> bytes:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=15) as sock:
+            sock.sendall(head)
+            interim = sock.recv(65536)  # the 100, as a client that asked waits for it
+            assert interim.startswith(b"HTTP/1.1 100"), interim
+            sock.sendall(body)
+            chunks = []
+            while data := sock.recv(65536):
+                chunks.append(data)
+        return b"".join(chunks)
+
+    reply = await asyncio.to_thread(run)
+    first, _, rest = reply.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert rest == REPLIES[path].partition(b"\r\n\r\n")[2]
 
 
 async def test_a_reply_without_a_body_is_relayed_and_the_connection_goes_on(
