@@ -74,6 +74,7 @@ from app.domain.body.gateway import (
     UPSTREAM_UNAVAILABLE,
     Candidate,
     GatewayDefaults,
+    Refused,
     Unrecorded,
     build_record,
     classify_reply_head,
@@ -562,6 +563,14 @@ class Gateway:
         del text
         if isinstance(reply, Unrecorded):
             self.metrics.unrecorded.labels(reply.reason).inc()
+            await _send_raw(send, status, headers, raw)
+            return
+        refusal = reply.refusal if isinstance(reply, Refused) else decision.refusal
+        if refusal is not None:
+            # JSON the store cannot hold (a number past float range, too deep): a turn
+            # the store would refuse, counted as its refusal is; no session is opened.
+            assert self.recorder is not None
+            self.recorder.verdict(decision.session_id, refusal)
             await _send_raw(send, status, headers, raw)
             return
         writing, size = time.perf_counter(), len(body) + len(raw)

@@ -216,7 +216,7 @@ class Recorder:
             created = await within(write, self.store_timeout)
         except Exception as exc:  # noqa: BLE001 - sorted below
             if self._is_verdict(exc):
-                return self._verdict(session_id, exc)
+                return self.verdict(session_id, exc)
             # Connection, I/O, timeout, 5xx: the store gave no verdict.
             outcome = await self._no_verdict(session_id, body, open_body, exc, reservation)
             if outcome == SPOOL_FULL and not write.done():
@@ -251,7 +251,7 @@ class Recorder:
             created = await asyncio.shield(write)
         except Exception as exc:  # noqa: BLE001 - sorted below
             if self._is_verdict(exc):
-                return self._verdict(session_id, exc)
+                return self.verdict(session_id, exc)
             log.error("the turn's store write failed: answered 503, not stored",
                       session_id=session_id, error=type(exc).__name__)
             return SPOOL_FULL
@@ -328,7 +328,9 @@ class Recorder:
             log.info("session opened", session_id=session_id, labels=open_body["labels"])
         return opened
 
-    def _verdict(self, session_id: str, exc: BaseException) -> str:
+    def verdict(self, session_id: str, exc: BaseException) -> str:
+        """A turn the store refused (or would: `Candidate.refusal`), counted and logged
+        with its problem type; the reason it is counted under."""
         reason = SESSION_CLOSED if isinstance(exc, SessionClosed) else REJECTED
         self.metrics.unrecorded.labels(reason).inc()
         if isinstance(exc, DomainError):
@@ -540,7 +542,7 @@ class Recorder:
                       problem=f"urn:turnlog:{getattr(exc, 'slug', 'store-error')}",
                       detail=str(exc)[:300])
         elif self._is_verdict(exc):
-            self._verdict(entry.session_id, exc)
+            self.verdict(entry.session_id, exc)
             if isinstance(exc, SessionClosed):
                 # Its caller was answered long ago; the session was closed meanwhile
                 # (e.g. by a client whose close waited on the same store): a lost turn.

@@ -23,6 +23,7 @@ from app.domain.body.gateway import (
     UPSTREAM_STATUS,
     Candidate,
     GatewayDefaults,
+    Refused,
     Unrecorded,
     classify_reply,
     classify_reply_head,
@@ -101,6 +102,44 @@ def test_reply_classification() -> None:
     for bad in ({}, {"choices": []}, {"choices": [{"meta_info": {}}]},
                 {"choices": [{"meta_info": {"output_token_logprobs": None}}]}, [1]):
         assert classify_reply(200, json.dumps(bad).encode()) == Unrecorded(NOT_TITO), bad
+
+
+_DEEP = "[" * 70 + "]" * 70  # past the store's nesting bound, well within any parser's
+
+
+@pytest.mark.parametrize("extra", ["1e400", "-1e999", _DEEP])
+def test_json_the_store_cannot_hold_is_a_turn_it_refuses_not_a_body_that_is_no_tito(
+        extra: str) -> None:
+    """A tester's finding: a request or reply that is JSON, with `input_ids` (or the
+    log-prob list), but holds what the store refuses (a number past float range,
+    nesting past its bound) was counted `not-tito` / `not-json`; it is a turn the store
+    refuses, `rejected`, with the store's own problem. NaN and Infinity are not JSON."""
+    request = b'{"input_ids": [1, 2], "temperature": %s}' % extra.encode()
+    decided = classify_request("s1", request)
+    assert isinstance(decided, Candidate) and decided.refusal is not None, decided
+    assert decided.refusal.slug == "invalid-request"
+    assert decided.request["input_ids"] == [1, 2]
+    streamed = b'{"input_ids": [1], "stream": true, "x": %s}' % extra.encode()
+    assert classify_request("s1", streamed) == Unrecorded(STREAM)
+    reply = b'{"choices": [{"meta_info": {"output_token_logprobs": [], "x": %s}}]}' % \
+        extra.encode()
+    for classify in (classify_reply, parse_reply):
+        refused = classify(200, reply)
+        assert isinstance(refused, Refused) and refused.refusal.slug == "invalid-request"
+    assert classify_reply(200, b'{"choices": [], "x": %s}' % extra.encode()) == \
+        Unrecorded(NOT_TITO)
+    assert classify_reply(500, reply) == Unrecorded(UPSTREAM_STATUS)
+
+
+@pytest.mark.parametrize("text", [b"NaN", b"Infinity", b"-Infinity", b"1e400 trailing"])
+def test_what_is_no_json_stays_not_tito_and_not_json(text: bytes) -> None:
+    request = b'{"input_ids": [1, 2], "x": ' + text + b"}"
+    assert classify_request("s1", request) == Unrecorded(NOT_TITO)
+    reply = b'{"choices": [{"meta_info": {"output_token_logprobs": [], "x": ' + text + b"}}]}"
+    assert classify_reply(200, reply) == Unrecorded(NOT_JSON)
+    # A request the store takes as it is carries no refusal.
+    good = classify_request("s1", b'{"input_ids": [1, 2], "x": 1e300}')
+    assert isinstance(good, Candidate) and good.refusal is None
 
 
 def test_reply_head_classification() -> None:

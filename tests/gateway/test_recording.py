@@ -126,12 +126,17 @@ async def test_every_unrecorded_reason_is_counted_and_answered(db_url, client, g
             ("session-closed", 200, await send_turn(http, closed, chat([1, 2]))),
             ("rejected", 200,
              await send_turn(http, plain, chat([1, 2], return_routed_experts=True))),
+            # JSON all the same, with a number past float range: the store refuses it.
+            ("rejected", 200, send_turn_of(plain, await http.post(
+                "/v1/chat/completions",
+                content=json.dumps(chat([1, 2]))[:-1].encode() + b', "temperature": 1e400}',
+                headers={"X-SMG-Routing-Key": plain}))),
         ]
         metrics = await scrape(http)
     for reason, status, answer in cases:
         assert answer.status == status, (reason, answer.reply)
     expected_counts = {"no-session": 3, "not-tito": 5, "stream": 1, "upstream-status": 1,
-                       "not-json": 1, "session-closed": 1, "rejected": 1}
+                       "not-json": 1, "session-closed": 1, "rejected": 2}
     for reason, count in expected_counts.items():
         assert metric(metrics, "turnlog_gateway_unrecorded_total", f'reason="{reason}"') == count
     assert metric(metrics, "turnlog_gateway_recorded_total") == 0

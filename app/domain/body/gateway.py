@@ -174,11 +174,32 @@ class Candidate:
     # validation does not convert them again (None: some id is out of range — the
     # store then refuses the turn and names it).
     prompt: np.ndarray | None = field(default=None, compare=False)
+    # Why the store cannot hold this body although it is JSON with `input_ids` (a
+    # number out of float range, nesting or values past the store's bounds): the
+    # turn is then `rejected` as a store's refusal is, never stored (`Refused`).
+    refusal: DomainError | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Unrecorded:
     reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A TITO reply the store cannot hold (`Candidate.refusal`, on the reply's side):
+    the turn is `rejected`, the reply relayed as it came."""
+
+    refusal: DomainError
+
+
+def _parsed(body: bytes | bytearray) -> tuple[Any, DomainError | None]:
+    """The body as the store reads it; else, if it is JSON all the same, as any JSON
+    parser reads it and the store's refusal beside it; else `jsonio.NOT_JSON`."""
+    try:
+        return jsonio.loads(body), None
+    except DomainError as exc:
+        return jsonio.plain_json(body), exc
 
 
 def names_session(session_header_value: str | None) -> TypeGuard[str]:
@@ -190,16 +211,13 @@ def classify_request(session_header_value: str | None, body: bytes) -> Candidate
     """Step one, for a POST to a recorded path: may this request become a turn?"""
     if not names_session(session_header_value):
         return Unrecorded(NO_SESSION)
-    try:
-        request = jsonio.loads(body)
-    except DomainError:
-        return Unrecorded(NOT_TITO)
+    request, refusal = _parsed(body)
     if not isinstance(request, dict):
         return Unrecorded(NOT_TITO)
     ids = request.get("input_ids")
     if not isinstance(ids, list) or not ids:
         return Unrecorded(NOT_TITO)
-    prompt: np.ndarray | None = _listed_ids(body, len(ids))
+    prompt: np.ndarray | None = None if refusal else _listed_ids(body, len(ids))
     if prompt is None:
         try:
             prompt = token_array(ids, PROMPT_FIELD)
@@ -212,7 +230,7 @@ def classify_request(session_header_value: str | None, body: bytes) -> Candidate
             prompt = None
     if request.get("stream") is True:
         return Unrecorded(STREAM)
-    return Candidate(session_header_value, request, prompt)
+    return Candidate(session_header_value, request, prompt, refusal)
 
 
 _JSON_SPACE = b" \t\r\n"
@@ -270,13 +288,13 @@ def classify_reply_head(status: int, content_type: str) -> Unrecorded | None:
     return None
 
 
-def classify_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
-    """Step two: the upstream's reply as parsed JSON if it completes a turn."""
+def classify_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded | Refused:
+    """Step two: the upstream's reply as parsed JSON if it completes a turn (`Refused`:
+    it would, but the store cannot hold it)."""
     if status != 200:
         return Unrecorded(UPSTREAM_STATUS)
-    try:
-        response = jsonio.loads(body)
-    except DomainError:
+    response, refusal = _parsed(body)
+    if response is jsonio.NOT_JSON:
         return Unrecorded(NOT_JSON)
     try:
         logprobs = response["choices"][0]["meta_info"]["output_token_logprobs"]
@@ -284,7 +302,7 @@ def classify_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
         return Unrecorded(NOT_TITO)
     if not isinstance(logprobs, list):
         return Unrecorded(NOT_TITO)
-    return response
+    return response if refusal is None else Refused(refusal)
 
 
 def r3_as_bin(response: Any) -> Any:
@@ -312,7 +330,7 @@ def r3_as_bin(response: Any) -> Any:
     return {**response, "choices": choices}
 
 
-def parse_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
+def parse_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded | Refused:
     """`r3_as_bin(classify_reply(status, body))`, without parsing the R3 text as JSON:
     the text is decoded from the reply's bytes and the rest parsed with a marker in
     its place (`r3text.parse_spliced`, which says why the answer is the same in
@@ -322,7 +340,7 @@ def parse_reply(status: int, body: bytes | bytearray) -> Any | Unrecorded:
     found = parse_spliced(body, lambda rest: classify_reply(status, rest), _reply_r3)
     if found is None:
         reply = classify_reply(status, body)
-        return reply if isinstance(reply, Unrecorded) else r3_as_bin(reply)
+        return reply if isinstance(reply, Unrecorded | Refused) else r3_as_bin(reply)
     reply, data = found
     reply["choices"][0]["meta_info"]["routed_experts"] = data
     return reply

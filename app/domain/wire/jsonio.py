@@ -284,6 +284,21 @@ def _loads_stdlib(raw: bytes | bytearray | str) -> Any:
         ) from None
 
 
+NOT_JSON: Any = object()  # `plain_json`'s answer for text that is not JSON
+
+
+def plain_json(raw: bytes | bytearray) -> Any:
+    """`raw` parsed as any JSON text (RFC 8259), whether or not `loads` takes it: a
+    number out of float range reads as an infinity, nesting is not bounded; NaN and
+    Infinity (not JSON), text that is not UTF-8, and nesting too deep to parse at all
+    give `NOT_JSON`. For telling a body the store refuses (`loads` raised) from one
+    that is no JSON at all; never for a value to keep."""
+    try:
+        return json.loads(bytes(raw).decode("utf-8"), parse_constant=_reject_constant)
+    except (_NonFinite, RecursionError, ValueError, UnicodeDecodeError):
+        return NOT_JSON
+
+
 def dumps(value: Any) -> str:
     """Compact JSON text of any value `loads` produced (UTF-8 safe, NUL escaped).
 
