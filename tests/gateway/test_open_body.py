@@ -142,6 +142,22 @@ def test_what_is_no_json_stays_not_tito_and_not_json(text: bytes) -> None:
     assert isinstance(good, Candidate) and good.refusal is None
 
 
+def test_a_body_of_more_values_than_the_store_decodes_is_not_parsed_again(monkeypatch) -> None:
+    """Telling JSON the store refuses from no JSON takes a second parse; a body past the
+    store's value limit is not given one (it would build every value), and is judged
+    as before: not a TITO request, not a JSON reply."""
+    monkeypatch.setattr(gateway_rules.jsonio, "plain_json", _never)
+    many = b"[" + b"0," * 2_100_000 + b"0]"
+    assert classify_request("s1", b'{"input_ids": [1, 2], "x": ' + many + b"}") == \
+        Unrecorded(NOT_TITO)
+    reply = b'{"choices": [{"meta_info": {"output_token_logprobs": []}}], "x": ' + many + b"}"
+    assert classify_reply(200, reply) == Unrecorded(NOT_JSON)
+
+
+def _never(_raw: bytes) -> None:
+    raise AssertionError("parsed a second time")
+
+
 def test_reply_head_classification() -> None:
     """Decided on the status and content type alone: relayed streaming, never held."""
     assert classify_reply_head(200, "application/json") is None

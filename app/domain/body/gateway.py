@@ -32,7 +32,7 @@ import numpy as np
 from app.domain.body.labels import parse_labels
 from app.domain.body.session import SessionClose
 from app.domain.body.turn import PROMPT_FIELD, TOKEN_MAX, token_array
-from app.domain.errors import DomainError, InvalidRequest, SessionOpen
+from app.domain.errors import DomainError, InvalidRequest, SessionOpen, TooLarge
 from app.domain.wire import jsonio
 from app.domain.wire.r3 import payload_bytes
 from app.domain.wire.r3text import at_path, parse_spliced
@@ -198,6 +198,10 @@ def _parsed(body: bytes | bytearray) -> tuple[Any, DomainError | None]:
     parser reads it and the store's refusal beside it; else `jsonio.NOT_JSON`."""
     try:
         return jsonio.loads(body), None
+    except TooLarge as exc:
+        # More values than the store decodes: not decoded here either (a second parser
+        # would build them all), and judged as a body that is no JSON, as before.
+        return jsonio.NOT_JSON, exc
     except DomainError as exc:
         return jsonio.plain_json(body), exc
 
