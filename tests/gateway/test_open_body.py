@@ -7,7 +7,9 @@ the rule tests (app.domain.body.gateway) need no store.
 from __future__ import annotations
 
 import base64
+import gc
 import json
+import tracemalloc
 from typing import Any
 
 import msgspec
@@ -152,6 +154,36 @@ def test_a_body_of_more_values_than_the_store_decodes_is_not_parsed_again(monkey
         Unrecorded(NOT_TITO)
     reply = b'{"choices": [{"meta_info": {"output_token_logprobs": []}}], "x": ' + many + b"}"
     assert classify_reply(200, reply) == Unrecorded(NOT_JSON)
+
+
+def test_a_refusal_kept_with_a_turn_holds_nothing_of_the_refused_parse() -> None:
+    """The refusal goes with the candidate until the upstream answers: its traceback
+    (the parser's frames) and the error it was raised in would keep what the refused
+    parse built alive beside the second parse's value — twice a large body's values."""
+    payload = b"[" * 65 + b",".join([b"7"] * 200_000) + b"]" * 65
+    for body in (b'{"input_ids": [1], "x": ' + payload + b"}",
+                 b'{"input_ids": [1], "x": [1e400, ' + payload + b"]}"):
+        decided = classify_request("s1", body)
+        assert isinstance(decided, Candidate) and decided.refusal is not None
+        assert decided.refusal.__traceback__ is None
+        assert decided.refusal.__context__ is None and decided.refusal.__cause__ is None
+    reply = b'{"choices": [{"meta_info": {"output_token_logprobs": [], "x": ' + payload + b"}}]}"
+    refused = classify_reply(200, reply)
+    assert isinstance(refused, Refused) and refused.refusal.__traceback__ is None
+    # What is held while the candidate lives: about one parse of the body, not two.
+    body = b'{"input_ids": [1], "x": ' + payload.replace(b"7", b"7.5") + b"}"
+    tracemalloc.start()
+    try:
+        one_parse = gateway_rules.jsonio.plain_json(body)
+        once = tracemalloc.get_traced_memory()[0]
+        del one_parse
+        decided = classify_request("s1", body)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(decided, Candidate) and decided.refusal is not None
+    assert held < 1.5 * once, (held, once)
 
 
 def _never(_raw: bytes) -> None:

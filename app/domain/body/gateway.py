@@ -201,9 +201,20 @@ def _parsed(body: bytes | bytearray) -> tuple[Any, DomainError | None]:
     except TooLarge as exc:
         # More values than the store decodes: not decoded here either (a second parser
         # would build them all), and judged as a body that is no JSON, as before.
-        return jsonio.NOT_JSON, exc
+        return jsonio.NOT_JSON, _bare(exc)
     except DomainError as exc:
-        return jsonio.plain_json(body), exc
+        refusal = _bare(exc)
+    # Parsed again only once the first parse's frames are let go.
+    return jsonio.plain_json(body), refusal
+
+
+def _bare(error: DomainError) -> DomainError:
+    """`error` without the frames it was raised through, nor the error it was raised
+    in: they hold what the refused parse had built (a large body's values), and the
+    refusal is kept with the turn until it is answered."""
+    error.__traceback__ = None
+    error.__context__ = None
+    return error
 
 
 def names_session(session_header_value: str | None) -> TypeGuard[str]:
