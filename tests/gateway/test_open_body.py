@@ -109,7 +109,7 @@ def test_reply_classification() -> None:
 _DEEP = "[" * 70 + "]" * 70  # past the store's nesting bound, well within any parser's
 
 
-@pytest.mark.parametrize("extra", ["1e400", "-1e999", _DEEP])
+@pytest.mark.parametrize("extra", ["1e400", "-1e999", _DEEP, "1" + "0" * 4300])
 def test_json_the_store_cannot_hold_is_a_turn_it_refuses_not_a_body_that_is_no_tito(
         extra: str) -> None:
     """A tester's finding: a request or reply that is JSON, with `input_ids` (or the

@@ -294,9 +294,20 @@ def plain_json(raw: bytes | bytearray) -> Any:
     give `NOT_JSON`. For telling a body the store refuses (`loads` raised) from one
     that is no JSON at all; never for a value to keep."""
     try:
-        return json.loads(bytes(raw).decode("utf-8"), parse_constant=_reject_constant)
+        return json.loads(str(raw, "utf-8"), parse_constant=_reject_constant,
+                          parse_int=_any_int)
     except (_NonFinite, RecursionError, ValueError, UnicodeDecodeError):
         return NOT_JSON
+
+
+def _any_int(text: str) -> int:
+    """A JSON integer; one past Python's limit on converting digits (4,300 by default,
+    JSON has none) reads as 2^64, out of every range the store takes, which is all
+    `plain_json`'s reader asks of it."""
+    try:
+        return int(text)
+    except ValueError:
+        return 1 << 64
 
 
 def dumps(value: Any) -> str:
