@@ -109,7 +109,9 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     )
     # What no line shows is not gathered for every record: where the call was made (a
     # frame walk through structlog's own frames), the thread's and the process's names
-    # (the logging module's documented switches). ~30 % of an access line's CPU.
+    # (the logging module's documented switches). ~30 % of an access line's CPU. A
+    # standard-library logger's `stack_info=True` then shows no stack (turnlog's own
+    # events keep theirs: structlog renders it, StackInfoRenderer above).
     logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False

@@ -164,7 +164,18 @@ def test_gate_check_and_history_submit_send_a_token(secured_server, tmp_path, mo
                                                 in_process_server=True)
 
 
-def test_log_format_auto_is_json_without_a_terminal_and_readable_with_console(capsys):
+@pytest.fixture
+def logging_switches_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`configure_logging` turns the logging module's process-wide switches off; they
+    are put back after the test, so later tests' log reports keep their file and line."""
+    import logging
+
+    for name in ("_srcfile", "logThreads", "logProcesses", "logMultiprocessing"):
+        monkeypatch.setattr(logging, name, getattr(logging, name))
+
+
+def test_log_format_auto_is_json_without_a_terminal_and_readable_with_console(
+        capsys, logging_switches_kept):
     import logging
 
     import structlog
@@ -289,7 +300,7 @@ async def test_a_fixed_dump_imported_again_is_the_session_a_clean_import_makes(c
         [(s["tokens"], s["loss_mask"]) for s in samples[1]]
 
 
-def test_reading_the_schema_revision_logs_nothing(capsys):
+def test_reading_the_schema_revision_logs_nothing(capsys, logging_switches_kept):
     """`/readyz` reads the schema revision on every probe: alembic's two lines about
     its context were logged each time; its migration steps still are."""
     import logging
@@ -356,7 +367,8 @@ def test_with_json_logs_asked_for_every_stderr_line_is_json(db_url, tmp_path):
     assert plain.stderr.startswith("error: ")
 
 
-def test_a_servers_start_line_is_a_log_record_only_when_json_is_asked_for(capsys):
+def test_a_servers_start_line_is_a_log_record_only_when_json_is_asked_for(
+        capsys, logging_switches_kept):
     """`common.say` (the gateway's and serve's start lines): JSON with `json` by name,
     the text itself with `auto`, which is JSON for log records off a terminal too."""
     import logging
