@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import logging
 import math
+import sys
 import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -309,6 +311,76 @@ async def test_a_typo_in_the_agent_variable_names_the_variable(
     with pytest.raises(error, match="TURNLOG_MILES_AGENT=") as raised:
         await run_agent(new_sid(), {})
     assert said in str(raised.value)
+
+
+# -- the abort hook ----------------------------------------------------------------------
+
+
+async def miles_abort(args: Any, agent_function_path: str) -> None:
+    """miles' `call_agent_abort_hook`, as it finds the abort hook: the `abort` of the
+    module of `--custom-agent-function-path` (its part before the last dot), awaited;
+    nothing when that module has none."""
+    module_path, _, _ = agent_function_path.rpartition(".")
+    try:
+        found = importlib.import_module(module_path).abort
+    except (AttributeError, ModuleNotFoundError):
+        return
+    await found(args)
+
+
+def agent_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> None:
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize("dotted", ["user_agents_abort.run", "user_agents_abort:run"])
+async def test_miles_finds_the_users_abort_hook_through_turnlogs_agent(
+        monkeypatch: pytest.MonkeyPatch, dotted: str) -> None:
+    """miles looks for `abort` beside the agent function it runs, here
+    `turnlog_client.miles`: the user's own, beside `TURNLOG_MILES_AGENT`, is called
+    with miles' args, once, async or not."""
+    calls: list[Any] = []
+
+    async def user_abort(args: Any) -> None:
+        calls.append(("async", args))
+
+    agent_module(monkeypatch, "user_agents_abort", run=support.fake_agent, abort=user_abort)
+    monkeypatch.setenv("TURNLOG_MILES_AGENT", dotted)
+    args = types.SimpleNamespace(custom_agent_function_path="turnlog_client.miles.agent")
+    await miles_abort(args, args.custom_agent_function_path)
+    assert calls == [("async", args)]
+
+    agent_module(monkeypatch, "user_agents_abort", run=support.fake_agent,
+                 abort=lambda a: calls.append(("sync", a)))
+    await miles_abort(args, args.custom_agent_function_path)
+    assert calls == [("async", args), ("sync", args)]
+
+
+async def test_an_abort_hook_error_reaches_miles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """miles logs the abort hook's failure: it is passed on, not swallowed."""
+    async def user_abort(args: Any) -> None:
+        raise ValueError("sandbox API down")
+
+    agent_module(monkeypatch, "user_agents_failing_abort", run=support.fake_agent,
+                 abort=user_abort)
+    monkeypatch.setenv("TURNLOG_MILES_AGENT", "user_agents_failing_abort.run")
+    with pytest.raises(ValueError, match="sandbox API down"):
+        await hooks.abort(types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("agent_env", [None, "user_agents_no_abort.run",
+                                       "no_such_module_for_turnlog.run",
+                                       "turnlog_client.miles.agent"])
+async def test_without_a_users_abort_hook_aborting_does_nothing(
+        monkeypatch: pytest.MonkeyPatch, agent_env: str | None) -> None:
+    agent_module(monkeypatch, "user_agents_no_abort", run=support.fake_agent)
+    if agent_env is None:
+        monkeypatch.delenv("TURNLOG_MILES_AGENT", raising=False)
+    else:
+        monkeypatch.setenv("TURNLOG_MILES_AGENT", agent_env)
+    assert await hooks.abort(types.SimpleNamespace()) is None
 
 
 # -- the reward hook ---------------------------------------------------------------------

@@ -62,7 +62,7 @@ from turnlog_client.async_client import TurnlogClient, new_event_id
 from turnlog_client.errors import NOT_RESENT, URN, TurnlogError
 from turnlog_client.transport import escape_path
 
-__all__ = ["Settings", "agent", "finish", "rm", "session_id_of"]
+__all__ = ["Settings", "abort", "agent", "finish", "rm", "session_id_of"]
 
 log = logging.getLogger("turnlog_client.miles")
 
@@ -1008,6 +1008,37 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
 
 
 setattr(agent, FAIL_CLOSED_MARK, True)
+
+
+def module_of(dotted: str) -> str:
+    """The module part of a dotted path as `load` reads it (`package.module:name` or
+    `package.module.name`)."""
+    module_name, sep, _attr = dotted.partition(":")
+    return module_name if sep else dotted.rpartition(".")[0]
+
+
+async def abort(args: Any) -> Any:
+    """miles' agent abort hook, passed on to the user's: miles calls the `abort` beside
+    the agent function it runs (`<module of --custom-agent-function-path>.abort(args)`,
+    when it aborts SGLang's requests: enough samples collected, weights updated) so that
+    an external agent loop stops sending turns. With `agent` as miles' agent that is
+    this function; it awaits the `abort` of `TURNLOG_MILES_AGENT`'s module, if that
+    module has one, and returns what it returns. Without one (or without
+    `TURNLOG_MILES_AGENT`) nothing happens, as in miles; its errors go to miles, which
+    logs them."""
+    named = Settings.from_env().agent
+    if named is None:
+        return None
+    module_name = module_of(named)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:  # said when the agent runs (`load`)
+        return None
+    inner = getattr(module, "abort", None)
+    if inner is None or inner is abort:
+        return None
+    done = inner(args)
+    return await done if inspect.isawaitable(done) else done
 
 
 async def _close_session(settings: Settings, sid: str, result: Any,
