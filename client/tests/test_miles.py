@@ -15,16 +15,9 @@ import dataclasses
 import importlib
 import logging
 import math
-import os
-import select
-import socket
-import socketserver
-import subprocess
 import sys
-import threading
 import types
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1181,91 +1174,6 @@ async def test_a_deferred_close_is_handed_to_the_gateway_once_it_answers(
     assert [target for target, _ in took] == [f"/turnlog/v1/sessions/{sid}/close"]
     assert took[0][1]["metadata"]["reward"] == 0.5
     assert [e["type"] for e in await events_of(server_url, sid)] == ["session_opened"]
-
-
-# An agent call in a process of its own, as miles' `--custom-agent-function-mode subproc`
-# runs it: `asyncio.run` of the call, then the process ends (miles joins the non-daemon
-# threads the call started first).
-SUBPROC_AGENT = """
-import asyncio, sys
-sys.path.insert(0, {tests!r})
-from turnlog_client import miles as hooks
-hooks.CLOSE_LATER_POLL_S = 0.1
-hooks.DEADLINE = 1.0
-
-async def call():
-    return await hooks.agent(base_url="http://127.0.0.1:30000/sessions/{sid}", prompt="p",
-                             request_kwargs={{}}, metadata={{"behaviour": "no-turns"}})
-
-print("returned", asyncio.run(call()), flush=True)
-"""
-
-
-class Relay:
-    """A TCP relay from a loopback port to another, started late: the store "comes back"
-    on the port the hooks were given."""
-
-    def __init__(self, port: int, target: int) -> None:
-        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", port), self._handler(target))
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @staticmethod
-    def _handler(target: int) -> type[socketserver.BaseRequestHandler]:
-        class Pump(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                with socket.create_connection(("127.0.0.1", target)) as upstream:
-                    pair = {self.request: upstream, upstream: self.request}
-                    while True:
-                        ready, _, _ = select.select(list(pair), [], [], 30)
-                        if not ready:
-                            return
-                        for sock in ready:
-                            data = sock.recv(1 << 16)
-                            if not data:
-                                return
-                            pair[sock].sendall(data)
-        return Pump
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-async def test_a_close_deferred_when_its_event_loop_ends_is_sent_before_the_process_exits(
-        env: pytest.MonkeyPatch, server_url: str, tmp_path: Any) -> None:
-    """miles runs an agent call in a process of its own (`subproc`): the call's event
-    loop ends with it. A close deferred then (turnlog down when the agent returned) goes
-    on in a non-daemon thread, which the process waits for before it exits: the close
-    lands once turnlog answers again, and the session is not left open."""
-    sid = new_sid()
-    async with TurnlogClient(server_url) as tl:
-        await tl.open({"session_id": sid, "version": "v2"})  # as the gateway opened it
-    port = free_port()
-    child = subprocess.Popen(
-        [sys.executable, "-c", SUBPROC_AGENT.format(tests=str(Path(support.__file__).parent),
-                                                    sid=sid)],
-        env={**os.environ, "TURNLOG_URL": f"http://127.0.0.1:{port}",
-             "TURNLOG_MILES_AGENT": "support.fake_agent"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    relay = None
-    try:
-        line = await asyncio.to_thread(child.stdout.readline)  # type: ignore[union-attr]
-        assert line.startswith("returned {") and sid in line
-        await asyncio.sleep(0.3)
-        assert child.poll() is None, "the process ended with the close still deferred"
-        relay = Relay(port, int(server_url.rsplit(":", 1)[1]))
-        assert await asyncio.to_thread(child.wait, 30) == 0
-    finally:
-        if relay is not None:
-            relay.close()
-        if child.poll() is None:
-            child.kill()
-        _out, err = child.communicate()
-    assert "from a thread of its own" in err, err
-    events = await events_of(server_url, sid)
-    assert [e["type"] for e in events] == ["session_opened", "session_closed"]
-    assert close_of(events)["reward"] == 1.0 and close_of(events)["agent_error"] is None
 
 
 async def test_a_deferred_reward_goes_to_the_store_when_the_gateway_stays_down(

@@ -50,7 +50,6 @@ import logging
 import math
 import os
 import ssl
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -758,9 +757,8 @@ def _forget(deferred: Deferred) -> None:
 async def finish(timeout: float | None = None) -> None:
     """Wait (`timeout` seconds at most; then TimeoutError, with the sessions still
     pending logged) for the closes and rewards the hooks deferred. They live in this
-    process, on this event loop: when the loop is closed in order with work pending,
-    the work goes on in a thread the process waits for before it exits (`_carry_on`);
-    a process killed loses it."""
+    process: call it before the process exits, or they are lost with it (each then
+    logged as left open)."""
     try:
         async with asyncio.timeout(timeout):
             while _TASKS:
@@ -774,15 +772,13 @@ async def finish(timeout: float | None = None) -> None:
                            "recorded; they are lost when this process exits)") from None
 
 
-async def _send_deferred(deferred: Deferred, within: float | None = None) -> None:
+async def _send_deferred(deferred: Deferred) -> None:
     """A session's deferred work, tried every CLOSE_LATER_POLL_S (the first time one
-    interval after the hook's own try) for CLOSE_LATER_S (or `within`) seconds at most:
-    its close (`_close_once`), then its rewards in order. Logged either way, never
-    raised. Cancelled by the end of its event loop (`_loop_closing`), it goes on in a
-    thread of its own (`_carry_on`)."""
+    interval after the hook's own try) for CLOSE_LATER_S at most: its close
+    (`_close_once`), then its rewards in order. Logged either way, never raised."""
     settings, sid = deferred.settings, deferred.sid
     loop = asyncio.get_running_loop()
-    give_up = loop.time() + (CLOSE_LATER_S if within is None else within)
+    give_up = loop.time() + CLOSE_LATER_S
     why = "not tried"
     try:
         while loop.time() < give_up:
@@ -829,8 +825,6 @@ async def _send_deferred(deferred: Deferred, within: float | None = None) -> Non
         why = f"after {CLOSE_LATER_S:g} s: {why}"
     except asyncio.CancelledError:
         _forget(deferred)
-        if _loop_closing() and _carry_on(deferred, give_up - loop.time()):
-            raise
         _left_undone(deferred, "cancelled (the process is shutting down)")
         raise
     _forget(deferred)  # before it is said: nothing joins it after
@@ -860,32 +854,6 @@ async def _close_once(settings: Settings, sid: str, result: Any, error: BaseExce
         notes.append(why)
     async with settings.client() as tl:
         return await _close(tl, sid, result, error, source), notes
-
-
-def _loop_closing() -> bool:
-    """Whether the running event loop is being closed, as `asyncio.run` closes it once
-    its coroutine is done: every other task is being cancelled too (a task cancelled
-    on its own, as by a test, is not)."""
-    current = asyncio.current_task()
-    return all(task is current or task.done() or task.cancelling()
-               for task in asyncio.all_tasks())
-
-
-def _carry_on(deferred: Deferred, within: float) -> bool:
-    """The session's deferred work, whose event loop is closing, carried on in a
-    non-daemon thread with a loop of its own for the `within` seconds it had left:
-    the interpreter waits for such a thread before it exits, and so does miles for
-    an agent call in a process of its own (`--custom-agent-function-mode subproc`,
-    where each call's `asyncio.run` ends with the call). False when none is left."""
-    if within <= 0:
-        return False
-    log.warning("turnlog: the event loop of session %s's deferred %s is closing: it is "
-                "sent from a thread of its own for up to %.0f s more, and the process "
-                "waits for it before it exits", deferred.sid,
-                "close" if deferred.close is not None else "rewards", within)
-    threading.Thread(target=asyncio.run, args=(_send_deferred(deferred, within),),
-                     name=f"turnlog-deferred-{deferred.sid}", daemon=False).start()
-    return True
 
 
 def _left_undone(deferred: Deferred, why: str) -> None:

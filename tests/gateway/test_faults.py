@@ -43,18 +43,6 @@ from turnlog_client import miles as hooks
 STORE_TIMEOUT = "1"
 
 
-@pytest.fixture(autouse=True)
-async def no_hook_work_left() -> AsyncIterator[None]:
-    """What a test's hooks deferred ends with the test: cancelled here, while the event
-    loop runs on. Left to the loop's end, it would go on in a thread of its own that the
-    test process waits for when it exits (`turnlog_client.miles._carry_on`)."""
-    yield
-    left = list(hooks._TASKS)
-    for task in left:
-        task.cancel()
-    await asyncio.gather(*left, return_exceptions=True)
-
-
 @contextlib.asynccontextmanager
 async def api(url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The REST API over the same database, in process (to read back what was stored)."""
