@@ -370,7 +370,7 @@ async def test_an_abort_hook_error_reaches_miles(monkeypatch: pytest.MonkeyPatch
         await hooks.abort(types.SimpleNamespace())
 
 
-@pytest.mark.parametrize("agent_env", [None, "user_agents_no_abort.run",
+@pytest.mark.parametrize("agent_env", [None, "", "no_dot", "user_agents_no_abort.run",
                                        "no_such_module_for_turnlog.run",
                                        "turnlog_client.miles.agent"])
 async def test_without_a_users_abort_hook_aborting_does_nothing(

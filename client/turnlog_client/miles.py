@@ -1026,10 +1026,12 @@ async def abort(args: Any) -> Any:
     module has one, and returns what it returns. Without one (or without
     `TURNLOG_MILES_AGENT`) nothing happens, as in miles; its errors go to miles, which
     logs them."""
-    named = Settings.from_env().agent
-    if named is None:
-        return None
+    # Read alone, not through `Settings.from_env` (which warns of every mistyped
+    # variable, at each abort too).
+    named = os.environ.get("TURNLOG_MILES_AGENT", "").strip()
     module_name = module_of(named)
+    if not module_name:  # unset, or no dotted path: `agent` says so when it runs
+        return None
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError:  # said when the agent runs (`load`)
