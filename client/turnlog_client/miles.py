@@ -212,11 +212,18 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def load(dotted: str, variable: str) -> Any:
-    """The object a dotted path names: `package.module.name` or `package.module:name`."""
+def split_dotted(dotted: str) -> tuple[str, str]:
+    """A dotted path's module and the name in it: `package.module:name` (the name may
+    be dotted) or `package.module.name`."""
     module_name, sep, attr = dotted.partition(":")
     if not sep:
         module_name, _, attr = dotted.rpartition(".")
+    return module_name, attr
+
+
+def load(dotted: str, variable: str) -> Any:
+    """The object a dotted path names: `package.module.name` or `package.module:name`."""
+    module_name, attr = split_dotted(dotted)
     if not module_name or not attr:
         raise ValueError(f"{variable}={dotted!r} is not a dotted path like package.module.name")
     try:
@@ -1010,13 +1017,6 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
 setattr(agent, FAIL_CLOSED_MARK, True)
 
 
-def module_of(dotted: str) -> str:
-    """The module part of a dotted path as `load` reads it (`package.module:name` or
-    `package.module.name`)."""
-    module_name, sep, _attr = dotted.partition(":")
-    return module_name if sep else dotted.rpartition(".")[0]
-
-
 async def abort(args: Any) -> Any:
     """miles' agent abort hook, passed on to the user's: miles calls the `abort` beside
     the agent function it runs (`<module of --custom-agent-function-path>.abort(args)`,
@@ -1029,7 +1029,7 @@ async def abort(args: Any) -> Any:
     # Read alone, not through `Settings.from_env` (which warns of every mistyped
     # variable, at each abort too).
     named = os.environ.get("TURNLOG_MILES_AGENT", "").strip()
-    module_name = module_of(named)
+    module_name, _name = split_dotted(named)
     if not module_name:  # unset, or no dotted path: `agent` says so when it runs
         return None
     try:
