@@ -198,10 +198,10 @@ def _parsed(body: bytes | bytearray) -> tuple[Any, DomainError | None]:
     parser reads it and the store's refusal beside it; else `jsonio.NOT_JSON`."""
     try:
         return jsonio.loads(body), None
-    except TooLarge as exc:
+    except TooLarge:
         # More values than the store decodes: not decoded here either (a second parser
         # would build them all), and judged as a body that is no JSON, as before.
-        return jsonio.NOT_JSON, _bare(exc)
+        return jsonio.NOT_JSON, None
     except DomainError as exc:
         refusal = _bare(exc)
     # Parsed again only once the first parse's frames are let go.
